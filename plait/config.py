@@ -1,0 +1,362 @@
+"""plait's one config system: dataclasses with a docstring per field, TOML files, CLI overrides.
+
+A run's configuration is built in three layers, later ones winning:
+  1. the dataclass defaults (and, for `model`, the named preset's shape),
+  2. a TOML file (`--config run.toml`, sections `[model]`, `[train]`, ...),
+  3. `--section.key value` overrides on the command line.
+`Config.validate()` then checks everything before any process starts, so a bad input costs one line
+and exit code 2 instead of a stack trace from deep inside a worker.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from plait.errors import UserError, bad_value
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "tiny"
+    """Named shape to start from: tiny, small, 125m, 1b, 8b, 70b, 405b. Fields given explicitly override it."""
+    vocab_size: int = 256
+    """Tokens in the vocabulary (256 for the built-in byte tokenizer)."""
+    dim: int = 256
+    """Width of the residual stream (hidden size)."""
+    n_layers: int = 4
+    """Number of transformer blocks."""
+    n_heads: int = 8
+    """Attention query heads; must divide `dim`."""
+    n_kv_heads: int = 4
+    """Key/value heads (grouped-query attention); must divide `n_heads`."""
+    ffn_dim: int = 768
+    """Inner width of the SwiGLU feed-forward block."""
+    max_seq_len: int = 1024
+    """Longest sequence the model is trained or sampled at (sizes the RoPE table)."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    rope_scaling: float = 0.0
+    """Llama-3 RoPE scaling factor (0 = off; 32 for Llama-3.2)."""
+    rope_low_freq_factor: float = 1.0
+    """Llama-3 RoPE scaling: low-frequency factor."""
+    rope_high_freq_factor: float = 4.0
+    """Llama-3 RoPE scaling: high-frequency factor."""
+    rope_original_max_len: int = 8192
+    """Llama-3 RoPE scaling: the context length the base model was trained at."""
+    norm_eps: float = 1e-5
+    """Epsilon inside RMSNorm."""
+    tie_embeddings: bool = True
+    """Share the input embedding matrix with the output projection."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialisation (residual projections get 1/sqrt(2*n_layers) of it)."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+# Shapes of the presets. tiny/small serve CPU tests and the default job; 1b..405b follow Llama 3
+# (1b = Llama-3.2-1B) and serve GPU runs and the planner.
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(vocab_size=256, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768,
+                 max_seq_len=1024, tie_embeddings=True),
+    "small": dict(vocab_size=256, dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=1536,
+                  max_seq_len=2048, tie_embeddings=True),
+    "125m": dict(vocab_size=32000, dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_dim=2048,
+                 max_seq_len=4096, tie_embeddings=True),
+    "1b": dict(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192,
+               max_seq_len=8192, rope_theta=500000.0, rope_scaling=32.0, tie_embeddings=True),
+    "8b": dict(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+               max_seq_len=8192, rope_theta=500000.0, tie_embeddings=False),
+    "70b": dict(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672,
+                max_seq_len=8192, rope_theta=500000.0, tie_embeddings=False),
+    "405b": dict(vocab_size=128256, dim=16384, n_layers=126, n_heads=128, n_kv_heads=8,
+                 ffn_dim=53248, max_seq_len=8192, rope_theta=500000.0, tie_embeddings=False),
+}
+
+
+@dataclass
+class DataConfig:
+    path: str = ""
+    """Folder of token shards made by `plait data prepare`; empty = the Python standard library of this interpreter, prepared on first use."""
+    cache_dir: str = "~/.cache/plait"
+    """Where the default corpus is prepared once and reused."""
+    val_fraction: float = 0.01
+    """Share of the default corpus's files held out for validation."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 500
+    """Optimizer steps to run."""
+    micro_batch: int = 16
+    """Sequences per micro-batch on each data-parallel rank."""
+    grad_accum: int = 1
+    """Micro-batches accumulated per optimizer step."""
+    seq_len: int = 256
+    """Tokens per training sequence."""
+    lr: float = 2e-3
+    """Peak learning rate."""
+    min_lr: float = 2e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 30
+    """Linear warmup steps from 0 to `lr`."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay on matrices (not on norms)."""
+    beta1: float = 0.9
+    """AdamW first-moment decay."""
+    beta2: float = 0.95
+    """AdamW second-moment decay."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0 = off)."""
+    seed: int = 0
+    """Seed of the weights (per parameter name) and of the data order (per step)."""
+    dtype: str = "auto"
+    """Compute precision: auto (bf16 on CUDA, fp32 on CPU), fp32 or bf16. Master weights stay fp32."""
+    device: str = "auto"
+    """auto (CUDA when present), cpu or cuda."""
+    compile: str = "auto"
+    """torch.compile the blocks and loss: auto (on for CUDA), on, off."""
+    eval_every: int = 100
+    """Validation loss every this many steps (0 = only at the end)."""
+    eval_batches: int = 8
+    """Micro-batches of held-out data per validation."""
+    out: str = ""
+    """Run folder for config, metrics and checkpoints (default runs/<timestamp>)."""
+    progress: bool = True
+    """Show a progress bar on stderr."""
+    tensorboard: bool = True
+    """Also write TensorBoard events when the tensorboard package is installed."""
+    sample_tokens: int = 200
+    """Tokens generated at the end of the run as a sample (0 = none)."""
+    max_steps_this_run: int = 0
+    """Stop after this many steps in this process (0 = run to `steps`); the LR schedule still follows `steps`."""
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0
+    """Save every this many steps (0 = only at the end)."""
+    keep_last: int = 3
+    """Keep the newest K valid checkpoints; older ones are deleted after a successful save."""
+    resume: bool = False
+    """Resume from the newest valid checkpoint in the run folder."""
+
+
+@dataclass
+class ParallelConfig:
+    nproc: int = 1
+    """Processes to start on this machine (one per GPU, or CPU processes over gloo)."""
+    dp_replicate: int = 1
+    """Data-parallel replicas (HSDP: replicate across this dimension)."""
+    dp_shard: int = -1
+    """Data-parallel ranks that shard (ZeRO/FSDP); -1 = whatever the other dims leave."""
+    zero: int = 0
+    """ZeRO stage over the dp_shard dimension: 0 (DDP), 1, 2 or 3 (FSDP)."""
+    tp: int = 1
+    """Tensor-parallel degree."""
+    sp: bool = False
+    """Sequence parallelism in the tensor-parallel regions."""
+    pp: int = 1
+    """Pipeline-parallel stages."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: gpipe, 1f1b, interleaved, zb."""
+    microbatches: int = 0
+    """Pipeline micro-batches per step (0 = grad_accum)."""
+    cp: int = 1
+    """Context-parallel degree (ring attention)."""
+    gpus_per_node: int = 8
+    """GPUs per node, used to keep tensor-parallel groups inside a node."""
+    allow_cross_node_tp: bool = False
+    """Warn instead of refusing when a tensor-parallel group would span nodes."""
+    timeout_s: float = 600.0
+    """A collective that does not finish within this many seconds ends the run with an error."""
+    bucket_mb: float = 25.0
+    """Gradient bucket size for data-parallel reduction, in MiB."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def validate(self) -> "Config":
+        from plait.validate import validate_config  # kept apart: the checks are long, the schema short
+
+        validate_config(self)
+        return self
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {f.name: dataclasses.asdict(getattr(self, f.name)) for f in fields(self)}
+
+    def to_toml(self) -> str:
+        return dump_toml(self.to_dict())
+
+
+SECTIONS = {f.name: f.type for f in fields(Config)}
+_SECTION_TYPES = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig,
+                  "checkpoint": CheckpointConfig, "parallel": ParallelConfig}
+
+
+def field_docs(cls) -> dict[str, str]:
+    """Read the docstring under each dataclass field (for `--help` and docs)."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = str(nxt.value.value)
+    return docs
+
+
+def _coerce(section: str, key: str, value: Any, typ: type) -> Any:
+    """Turn a TOML or command-line value into the field's type, or say what was wrong."""
+    name = f"{section}.{key}"
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
+            return False
+        raise bad_value(name, value, "expected true or false")
+    if typ is int:
+        if isinstance(value, bool):
+            raise bad_value(name, value, "expected an integer")
+        if isinstance(value, int):
+            return value
+        try:
+            return int(str(value).replace("_", ""))
+        except ValueError:
+            raise bad_value(name, value, "expected an integer") from None
+    if typ is float:
+        if isinstance(value, bool):
+            raise bad_value(name, value, "expected a number")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise bad_value(name, value, "expected a number") from None
+    if typ is str:
+        if isinstance(value, (dict, list)):
+            raise bad_value(name, value, "expected a string")
+        return str(value)
+    raise AssertionError(f"unsupported field type {typ} for {name}")
+
+
+def _field_types(cls) -> dict[str, type]:
+    hints = {"int": int, "float": float, "bool": bool, "str": str}
+    return {f.name: hints[f.type] if isinstance(f.type, str) else f.type for f in fields(cls)}
+
+
+def _unknown(kind: str, name: str, choices) -> UserError:
+    close = difflib.get_close_matches(name, list(choices), n=1)
+    hint = f"did you mean {close[0]!r}?" if close else f"choose from {', '.join(sorted(choices))}"
+    return UserError(f"unknown {kind} {name!r}: {hint}")
+
+
+def build_config(raw: dict[str, dict[str, Any]] | None = None) -> Config:
+    """Build a Config from nested {section: {key: value}} (TOML or overrides), presets applied."""
+    raw = raw or {}
+    for section, values in raw.items():
+        if section not in _SECTION_TYPES:
+            raise _unknown("config section", section, _SECTION_TYPES)
+        if not isinstance(values, dict):
+            raise bad_value(section, values, f"[{section}] must be a table of key = value")
+        types = _field_types(_SECTION_TYPES[section])
+        for key in values:
+            if key not in types:
+                raise _unknown(f"key in [{section}]", key, types)
+    cfg = Config()
+    model_raw = dict(raw.get("model", {}))
+    preset = str(model_raw.get("preset", cfg.model.preset))
+    if preset not in PRESETS:
+        raise bad_value("model.preset", preset, f"choose one of {', '.join(PRESETS)}")
+    cfg.model = ModelConfig(preset=preset, **PRESETS[preset])
+    for section, values in raw.items():
+        obj = getattr(cfg, section)
+        types = _field_types(type(obj))
+        for key, value in values.items():
+            setattr(obj, key, _coerce(section, key, value, types[key]))
+    return cfg
+
+
+def load_toml(path: str | Path) -> dict[str, dict[str, Any]]:
+    p = Path(path)
+    if not p.is_file():
+        raise bad_value("--config", str(path), "no such file; give the path of a TOML config")
+    try:
+        return tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise bad_value("--config", str(path), f"not valid TOML ({e})") from None
+
+
+def parse_overrides(args: list[str]) -> dict[str, dict[str, Any]]:
+    """Parse `--section.key value` (or `--section.key=value`) pairs into a nested dict."""
+    out: dict[str, dict[str, Any]] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg.split("=")[0]:
+            raise UserError(f"unexpected argument {arg!r}: overrides look like --section.key VALUE "
+                            f"(e.g. --train.steps 20)")
+        if "=" in arg:
+            name, value = arg[2:].split("=", 1)
+            i += 1
+        else:
+            name = arg[2:]
+            if i + 1 >= len(args):
+                raise UserError(f"{arg} needs a value: write {arg} VALUE")
+            value = args[i + 1]
+            i += 2
+        section, key = name.split(".", 1)
+        out.setdefault(section, {})[key.replace("-", "_")] = value
+    return out
+
+
+def merge(base: dict, extra: dict) -> dict:
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
+    for section, values in extra.items():
+        if isinstance(values, dict) and isinstance(out.get(section), dict):
+            out[section].update(values)
+        else:
+            out[section] = values
+    return out
+
+
+def config_from_dict(d: dict[str, dict[str, Any]]) -> Config:
+    """Rebuild a Config saved with `to_dict` (checkpoints) without re-applying a preset over it."""
+    cfg = Config()
+    for section, cls in _SECTION_TYPES.items():
+        known = {f.name for f in fields(cls)}
+        setattr(cfg, section, cls(**{k: v for k, v in d.get(section, {}).items() if k in known}))
+    return cfg
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    s = str(v).replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{s}"'
+
+
+def dump_toml(d: dict[str, dict[str, Any]]) -> str:
+    lines = []
+    for section, values in d.items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in values.items()]
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,199 @@
+"""The Llama-style decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention, optional tied embeddings.
+
+Parameter names are the contract every other part of plait relies on:
+  embed.weight, layers.{i}.attn_norm.weight, layers.{i}.attn.{wq,wk,wv,wo}.weight,
+  layers.{i}.mlp_norm.weight, layers.{i}.mlp.{w1,w2,w3}.weight, norm.weight, output.weight
+Layers live in a ModuleDict keyed by the *global* index, so a pipeline stage that holds layers 8..15
+still calls them `layers.8`..`layers.15`, and a checkpoint does not depend on the layout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plait.config import ModelConfig
+from plait.loss import ce_chunk, linear_cross_entropy
+
+
+def param_seed(seed: int, name: str) -> int:
+    """A 63-bit seed from (run seed, parameter name): the init of a tensor never depends on which
+    other tensors exist on this rank, so every parallel layout starts from the same weights."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies of RoPE, with Llama-3's long-context rescaling when configured."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    if cfg.rope_scaling > 0:
+        factor, lo, hi, old = (cfg.rope_scaling, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
+                               cfg.rope_original_max_len)
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old / lo, inv_freq / factor, inv_freq)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old / hi) & (wavelen <= old / lo)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def rope_table(cfg: ModelConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, each (max_seq_len, head_dim), in fp32, in the rotate-half layout HF Llama uses."""
+    inv_freq = rope_frequencies(cfg).to(device)
+    t = torch.arange(cfg.max_seq_len, device=device, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (B, T, heads, head_dim); cos/sin: (T, head_dim) -> broadcast over batch and heads
+    cos = cos[None, :, None, :].to(x.dtype)
+    sin = sin[None, :, None, :].to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return x * cos + rotated * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # normalise in fp32 whatever the compute dtype: bf16 variance loses too many bits
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        # head counts come from the weights, so a tensor-parallel shard (fewer heads) runs unchanged
+        q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, n_heads, head_dim)
+        k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, n_kv_heads, head_dim)
+        v = self.wv(x).view(B, T, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, head_dim)
+        gqa = q.shape[1] != k.shape[1]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        out = out.transpose(1, 2).reshape(B, T, -1)  # (B, T, n_heads * head_dim)
+        return self.wo(out)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # gate
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)  # down
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # up
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_ids: list[int] | None = None,
+                 first: bool = True, last: bool = True):
+        """`layer_ids`, `first` and `last` let a pipeline stage build only its part of the model."""
+        super().__init__()
+        self.cfg = cfg
+        ids = range(cfg.n_layers) if layer_ids is None else layer_ids
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim) if first else None
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in ids})
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps) if last else None
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False) if last else None
+        self.tie()
+        self.ce_chunk_fn = ce_chunk  # replaced by a compiled version when compiling
+        cos, sin = rope_table(cfg)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def tie(self) -> None:
+        """Share embedding and output matrices (again after `to_empty`, which unties them)."""
+        if self.cfg.tie_embeddings and self.embed is not None and self.output is not None:
+            self.output.weight = self.embed.weight
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Fill every parameter from (seed, name) alone; recompute the RoPE table (meta-device builds)."""
+        std = self.cfg.init_std
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+                continue
+            g = torch.Generator(device=p.device).manual_seed(param_seed(seed, name))
+            scale = std / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("wo.weight", "w2.weight")) else std
+            p.normal_(0.0, scale, generator=g)
+        cos, sin = rope_table(self.cfg, device=self.rope_cos.device)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    def hidden(self, tokens: torch.Tensor, h: torch.Tensor | None = None,
+               positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Run embedding (first stage) and this module's blocks; returns (B, T, dim)."""
+        if self.embed is not None:
+            h = self.embed(tokens)  # (B, T, dim)
+        T = h.shape[1]
+        cos = self.rope_cos[:T] if positions is None else self.rope_cos[positions]
+        sin = self.rope_sin[:T] if positions is None else self.rope_sin[positions]
+        for block in self.layers.values():
+            h = block(h, cos, sin)
+        return h
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
+                h: torch.Tensor | None = None, positions: torch.Tensor | None = None):
+        """Logits (B, T, vocab) without targets; the mean next-token loss with them.
+
+        With targets the output projection and cross-entropy run fused in chunks, so the full
+        (B*T, vocab) logits never exist in memory.
+        """
+        h = self.hidden(tokens, h, positions)
+        if self.norm is None:
+            return h
+        h = self.norm(h)
+        if targets is None:
+            return self.output(h)
+        return linear_cross_entropy(h.flatten(0, 1), self.output.weight, targets.flatten(), self.ce_chunk_fn)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def build_model(cfg: ModelConfig, seed: int, device: str | torch.device = "cpu") -> Transformer:
+    """Build on the meta device (no memory, no time), then materialise and init on `device`."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to_empty(device=device)
+    model.tie()
+    model.init_weights(seed)
+    return model

@@ -1,0 +1,82 @@
+"""Checks on a whole Config, run before any process, file or GPU is touched.
+
+Each failure is one `UserError` line: the field, the value, and what to do instead.
+"""
+
+from __future__ import annotations
+
+from plait.config import PRESETS, Config
+from plait.errors import bad_value
+
+
+def _positive(name: str, value, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise bad_value(name, value, "must be " + ("zero or more" if allow_zero else "a positive number"))
+
+
+def validate_model(m) -> None:
+    if m.preset not in PRESETS:
+        raise bad_value("model.preset", m.preset, f"choose one of {', '.join(PRESETS)}")
+    for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
+        _positive(f"model.{name}", getattr(m, name))
+    if m.dim % m.n_heads:
+        raise bad_value("model.n_heads", m.n_heads,
+                        f"must divide model.dim = {m.dim} (e.g. {_divisor_near(m.dim, m.n_heads)})")
+    if m.head_dim % 2:
+        raise bad_value("model.n_heads", m.n_heads,
+                        f"gives an odd head size {m.head_dim}; RoPE needs an even head size")
+    if m.n_heads % m.n_kv_heads:
+        raise bad_value("model.n_kv_heads", m.n_kv_heads,
+                        f"must divide model.n_heads = {m.n_heads} (e.g. {_divisor_near(m.n_heads, m.n_kv_heads)})")
+    _positive("model.rope_theta", m.rope_theta)
+    _positive("model.norm_eps", m.norm_eps)
+    _positive("model.init_std", m.init_std)
+    _positive("model.rope_scaling", m.rope_scaling, allow_zero=True)
+
+
+def _divisor_near(n: int, k: int) -> int:
+    divisors = [d for d in range(1, n + 1) if n % d == 0]
+    return min(divisors, key=lambda d: (abs(d - k), d))
+
+
+def validate_config(cfg: Config) -> None:
+    validate_model(cfg.model)
+    t = cfg.train
+    for name in ("steps", "micro_batch", "grad_accum", "seq_len", "eval_batches"):
+        _positive(f"train.{name}", getattr(t, name))
+    for name in ("lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip", "eps", "eval_every",
+                 "sample_tokens", "max_steps_this_run"):
+        _positive(f"train.{name}", getattr(t, name), allow_zero=True)
+    if t.min_lr > t.lr:
+        raise bad_value("train.min_lr", t.min_lr, f"must not exceed train.lr = {t.lr}")
+    for name in ("beta1", "beta2"):
+        if not 0.0 <= getattr(t, name) < 1.0:
+            raise bad_value(f"train.{name}", getattr(t, name), "must be in [0, 1)")
+    if t.seq_len > cfg.model.max_seq_len:
+        raise bad_value("train.seq_len", t.seq_len,
+                        f"exceeds model.max_seq_len = {cfg.model.max_seq_len}; shorten it or raise model.max_seq_len")
+    if t.dtype not in ("auto", "fp32", "bf16"):
+        raise bad_value("train.dtype", t.dtype, "choose auto, fp32 or bf16")
+    if t.device not in ("auto", "cpu", "cuda"):
+        raise bad_value("train.device", t.device, "choose auto, cpu or cuda")
+    if t.compile not in ("auto", "on", "off"):
+        raise bad_value("train.compile", t.compile, "choose auto, on or off")
+    if not 0.0 <= cfg.data.val_fraction < 0.5:
+        raise bad_value("data.val_fraction", cfg.data.val_fraction, "must be in [0, 0.5)")
+    c = cfg.checkpoint
+    _positive("checkpoint.every", c.every, allow_zero=True)
+    _positive("checkpoint.keep_last", c.keep_last)
+    validate_parallel(cfg)
+
+
+def validate_parallel(cfg: Config) -> None:
+    p = cfg.parallel
+    _positive("parallel.nproc", p.nproc)
+    for name in ("dp_replicate", "tp", "pp", "cp", "gpus_per_node"):
+        _positive(f"parallel.{name}", getattr(p, name))
+    if p.dp_shard != -1:
+        _positive("parallel.dp_shard", p.dp_shard)
+    if p.zero not in (0, 1, 2, 3):
+        raise bad_value("parallel.zero", p.zero, "choose 0 (DDP), 1, 2 or 3 (FSDP)")
+    _positive("parallel.timeout_s", p.timeout_s)
+    _positive("parallel.bucket_mb", p.bucket_mb)
