@@ -94,7 +94,7 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 500
+    steps: int = 200
     """Optimizer steps to run."""
     micro_batch: int = 16
     """Sequences per micro-batch on each data-parallel rank."""
@@ -106,7 +106,7 @@ class TrainConfig:
     """Peak learning rate."""
     min_lr: float = 2e-4
     """Learning rate at the end of the cosine decay."""
-    warmup_steps: int = 30
+    warmup_steps: int = 20
     """Linear warmup steps from 0 to `lr`."""
     weight_decay: float = 0.1
     """AdamW decoupled weight decay on matrices (not on norms)."""
@@ -126,7 +126,7 @@ class TrainConfig:
     """auto (CUDA when present), cpu or cuda."""
     compile: str = "auto"
     """torch.compile the blocks and loss: auto (on for CUDA), on, off."""
-    eval_every: int = 100
+    eval_every: int = 50
     """Validation loss every this many steps (0 = only at the end)."""
     eval_batches: int = 8
     """Micro-batches of held-out data per validation."""

@@ -1,0 +1,71 @@
+"""`plait train`: build the config from defaults, TOML and overrides; check it; run."""
+
+from __future__ import annotations
+
+import sys
+
+NAME = "train"
+HELP = "train a model (default: the tiny preset on the Python standard library, on CPU)"
+TAKES_OVERRIDES = True
+
+# short flags that are aliases of config fields (the long form --section.key always works too)
+ALIASES = {"out": ("train", "out"), "resume": ("checkpoint", "resume"), "nproc": ("parallel", "nproc"),
+           "dp": ("parallel", "dp_shard"), "zero": ("parallel", "zero"), "tp": ("parallel", "tp"),
+           "sp": ("parallel", "sp"), "pp": ("parallel", "pp"), "schedule": ("parallel", "schedule"),
+           "microbatches": ("parallel", "microbatches"), "cp": ("parallel", "cp"),
+           "steps": ("train", "steps"), "preset": ("model", "preset")}
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--config", help="TOML file with [model], [data], [train], [checkpoint], [parallel] tables")
+    p.add_argument("--out", help="run folder (default runs/<timestamp>)")
+    p.add_argument("--resume", action="store_const", const=True, help="continue from the newest valid checkpoint in --out")
+    p.add_argument("--steps", help="optimizer steps (train.steps)")
+    p.add_argument("--preset", help="model preset (model.preset)")
+    p.add_argument("--nproc", help="processes to start on this machine")
+    p.add_argument("--dp", help="data-parallel degree (parallel.dp_shard)")
+    p.add_argument("--zero", help="ZeRO stage 0|1|2|3")
+    p.add_argument("--tp", help="tensor-parallel degree")
+    p.add_argument("--sp", action="store_const", const=True, help="sequence parallelism")
+    p.add_argument("--pp", help="pipeline stages")
+    p.add_argument("--schedule", help="pipeline schedule")
+    p.add_argument("--microbatches", help="pipeline micro-batches")
+    p.add_argument("--cp", help="context-parallel degree")
+    p.add_argument("--help-config", action="store_true", help="list every config field with its meaning and exit")
+    p.epilog = "Any config field can be set as --section.key VALUE, e.g. --train.steps 20 --model.preset small."
+
+
+def config_from_args(args, extra):
+    from plait.config import build_config, load_toml, merge, parse_overrides
+
+    raw = load_toml(args.config) if args.config else {}
+    raw = merge(raw, parse_overrides(extra))
+    for flag, (section, key) in ALIASES.items():
+        value = getattr(args, flag, None)
+        if value is not None:
+            raw = merge(raw, {section: {key: value}})
+    return build_config(raw)
+
+
+def print_config_help() -> None:
+    from plait.config import Config, field_docs
+    from dataclasses import fields
+
+    for f in fields(Config):
+        cls = type(getattr(Config(), f.name))
+        print(f"[{f.name}]")
+        defaults = cls()
+        for name, doc in field_docs(cls).items():
+            print(f"  --{f.name}.{name} (default {getattr(defaults, name)!r}): {doc}")
+
+
+def run(args, extra) -> int:
+    if args.help_config:
+        print_config_help()
+        return 0
+    from plait.run import launch_training
+
+    summary = launch_training(config_from_args(args, extra))
+    if summary and summary.get("val_loss") is not None:
+        print(f"final val loss {summary['val_loss']:.4f}; run folder {summary['out']}", file=sys.stderr)
+    return 0

@@ -1,0 +1,137 @@
+"""What a run reports: model FLOPs and MFU, memory, JSONL/TensorBoard metrics, the progress bar."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from plait.config import ModelConfig
+
+# Dense peak TFLOP/s per GPU by dtype (vendor datasheets, no sparsity). The first key found in the
+# device name wins, so more specific names come first.
+PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
+    ("H100 PCIe", {"bf16": 756.0, "fp32": 378.0}),
+    ("H100", {"bf16": 989.0, "fp32": 494.5}),
+    ("H200", {"bf16": 989.0, "fp32": 494.5}),
+    ("GH200", {"bf16": 989.0, "fp32": 494.5}),
+    ("B200", {"bf16": 2250.0, "fp32": 1125.0}),
+    ("A100", {"bf16": 312.0, "fp32": 156.0}),
+    ("L40S", {"bf16": 362.0, "fp32": 183.0}),
+    ("A10", {"bf16": 125.0, "fp32": 62.5}),
+    ("V100", {"bf16": 125.0, "fp32": 125.0}),
+]
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Parameters that take part in a matmul per token: all but an untied input embedding (a lookup)."""
+    d, h, kv, f, L, V = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.n_layers, cfg.vocab_size
+    hd = d // h
+    per_layer = d * h * hd + 2 * d * kv * hd + h * hd * d + 3 * d * f + 2 * d
+    return L * per_layer + d + V * d
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Model FLOPs per trained token, PaLM convention: 6N + 12·L·H·Q·T.
+
+    6N: forward (2) and backward (4) FLOPs per matmul weight; 12·L·H·Q·T: the attention score and
+    value matmuls (forward and backward), counted for the full T x T square as PaLM does.
+    Recomputation is not counted: MFU measures useful work.
+    """
+    return 6.0 * matmul_params(cfg) + 12.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
+    """Peak dense FLOP/s of one device for this dtype, or None where MFU has no meaning (CPU)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    key = "bf16" if dtype in (torch.bfloat16, torch.float16) else "fp32"
+    for pattern, table in PEAK_TFLOPS:
+        if pattern in name:
+            return table[key] * 1e12
+    return None
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    # CPU: the process's peak resident set (Linux reports KiB)
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+class MetricsLog:
+    """One JSON object per line in metrics.jsonl, mirrored to TensorBoard when it is installed."""
+
+    def __init__(self, folder: Path | None, tensorboard: bool = True):
+        self.file = None
+        self.tb = None
+        if folder is None:
+            return
+        self.file = open(Path(folder) / "metrics.jsonl", "a", buffering=1)
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(Path(folder) / "tb"))
+            except Exception:  # tensorboard not installed: JSONL alone is the record
+                self.tb = None
+
+    def log(self, record: dict) -> None:
+        if self.file is None:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, record["step"])
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+        if self.tb:
+            self.tb.close()
+
+
+def _fmt_time(s: float) -> str:
+    s = int(max(0, s))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+class Progress:
+    """A one-line bar on a terminal; on a pipe or log file, a plain line every ~5% of the run."""
+
+    def __init__(self, total: int, start: int, enabled: bool, stream=sys.stderr):
+        self.total, self.start, self.enabled, self.stream = total, start, enabled, stream
+        self.t0 = time.perf_counter()
+        self.tty = stream.isatty()
+        self.every = max(1, (total - start) // 20)
+
+    def update(self, step: int, loss: float, tokens_per_s: float, extra: str = "") -> None:
+        if not self.enabled:
+            return
+        done = step - self.start
+        elapsed = time.perf_counter() - self.t0
+        eta = elapsed / max(done, 1) * (self.total - step)
+        width = 24
+        filled = int(width * step / self.total)
+        line = (f"step {step}/{self.total} [{'#' * filled}{'.' * (width - filled)}] loss {loss:.3f} "
+                f"| {tokens_per_s / 1e3:.1f}k tok/s | ETA {_fmt_time(eta)}{extra}")
+        if self.tty:
+            self.stream.write("\r" + line.ljust(100))
+            self.stream.flush()
+        elif done % self.every == 0 or step == self.total:
+            self.stream.write(line + "\n")
+
+    def message(self, text: str) -> None:
+        if self.enabled:
+            self.stream.write(("\r" + " " * 100 + "\r" if self.tty else "") + text + "\n")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled and self.tty:
+            self.stream.write("\n")
