@@ -25,7 +25,7 @@ from plait.errors import UserError, bad_value
 @dataclass
 class ModelConfig:
     preset: str = "tiny"
-    """Named shape to start from: tiny, small, 125m, 1b, 8b, 70b, 405b. Fields given explicitly override it."""
+    """Named shape to start from: tiny, small, 125m, 1b, 8b, 70b, 405b (custom = the field defaults). Fields given explicitly override it."""
     vocab_size: int = 256
     """Tokens in the vocabulary (256 for the built-in byte tokenizer)."""
     dim: int = 256
@@ -65,6 +65,7 @@ class ModelConfig:
 # Shapes of the presets. tiny/small serve CPU tests and the default job; 1b..405b follow Llama 3
 # (1b = Llama-3.2-1B) and serve GPU runs and the planner.
 PRESETS: dict[str, dict[str, Any]] = {
+    "custom": {},
     "tiny": dict(vocab_size=256, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768,
                  max_seq_len=1024, tie_embeddings=True),
     "small": dict(vocab_size=256, dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=1536,
@@ -138,6 +139,8 @@ class TrainConfig:
     """Also write TensorBoard events when the tensorboard package is installed."""
     sample_tokens: int = 200
     """Tokens generated at the end of the run as a sample (0 = none)."""
+    init_from: str = ""
+    """Start from these weights instead of random ones: a HuggingFace Llama folder (its config.json replaces [model]) or a plait checkpoint."""
     max_steps_this_run: int = 0
     """Stop after this many steps in this process (0 = run to `steps`); the LR schedule still follows `steps`."""
 

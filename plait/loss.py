@@ -19,7 +19,7 @@ _CHUNK_ELEMENTS = 1 << 28  # logits per chunk: 512 MiB in bf16, small enough to 
 
 def ce_chunk(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed loss (fp32) and d(sum loss)/d(logits) (logits' dtype) of one chunk; fused under compile."""
-    lf = logits.float()  # (n, V)
+    lf = logits.to(torch.promote_types(logits.dtype, torch.float32))  # (n, V), at least fp32
     lse = torch.logsumexp(lf, dim=-1)  # (n,)
     valid = targets != IGNORE_INDEX
     safe = torch.where(valid, targets, 0)
@@ -40,8 +40,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(h) if need_h else None
         # accumulate the weight gradient over chunks in fp32: bf16 sums of 16+ chunks lose bits
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        acc = torch.promote_types(weight.dtype, torch.float32)
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        total = torch.zeros((), dtype=torch.promote_types(h.dtype, torch.float32), device=h.device)
         for s in range(0, n_tokens, chunk):
             hc = h[s:s + chunk]
             logits = hc @ weight.t()  # (n, V) in the compute dtype (autocast applies here)
@@ -50,13 +51,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if need_h:
                 grad_h[s:s + chunk] = (g @ weight.to(g.dtype)).to(h.dtype)
             if need_w:
-                grad_w += (g.t() @ hc.to(g.dtype)).float()
+                grad_w += (g.t() @ hc.to(g.dtype)).to(acc)
         count = (targets != IGNORE_INDEX).sum().clamp(min=1)
-        scale = 1.0 / count.to(torch.float32)
+        scale = 1.0 / count.to(total.dtype)
         if need_h:
             grad_h.mul_(scale.to(grad_h.dtype))
         if need_w:
-            grad_w = grad_w.mul_(scale).to(weight.dtype)
+            grad_w = grad_w.mul_(scale.to(acc)).to(weight.dtype)
         ctx.save_for_backward(grad_h if need_h else None, grad_w if need_w else None)
         return total * scale
 

@@ -105,10 +105,11 @@ def _fmt_time(s: float) -> str:
 class Progress:
     """A one-line bar on a terminal; on a pipe or log file, a plain line every ~5% of the run."""
 
-    def __init__(self, total: int, start: int, enabled: bool, stream=sys.stderr):
-        self.total, self.start, self.enabled, self.stream = total, start, enabled, stream
+    def __init__(self, total: int, start: int, enabled: bool, stream=None):
+        self.total, self.start, self.enabled = total, start, enabled
+        self.stream = stream or sys.stderr
         self.t0 = time.perf_counter()
-        self.tty = stream.isatty()
+        self.tty = self.stream.isatty()
         self.every = max(1, (total - start) // 20)
 
     def update(self, step: int, loss: float, tokens_per_s: float, extra: str = "") -> None:

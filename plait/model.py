@@ -151,7 +151,9 @@ class Transformer(nn.Module):
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
                 continue
-            g = torch.Generator(device=p.device).manual_seed(param_seed(seed, name))
+            # a pipeline's last stage holds a tied output matrix without the embedding: same seed
+            key = "embed.weight" if name == "output.weight" and self.cfg.tie_embeddings else name
+            g = torch.Generator(device=p.device).manual_seed(param_seed(seed, key))
             scale = std / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("wo.weight", "w2.weight")) else std
             p.normal_(0.0, scale, generator=g)
         cos, sin = rope_table(self.cfg, device=self.rope_cos.device)

@@ -47,8 +47,10 @@ def resolve_dtype(cfg: Config, device: torch.device) -> torch.dtype:
 
 def preflight(cfg: Config) -> Config:
     """Validate and resolve paths in the launching process; returns the config workers will use."""
-    cfg.validate()
     t = cfg.train
+    if t.init_from:  # the model's shape comes from the weights being continued
+        cfg.model = init_model_config(t.init_from)
+    cfg.validate()
     if not t.out:
         t.out = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
     out = Path(t.out).expanduser()
@@ -64,6 +66,25 @@ def preflight(cfg: Config) -> Config:
         cfg.data.path = str(default_corpus_dir(cfg.data.cache_dir, cfg.data.val_fraction))
     TokenData(cfg.data.path).check(cfg.model.vocab_size, t.seq_len)
     return cfg
+
+
+def init_model_config(path: str):
+    """The model config of the weights `train.init_from` names (HF folder or plait checkpoint)."""
+    from plait import hf
+
+    if hf.is_hf_dir(path):
+        return hf.config_from_hf(path, field="train.init_from")
+    folder = ckpt.resolve_for_reading(path, field="train.init_from")
+    state = json.loads((folder / "train_state.json").read_text())
+    return config_from_dict(state["config"]).model
+
+
+def init_weights_from(path: str, model_cfg) -> dict[str, torch.Tensor]:
+    from plait import hf
+
+    if hf.is_hf_dir(path):
+        return {k: v.float() for k, v in hf.load_hf_weights(path, model_cfg, field="train.init_from").items()}
+    return ckpt.torch_load(ckpt.resolve_for_reading(path, field="train.init_from") / "model.pt")
 
 
 def _warn(msg: str) -> None:
@@ -162,6 +183,8 @@ def train(cfg: Config, dp: DataParallel | None = None) -> dict:
             start = load_checkpoint(folder, opt, model, device)["step"]
             if is_main:
                 _warn(f"resumed from {folder} (step {start})")
+    if start == 0 and t.init_from:
+        opt.load_weights(init_weights_from(t.init_from, cfg.model))
     if t.compile == "on" or (t.compile == "auto" and device.type == "cuda"):
         apply_compile(model)
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if dtype == torch.bfloat16 \
@@ -228,8 +251,16 @@ def train(cfg: Config, dp: DataParallel | None = None) -> dict:
 
 def model_from_checkpoint(path: str, device: str = "cpu") -> tuple[Transformer, object, Config]:
     """Load a checkpoint (folder or run folder) for inference: model, tokenizer, config."""
-    from plait.tokenizer import from_spec
+    from plait import hf
+    from plait.tokenizer import ByteTokenizer, HFTokenizer, from_spec
 
+    if hf.is_hf_dir(path):
+        cfg = Config()
+        cfg.model = hf.config_from_hf(path, field="--checkpoint")
+        model = build_model(cfg.model, 0, device)
+        model.load_state_dict(hf.load_hf_weights(path, cfg.model, field="--checkpoint"), strict=False)
+        tok_file = Path(path) / "tokenizer.json"
+        return model, HFTokenizer(tok_file) if tok_file.is_file() else ByteTokenizer(), cfg
     folder = ckpt.resolve_for_reading(path)
     state = json.loads((folder / "train_state.json").read_text())
     cfg = config_from_dict(state["config"])

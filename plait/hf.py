@@ -1,0 +1,170 @@
+"""HuggingFace Llama checkpoints in and out: config.json + safetensors <-> plait names and config.
+
+Works without `transformers` installed (only `safetensors` is needed). plait's RoPE uses the same
+rotate-half layout as HF Llama, so weights map one to one with no permutation.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from plait.config import ModelConfig
+from plait.errors import bad_value
+
+_LAYER_MAP = {  # HF suffix under model.layers.{i}. -> plait suffix under layers.{i}.
+    "self_attn.q_proj.weight": "attn.wq.weight",
+    "self_attn.k_proj.weight": "attn.wk.weight",
+    "self_attn.v_proj.weight": "attn.wv.weight",
+    "self_attn.o_proj.weight": "attn.wo.weight",
+    "mlp.gate_proj.weight": "mlp.w1.weight",
+    "mlp.down_proj.weight": "mlp.w2.weight",
+    "mlp.up_proj.weight": "mlp.w3.weight",
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "mlp_norm.weight",
+}
+_TOP_MAP = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
+            "lm_head.weight": "output.weight"}
+MAX_SHARD_BYTES = 5 * 1024**3
+
+
+def hf_to_plait_name(name: str) -> str | None:
+    if name in _TOP_MAP:
+        return _TOP_MAP[name]
+    parts = name.split(".")
+    if len(parts) > 3 and parts[0] == "model" and parts[1] == "layers":
+        suffix = ".".join(parts[3:])
+        if suffix in _LAYER_MAP:
+            return f"layers.{parts[2]}.{_LAYER_MAP[suffix]}"
+    return None
+
+
+def plait_to_hf_name(name: str) -> str:
+    for hf, pl in _TOP_MAP.items():
+        if name == pl:
+            return hf
+    _, i, *rest = name.split(".")
+    inverse = {v: k for k, v in _LAYER_MAP.items()}
+    return f"model.layers.{i}.{inverse['.'.join(rest)]}"
+
+
+def is_hf_dir(path: str | Path) -> bool:
+    return (Path(path) / "config.json").is_file()
+
+
+def config_from_hf(path: str | Path, field: str = "--hf") -> ModelConfig:
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise bad_value(field, str(path), "holds no config.json; give a HuggingFace Llama model folder")
+    c = json.loads((p / "config.json").read_text())
+    if c.get("model_type") not in ("llama", None):
+        raise bad_value(field, str(path), f"is a {c.get('model_type')!r} model; plait loads Llama-architecture models")
+    if c.get("hidden_act", "silu") != "silu" or c.get("attention_bias") or c.get("mlp_bias"):
+        raise bad_value(field, str(path), "uses biases or a non-SiLU activation, which plait's Llama does not have")
+    heads = c["num_attention_heads"]
+    if c.get("head_dim") not in (None, c["hidden_size"] // heads):
+        raise bad_value(field, str(path), f"has head_dim {c['head_dim']} != hidden_size/heads; not supported")
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    theta = c.get("rope_theta", rope.get("rope_theta", 10000.0))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", "llama3"):
+        raise bad_value(field, str(path), f"uses RoPE type {kind!r}; plait supports default and llama3")
+    m = ModelConfig(preset="custom", vocab_size=c["vocab_size"], dim=c["hidden_size"],
+                    n_layers=c["num_hidden_layers"], n_heads=heads,
+                    n_kv_heads=c.get("num_key_value_heads") or heads, ffn_dim=c["intermediate_size"],
+                    max_seq_len=c.get("max_position_embeddings", 2048), rope_theta=float(theta),
+                    norm_eps=c.get("rms_norm_eps", 1e-5), tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+                    init_std=c.get("initializer_range", 0.02))
+    if kind == "llama3":
+        m.rope_scaling = float(rope["factor"])
+        m.rope_low_freq_factor = float(rope["low_freq_factor"])
+        m.rope_high_freq_factor = float(rope["high_freq_factor"])
+        m.rope_original_max_len = int(rope["original_max_position_embeddings"])
+    return m
+
+
+def load_hf_weights(path: str | Path, cfg: ModelConfig, field: str = "--hf") -> dict[str, torch.Tensor]:
+    """All tensors of the checkpoint renamed to plait names (dtype as stored)."""
+    p = Path(path)
+    index = p / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (p / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise bad_value(field, str(path), "has no model.safetensors (or index); save the model with safetensors")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        for name, t in load_file(str(p / f)).items():
+            plait_name = hf_to_plait_name(name)
+            if plait_name is not None:
+                out[plait_name] = t
+    if cfg.tie_embeddings:
+        out.pop("output.weight", None)
+    expected = _expected_names(cfg)
+    missing = sorted(expected - out.keys())
+    if missing:
+        raise bad_value(field, str(path), f"lacks tensors {missing[:3]}; it does not match its config.json")
+    return out
+
+
+def _expected_names(cfg: ModelConfig) -> set[str]:
+    names = {"embed.weight", "norm.weight"} | ({"output.weight"} if not cfg.tie_embeddings else set())
+    for i in range(cfg.n_layers):
+        names |= {f"layers.{i}.{v}" for v in _LAYER_MAP.values()}
+    return names
+
+
+def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype) -> dict:
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling > 0:
+        rope = {"rope_type": "llama3", "factor": cfg.rope_scaling, "low_freq_factor": cfg.rope_low_freq_factor,
+                "high_freq_factor": cfg.rope_high_freq_factor,
+                "original_max_position_embeddings": cfg.rope_original_max_len, "rope_theta": cfg.rope_theta}
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+        "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+        "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
+        "initializer_range": cfg.init_std,
+        # both spellings: transformers 4.x reads rope_theta/rope_scaling, 5.x reads rope_parameters
+        "rope_theta": cfg.rope_theta, "rope_scaling": rope if cfg.rope_scaling > 0 else None,
+        "rope_parameters": rope, "torch_dtype": str(dtype).replace("torch.", ""),
+    }
+
+
+def save_hf(weights: dict[str, torch.Tensor], cfg: ModelConfig, out: str | Path,
+            dtype: torch.dtype = torch.float32) -> Path:
+    """Write config.json and safetensors (sharded with an index above 5 GiB) to a new folder."""
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise bad_value("--out", str(out), "exists and is not empty; choose a new folder")
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {plait_to_hf_name(n): t.detach().to(dtype).contiguous() for n, t in weights.items()
+               if not (n == "output.weight" and cfg.tie_embeddings)}
+    shards, current, size = [], {}, 0
+    for name in sorted(tensors):
+        nbytes = tensors[name].numel() * tensors[name].element_size()
+        if current and size + nbytes > MAX_SHARD_BYTES:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = tensors[name]
+        size += nbytes
+    shards.append(current)
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(out / fname), metadata={"format": "pt"})
+            weight_map.update({n: fname for n in shard})
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        (out / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    (out / "config.json").write_text(json.dumps(hf_config_dict(cfg, dtype), indent=1))
+    return out

@@ -1,0 +1,50 @@
+"""Checkpoints: atomic save, manifest verification, newest-valid selection, keep-last pruning."""
+
+import json
+
+from plait.checkpoint import Saver, latest_valid, list_checkpoints, verify
+
+
+def _save(saver, step, payload=b"x" * 1000):
+    return saver.save(step, lambda d: (d / "model.pt").write_bytes(payload), {"format": 1})
+
+
+def test_save_verify_and_prune(tmp_path):
+    saver = Saver(tmp_path, keep_last=2)
+    for step in (10, 20, 30):
+        _save(saver, step)
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [30, 20]
+    assert verify(tmp_path / "step_00000030") is None
+    manifest = json.loads((tmp_path / "step_00000030" / "manifest.json").read_text())
+    assert manifest["files"]["model.pt"]["bytes"] == 1000 and manifest["step"] == 30
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_truncated_and_altered_are_detected_and_skipped(tmp_path):
+    saver = Saver(tmp_path, keep_last=5)
+    for step in (10, 20, 30):
+        _save(saver, step)
+    f30 = tmp_path / "step_00000030" / "model.pt"
+    f30.write_bytes(f30.read_bytes()[:500])  # truncated
+    f20 = tmp_path / "step_00000020" / "model.pt"
+    f20.write_bytes(b"y" * 1000)  # altered, same size
+    assert "truncated" in verify(tmp_path / "step_00000030")
+    assert "checksum" in verify(tmp_path / "step_00000020")
+    msgs = []
+    assert latest_valid(tmp_path, log=msgs.append) == tmp_path / "step_00000010"
+    assert len(msgs) == 2 and all("\n" not in m and "skipped" in m for m in msgs)
+
+
+def test_unfinished_save_is_not_a_checkpoint(tmp_path):
+    (tmp_path / ".tmp-step_00000040").mkdir()
+    (tmp_path / "step_00000050").mkdir()  # no manifest: a crash between mkdir and manifest
+    assert "manifest.json missing" in verify(tmp_path / "step_00000050")
+    assert latest_valid(tmp_path, log=lambda m: None) is None
+
+
+def test_resaving_a_step_keeps_the_old_folder(tmp_path):
+    saver = Saver(tmp_path, keep_last=5)
+    _save(saver, 10, b"a" * 10)
+    _save(saver, 10, b"b" * 10)
+    assert (tmp_path / "step_00000010" / "model.pt").read_bytes() == b"b" * 10
+    assert len(list(tmp_path.glob("step_00000010.replaced-*"))) == 1

@@ -1,0 +1,67 @@
+"""The config system: presets, TOML, overrides, validation messages."""
+
+import dataclasses
+
+import pytest
+
+from plait.config import PRESETS, Config, build_config, field_docs, load_toml, merge, parse_overrides
+from plait.errors import UserError
+
+
+def test_defaults_are_valid_and_every_field_documented():
+    cfg = build_config().validate()
+    assert cfg.model.preset == "tiny"
+    for section in dataclasses.fields(Config):
+        cls = type(getattr(cfg, section.name))
+        docs = field_docs(cls)
+        assert set(docs) == {f.name for f in dataclasses.fields(cls)}, f"undocumented field in [{section.name}]"
+
+
+def test_preset_then_explicit_fields_win():
+    cfg = build_config({"model": {"preset": "1b", "n_layers": 2}})
+    assert cfg.model.dim == PRESETS["1b"]["dim"] and cfg.model.n_layers == 2
+    assert cfg.model.vocab_size == 128256
+
+
+def test_overrides_parse_and_coerce():
+    raw = parse_overrides(["--train.steps", "20", "--train.lr=1e-3", "--parallel.sp", "true",
+                           "--model.tie-embeddings", "false"])
+    cfg = build_config(raw)
+    assert cfg.train.steps == 20 and cfg.train.lr == 1e-3 and cfg.parallel.sp is True
+    assert cfg.model.tie_embeddings is False
+
+
+def test_toml_then_cli_override(tmp_path):
+    f = tmp_path / "run.toml"
+    f.write_text('[model]\npreset = "small"\n[train]\nsteps = 7\nseq_len = 128\n')
+    raw = merge(load_toml(f), parse_overrides(["--train.steps", "9"]))
+    cfg = build_config(raw)
+    assert (cfg.model.preset, cfg.train.steps, cfg.train.seq_len) == ("small", 9, 128)
+    again = build_config(merge(load_toml(f), {}))
+    assert build_config(__import__("tomllib").loads(again.to_toml())).to_dict() == again.to_dict()
+
+
+@pytest.mark.parametrize("raw, needle", [
+    ({"train": {"stepz": 3}}, "did you mean 'steps'"),
+    ({"trian": {"steps": 3}}, "did you mean 'train'"),
+    ({"train": {"steps": "many"}}, "train.steps = 'many': expected an integer"),
+    ({"model": {"preset": "huge"}}, "model.preset = 'huge'"),
+    ({"model": {"dim": 100, "n_heads": 3}}, "model.n_heads = 3: must divide model.dim = 100"),
+    ({"model": {"n_kv_heads": 3}}, "model.n_kv_heads = 3: must divide model.n_heads = 8"),
+    ({"train": {"seq_len": 4096}}, "train.seq_len = 4096: exceeds model.max_seq_len"),
+    ({"train": {"dtype": "fp8"}}, "train.dtype = 'fp8'"),
+    ({"parallel": {"zero": 4}}, "parallel.zero = 4"),
+    ({"train": {"min_lr": 1.0}}, "train.min_lr = 1.0"),
+])
+def test_bad_input_is_one_line_naming_field_and_fix(raw, needle):
+    with pytest.raises(UserError) as e:
+        build_config(raw).validate()
+    msg = str(e.value)
+    assert needle in msg and "\n" not in msg
+
+
+def test_override_syntax_errors():
+    with pytest.raises(UserError, match="--section.key VALUE"):
+        parse_overrides(["steps", "3"])
+    with pytest.raises(UserError, match="needs a value"):
+        parse_overrides(["--train.steps"])
