@@ -109,6 +109,27 @@ def apply_compile(model: Transformer) -> None:
     model.ce_chunk_fn = torch.compile(ce_chunk)
 
 
+def train_step(model, opt: MasterAdamW, micro_batches, lr: float, autocast, sum_sq_reduce=None):
+    """One optimizer step over `micro_batches` [(x, y), ...] already on the device.
+    Returns (mean loss, pre-clip grad norm) as device tensors: no host sync here."""
+    n = len(micro_batches)
+    loss_sum = None
+    for x, y in micro_batches:
+        with autocast():
+            loss = model(x, y) / n
+        loss.backward()
+        loss_sum = loss.detach().float() if loss_sum is None else loss_sum + loss.detach().float()
+    grad_norm = opt.step(lr, sum_sq_reduce)
+    opt.zero_grad()
+    return loss_sum, grad_norm
+
+
+def autocast_for(dtype: torch.dtype, device: torch.device):
+    if dtype == torch.bfloat16:
+        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
 def evaluate(model, data: TokenData, cfg: Config, dp: DataParallel, device, autocast) -> float:
     model.eval()
     losses = []
@@ -187,8 +208,7 @@ def train(cfg: Config, dp: DataParallel | None = None) -> dict:
         opt.load_weights(init_weights_from(t.init_from, cfg.model))
     if t.compile == "on" or (t.compile == "auto" and device.type == "cuda"):
         apply_compile(model)
-    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if dtype == torch.bfloat16 \
-        else contextlib.nullcontext
+    autocast = autocast_for(dtype, device)
 
     if is_main:
         (out / "config.toml").write_text(cfg.to_toml())
@@ -209,17 +229,11 @@ def train(cfg: Config, dp: DataParallel | None = None) -> dict:
     for step in range(start, end):
         t0 = time.perf_counter()
         lr = lr_at(step, t)
-        loss_sum = torch.zeros((), device=device)
-        for micro in range(t.grad_accum):
-            x, y = data.batch(step, micro, micro_batch=t.micro_batch, grad_accum=t.grad_accum,
-                              dp_rank=dp.rank, dp_size=dp.size, seq_len=t.seq_len, seed=t.seed)
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            with autocast():
-                loss = model(x, y) / t.grad_accum
-            loss.backward()
-            loss_sum += loss.detach().float()
-        grad_norm = opt.step(lr)
-        opt.zero_grad()
+        batches = [tuple(a.to(device, non_blocking=True) for a in
+                         data.batch(step, micro, micro_batch=t.micro_batch, grad_accum=t.grad_accum,
+                                    dp_rank=dp.rank, dp_size=dp.size, seq_len=t.seq_len, seed=t.seed))
+                   for micro in range(t.grad_accum)]
+        loss_sum, grad_norm = train_step(model, opt, batches, lr, autocast)
         loss_val = loss_sum.item()  # one host sync per step: the loss is logged every step
         dt = time.perf_counter() - t0
         tok_s = tokens_per_step / dt

@@ -1,0 +1,157 @@
+"""Single-GPU training-step throughput: plait against HF transformers' LlamaForCausalLM.
+
+Same config, same batch, same card, same run. Each (preset, variant) runs in its own process so
+memory peaks and compile caches do not leak between them. Variants:
+  plait          plait's step (bf16 params, fp32 masters, compiled blocks, fused chunked loss)
+  plait-eager    the same without torch.compile
+  hf             LlamaForCausalLM, fp32 weights + bf16 autocast, SDPA attention, fused AdamW
+  hf-compile     the same under torch.compile
+MFU = tokens/s x (6N + 12·L·H·Q·T) / peak, with the same N for every variant.
+
+  python bench/train_step.py --presets 125m,1b --seq 2048 --micro-batch 8 --out bench/results/x.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def _hf_step_fn(cfg, micro_batch, seq, compiled):
+    import torch
+    import torch.nn.functional as F
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from plait.hf import hf_config_dict
+
+    d = hf_config_dict(cfg, torch.float32)
+    d.pop("architectures"), d.pop("model_type"), d.pop("torch_dtype")
+    hc = LlamaConfig(**d)
+    hc._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(hc).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    fwd = torch.compile(model) if compiled else model
+    V = cfg.vocab_size
+
+    def step(x, y):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = fwd(input_ids=x).logits
+        loss = F.cross_entropy(logits.float().view(-1, V), y.view(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
+def _plait_step_fn(cfg, micro_batch, seq, compiled):
+    import torch
+
+    from plait.config import TrainConfig
+    from plait.model import build_model
+    from plait.optim import MasterAdamW
+    from plait.train import apply_compile, autocast_for, train_step
+
+    device = torch.device("cuda")
+    model = build_model(cfg, seed=0, device=device).to(torch.bfloat16)
+    opt = MasterAdamW(list(model.named_parameters()), TrainConfig())
+    if compiled:
+        apply_compile(model)
+    autocast = autocast_for(torch.bfloat16, device)
+
+    def step(x, y):
+        return train_step(model, opt, [(x, y)], 1e-4, autocast)[0]
+
+    return step
+
+
+def child(preset: str, variant: str, micro_batch: int, seq: int, steps: int, warmup: int) -> dict:
+    import torch
+
+    from plait.config import build_config
+    from plait.metrics import flops_per_token, peak_flops
+
+    cfg = build_config({"model": {"preset": preset, "max_seq_len": max(seq, 2048)}}).model
+    torch.manual_seed(0)
+    make = _plait_step_fn if variant.startswith("plait") else _hf_step_fn
+    t_build = time.perf_counter()
+    step = make(cfg, micro_batch, seq, compiled=not variant.endswith("eager") and variant != "hf")
+    x = torch.randint(0, cfg.vocab_size, (micro_batch, seq), device="cuda")
+    y = torch.randint(0, cfg.vocab_size, (micro_batch, seq), device="cuda")
+    for _ in range(warmup):
+        step(x, y)
+    torch.cuda.synchronize()
+    warm_s = time.perf_counter() - t_build
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        loss = step(x, y)
+        loss.item()  # what a training loop that logs every step pays too
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    med = times[len(times) // 2]
+    tok_s = micro_batch * seq / med
+    fpt = flops_per_token(cfg, seq)
+    peak = peak_flops(torch.device("cuda"), torch.bfloat16)
+    return {"preset": preset, "variant": variant, "micro_batch": micro_batch, "seq_len": seq,
+            "step_s_median": med, "step_s_min": times[0], "tokens_per_s": tok_s,
+            "mfu": tok_s * fpt / peak if peak else None, "flops_per_token": fpt,
+            "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9, "warmup_and_compile_s": warm_s,
+            "loss": float(loss)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--presets", default="125m,1b")
+    ap.add_argument("--variants", default="plait,hf,hf-compile")
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--micro-batch", default="8", help="one value, or preset=value pairs: 125m=16,1b=8")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--out")
+    ap.add_argument("--child", nargs=3, metavar=("PRESET", "VARIANT", "MB"))
+    a = ap.parse_args()
+    if a.child:
+        print("RESULT " + json.dumps(child(a.child[0], a.child[1], int(a.child[2]), a.seq, a.steps, a.warmup)))
+        return
+    import torch
+
+    mb = dict(kv.split("=") for kv in a.micro_batch.split(",")) if "=" in a.micro_batch else {}
+    rows = []
+    for preset in a.presets.split(","):
+        for variant in a.variants.split(","):
+            m = int(mb.get(preset, a.micro_batch if not mb else 8))
+            cmd = [sys.executable, __file__, "--child", preset, variant, str(m), "--seq", str(a.seq),
+                   "--steps", str(a.steps), "--warmup", str(a.warmup)]
+            r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+            line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+            row = json.loads(line[-1][7:]) if line else {"preset": preset, "variant": variant, "micro_batch": m,
+                                                          "error": (r.stderr.strip().splitlines() or ["?"])[-1][:300]}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    result = {"benchmark": "train_step", "card": torch.cuda.get_device_name(0), "torch": torch.__version__,
+              "date": time.strftime("%Y-%m-%d"), "rows": rows}
+    if a.out:
+        os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+        with open(a.out, "w") as f:
+            json.dump(result, f, indent=1)
+    print(f"\n{'preset':6} {'variant':12} {'mb':>3} {'tok/s':>9} {'MFU':>6} {'mem GB':>7}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['preset']:6} {r['variant']:12} {r['micro_batch']:>3} ERROR {r['error']}")
+        else:
+            print(f"{r['preset']:6} {r['variant']:12} {r['micro_batch']:>3} {r['tokens_per_s']:>9.0f} "
+                  f"{100 * r['mfu']:>5.1f}% {r['peak_mem_gb']:>7.1f}")
+
+
+if __name__ == "__main__":
+    main()
