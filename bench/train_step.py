@@ -57,12 +57,13 @@ def _plait_step_fn(cfg, micro_batch, seq, compiled):
 
     from plait.config import TrainConfig
     from plait.model import build_model
-    from plait.optim import MasterAdamW
+    from plait.flat import FlatParams
+    from plait.optim import FlatAdamW
     from plait.train import apply_compile, autocast_for, train_step
 
     device = torch.device("cuda")
     model = build_model(cfg, seed=0, device=device).to(torch.bfloat16)
-    opt = MasterAdamW(list(model.named_parameters()), TrainConfig())
+    opt = FlatAdamW(FlatParams(list(model.named_parameters())), TrainConfig(), compile=compiled)
     if compiled:
         apply_compile(model)
     autocast = autocast_for(torch.bfloat16, device)

@@ -1,9 +1,14 @@
-"""AdamW on fp32 master weights, the warmup + cosine learning rate, and global-norm clipping.
+"""AdamW on fp32 master weights over a flat parameter space, the LR schedule, global-norm clipping.
 
 Precision convention (the ZeRO paper's): with bf16 training the model holds bf16 parameters and
 bf16 gradients (2 + 2 bytes per parameter) and the optimizer holds an fp32 master copy plus the two
 fp32 Adam moments (K = 12 bytes per parameter). With fp32 training (CPU) the parameters are their
 own masters: 4 + 4 + 8 bytes per parameter.
+
+The optimizer owns a contiguous range [lo, hi) of the flat space (`plait.flat.FlatParams`): all of
+it on one device or under DDP, the rank's 1/N under ZeRO. The whole update - unscale/clip, both
+moments, decoupled weight decay, the master step and the copy back into the bf16 parameters - is
+one elementwise pass, compiled into a single kernel on GPU.
 """
 
 from __future__ import annotations
@@ -30,106 +35,112 @@ def decays(name: str, p: torch.Tensor) -> bool:
     return p.ndim >= 2
 
 
-class MasterAdamW:
-    """AdamW whose state and update are fp32 even when the model computes in bf16.
+def adamw_update(master, exp_avg, exp_avg_sq, grad, param_out, hp):
+    """One AdamW step on flat fp32 state, in torch.optim.AdamW's arithmetic order.
 
-    `params` is (name, parameter) pairs; names key the state, so a checkpoint does not depend on
-    the order parameters happen to be listed in on a given layout.
+    hp = [lr, weight_decay, beta1, beta2, eps, step_size (lr/bc1), bc2_sqrt, clip_factor] as a
+    device tensor, so a new learning rate each step never triggers a recompile.
     """
+    lr, wd, beta1, beta2, eps, step_size, bc2_sqrt, clip = hp.unbind()
+    g = grad.to(master.dtype) * clip
+    master.mul_(1 - lr * wd)
+    exp_avg.lerp_(g, 1 - beta1)
+    exp_avg_sq.mul_(beta2).add_((1 - beta2) * g * g)
+    denom = (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps)
+    master.sub_(step_size * (exp_avg / denom))
+    if param_out is not None:
+        param_out.copy_(master)
 
-    def __init__(self, params: list[tuple[str, torch.nn.Parameter]], cfg: TrainConfig):
-        self.names = [n for n, _ in params]
-        self.params = [p for _, p in params]
-        # parameters already in fp32 are their own masters: no copy, no extra memory
-        self.masters = [p if p.dtype == torch.float32 else p.detach().float().clone().requires_grad_(True)
-                        for p in self.params]
-        self.separate = [m is not p for m, p in zip(self.masters, self.params)]
-        on_cuda = bool(self.params) and self.params[0].is_cuda
-        groups = [
-            {"params": [m for n, m in zip(self.names, self.masters) if decays(n, m)], "weight_decay": cfg.weight_decay},
-            {"params": [m for n, m in zip(self.names, self.masters) if not decays(n, m)], "weight_decay": 0.0},
-        ]
-        self.opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr,
-                                     betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                                     fused=on_cuda, foreach=None if on_cuda else True)
-        self.clip = cfg.grad_clip
 
-    def _master_grads(self) -> list[torch.Tensor]:
-        grads = []
-        for m, p, sep in zip(self.masters, self.params, self.separate):
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            if sep:
-                m.grad = p.grad.float()
-            grads.append(m.grad)
-        return grads
+class FlatAdamW:
+    """AdamW over `flat_params[lo:hi]` (a `plait.flat.FlatParams`), keyed for checkpoints by name."""
+
+    def __init__(self, flat, cfg: TrainConfig, lo: int = 0, hi: int | None = None, compile: bool = False):
+        self.flat, self.cfg = flat, cfg
+        self.lo, self.hi = lo, flat.padded if hi is None else hi
+        shard = flat.data[self.lo:self.hi]
+        # fp32 parameters are their own masters: no copy, no extra memory
+        self.separate = flat.dtype != torch.float32
+        self.master = shard.detach().float().clone() if self.separate else shard
+        self.exp_avg = torch.zeros_like(self.master)
+        self.exp_avg_sq = torch.zeros_like(self.master)
+        self.steps = 0
+        # weight decay applies to the flat prefix of matrices; split this range at that boundary
+        self.split = min(max(flat.n_decay - self.lo, 0), self.hi - self.lo)
+        self._update = torch.compile(adamw_update, dynamic=False) if compile else adamw_update
+
+    def grad_range(self) -> torch.Tensor:
+        """The gradients this optimizer consumes (a view of the flat gradient buffer by default;
+        ZeRO replaces it with the reduce-scattered shard)."""
+        return self.flat.grad[self.lo:self.hi]
 
     @torch.no_grad()
-    def step(self, lr: float, sum_sq_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-        """Clip by global norm, update the masters, copy them back into the model. Returns the
-        pre-clip norm. `sum_sq_reduce` sums the squared norm over ranks that hold other shards."""
-        grads = self._master_grads()
-        norm = global_norm(grads, sum_sq_reduce)
-        if self.clip > 0:
-            # scale without a host sync: factor is 1 when the norm is already under the limit
-            factor = torch.clamp(self.clip / (norm + 1e-6), max=1.0)
-            torch._foreach_mul_(grads, factor)
-        for group in self.opt.param_groups:
-            group["lr"] = lr
-        self.opt.step()
-        pairs = [(p, m) for p, m, sep in zip(self.params, self.masters, self.separate) if sep]
-        if pairs:
-            torch._foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])
+    def step(self, lr: float, grad: torch.Tensor | None = None,
+             sum_sq_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """Clip by global norm, update, write the new weights into the flat parameters. Returns the
+        pre-clip global norm. `sum_sq_reduce` sums the squared norm over ranks holding other shards."""
+        grad = self.grad_range() if grad is None else grad
+        norm = global_norm(grad, sum_sq_reduce)
+        c = self.cfg
+        self.steps += 1
+        bc1 = 1 - c.beta1 ** self.steps
+        bc2 = 1 - c.beta2 ** self.steps
+        clip = torch.clamp(c.grad_clip / (norm + 1e-6), max=1.0) if c.grad_clip > 0 else torch.ones_like(norm)
+        hp = torch.tensor([lr, c.weight_decay, c.beta1, c.beta2, c.eps, lr / bc1, math.sqrt(bc2), 0.0],
+                          dtype=torch.float32)
+        hp = hp.to(self.master.device, non_blocking=True)
+        hp = torch.cat([hp[:7], clip.reshape(1).to(hp.dtype)])
+        params = self.flat.data[self.lo:self.hi] if self.separate else None
+        for a, b, wd in ((0, self.split, True), (self.split, self.hi - self.lo, False)):
+            if a == b:
+                continue
+            hp_part = hp if wd else torch.cat([hp[:1], hp[1:2] * 0, hp[2:]])
+            self._update(self.master[a:b], self.exp_avg[a:b], self.exp_avg_sq[a:b], grad[a:b],
+                         params[a:b] if params is not None else None, hp_part)
         return norm
 
     def zero_grad(self) -> None:
-        for p, m, sep in zip(self.params, self.masters, self.separate):
-            p.grad = None
-            if sep:
-                m.grad = None
-
-    def _index(self) -> dict[str, int]:
-        """Name -> index in torch's optimizer state_dict (params numbered across groups in order)."""
-        by_id = {id(m): n for n, m in zip(self.names, self.masters)}
-        flat = [m for g in self.opt.param_groups for m in g["params"]]
-        return {by_id[id(m)]: i for i, m in enumerate(flat)}
+        self.flat.zero_grad()
 
     def master_weights(self) -> dict[str, torch.Tensor]:
-        """The fp32 truth of every parameter, by name (what a checkpoint stores as the model)."""
-        return {n: m.detach() for n, m in zip(self.names, self.masters)}
+        """The fp32 truth of every parameter in this range, by name (what checkpoints store)."""
+        return self.flat.by_name(self.master, self.lo)
 
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Set masters and model parameters from fp32 weights keyed by name."""
-        for n, m, p, sep in zip(self.names, self.masters, self.params, self.separate):
-            m.copy_(weights[n])
-            if sep:
-                p.copy_(m)
+        for name, view in self.master_weights().items():
+            src = weights[name]
+            view.copy_(src if src.shape == view.shape else self._overlap(name, src))
+        if self.separate:
+            self.flat.data[self.lo:self.hi].copy_(self.master)
+
+    def _overlap(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        slot = next(s for s in self.flat.slots if s.name == name)
+        a, b = max(slot.offset, self.lo), min(slot.offset + slot.numel, self.hi)
+        return full.reshape(-1)[a - slot.offset:b - slot.offset]
 
     def state_dict(self) -> dict:
-        """The Adam moments (fp32) keyed by parameter name, independent of parameter order."""
-        torch_sd = self.opt.state_dict()
-        index = self._index()
-        return {"moments": {n: torch_sd["state"][index[n]] for n in self.names if index[n] in torch_sd["state"]}}
+        """The Adam moments (fp32) keyed by parameter name, and the step count."""
+        m, v = self.flat.by_name(self.exp_avg, self.lo), self.flat.by_name(self.exp_avg_sq, self.lo)
+        return {"steps": self.steps, "moments": {n: {"exp_avg": m[n], "exp_avg_sq": v[n]} for n in m}}
 
+    @torch.no_grad()
     def load_state_dict(self, sd: dict) -> None:
-        moments = sd["moments"]
-        missing = [n for n in self.names if n not in moments]
-        if missing and len(missing) != len(self.names):
+        m, v = self.flat.by_name(self.exp_avg, self.lo), self.flat.by_name(self.exp_avg_sq, self.lo)
+        missing = [n for n in m if n not in sd["moments"]]
+        if missing:
             raise KeyError(f"optimizer state lacks {missing[:3]}")
-        index = self._index()
-        torch_sd = self.opt.state_dict()
-        torch_sd["state"] = {index[n]: moments[n] for n in self.names if n in moments}
-        # torch's own loader puts each moment on its parameter's device and dtype
-        self.opt.load_state_dict(torch_sd)
+        for n in m:
+            for dst, key in ((m[n], "exp_avg"), (v[n], "exp_avg_sq")):
+                src = sd["moments"][n][key]
+                dst.copy_(src if src.shape == dst.shape else self._overlap(n, src))
+        self.steps = int(sd["steps"])
 
 
-def global_norm(grads: list[torch.Tensor], sum_sq_reduce=None) -> torch.Tensor:
-    """L2 norm over all gradients (fp32), optionally summed across ranks holding other shards."""
-    if not grads:
-        return torch.zeros(())
-    norms = torch._foreach_norm(grads)
-    sum_sq = torch.stack([n.float() for n in norms]).pow(2).sum()
+def global_norm(grad: torch.Tensor, sum_sq_reduce=None) -> torch.Tensor:
+    """L2 norm of a flat gradient (fp32 accumulation), summed across ranks holding other shards."""
+    sum_sq = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
     if sum_sq_reduce is not None:
         sum_sq = sum_sq_reduce(sum_sq)
     return sum_sq.sqrt()

@@ -23,7 +23,8 @@ from plait.errors import bad_value
 from plait.generate import sample
 from plait.metrics import MetricsLog, Progress, flops_per_token, peak_flops, peak_memory_bytes
 from plait.model import Transformer, build_model
-from plait.optim import MasterAdamW, lr_at
+from plait.flat import FlatParams
+from plait.optim import FlatAdamW, lr_at
 
 SAMPLE_PROMPT = "def "
 
@@ -109,7 +110,7 @@ def apply_compile(model: Transformer) -> None:
     model.ce_chunk_fn = torch.compile(ce_chunk)
 
 
-def train_step(model, opt: MasterAdamW, micro_batches, lr: float, autocast, sum_sq_reduce=None):
+def train_step(model, opt: FlatAdamW, micro_batches, lr: float, autocast, sum_sq_reduce=None):
     """One optimizer step over `micro_batches` [(x, y), ...] already on the device.
     Returns (mean loss, pre-clip grad norm) as device tensors: no host sync here."""
     n = len(micro_batches)
@@ -150,7 +151,7 @@ def _rng_state(device: torch.device) -> dict:
     return state
 
 
-def save_checkpoint(saver: ckpt.Saver, step: int, cfg: Config, opt: MasterAdamW, tokenizer,
+def save_checkpoint(saver: ckpt.Saver, step: int, cfg: Config, opt: FlatAdamW, tokenizer,
                     device: torch.device, val_loss: float | None) -> Path:
     def write(folder: Path) -> None:
         torch.save({n: t.float() for n, t in opt.master_weights().items()}, folder / "model.pt")
@@ -164,7 +165,7 @@ def save_checkpoint(saver: ckpt.Saver, step: int, cfg: Config, opt: MasterAdamW,
     return saver.save(step, write, {"format": 1})
 
 
-def load_checkpoint(folder: Path, opt: MasterAdamW | None, model: Transformer | None, device) -> dict:
+def load_checkpoint(folder: Path, opt: FlatAdamW | None, model: Transformer | None, device) -> dict:
     state = json.loads((folder / "train_state.json").read_text())
     weights = ckpt.torch_load(folder / "model.pt")
     if opt is not None:
@@ -195,7 +196,9 @@ def train(cfg: Config, dp: DataParallel | None = None) -> dict:
 
     model = build_model(cfg.model, t.seed, device)
     model.to(dtype)  # bf16 compute weights; the optimizer keeps the fp32 masters
-    opt = MasterAdamW(list(model.named_parameters()), t)
+    use_compile = t.compile == "on" or (t.compile == "auto" and device.type == "cuda")
+    flat = FlatParams(list(model.named_parameters()))
+    opt = FlatAdamW(flat, t, compile=use_compile)
     saver = ckpt.Saver(out / "checkpoints", cfg.checkpoint.keep_last, rank=dp.rank)
     start = 0
     if cfg.checkpoint.resume:
@@ -206,7 +209,7 @@ def train(cfg: Config, dp: DataParallel | None = None) -> dict:
                 _warn(f"resumed from {folder} (step {start})")
     if start == 0 and t.init_from:
         opt.load_weights(init_weights_from(t.init_from, cfg.model))
-    if t.compile == "on" or (t.compile == "auto" and device.type == "cuda"):
+    if use_compile:
         apply_compile(model)
     autocast = autocast_for(dtype, device)
 

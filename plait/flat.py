@@ -1,0 +1,88 @@
+"""All of a model's parameters as views of one flat buffer, and their gradients as views of another.
+
+Why flat: the optimizer step becomes one fused pass over contiguous memory instead of hundreds of
+small kernels; data-parallel gradient buckets are contiguous slices that a collective can reduce in
+place; and ZeRO's "each rank owns 1/N of the parameter space" is literally a slice [lo, hi).
+
+Order: matrices first, then the (tiny) norm gains, so weight decay applies to one prefix. Within each
+group parameters are laid out in *reverse* registration order, which is roughly the order in which
+backward produces their gradients, so the buckets at the front of the buffer fill first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from plait.optim import decays
+
+
+@dataclass(frozen=True)
+class Slot:
+    name: str
+    offset: int
+    numel: int
+    shape: tuple[int, ...]
+
+
+class FlatParams:
+    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], pad_to: int = 1):
+        """`pad_to`: the total length is rounded up to a multiple of this (e.g. the number of ZeRO
+        shards), the padding holding zeros that never train."""
+        decayed = [(n, p) for n, p in reversed(named_params) if decays(n, p)]
+        others = [(n, p) for n, p in reversed(named_params) if not decays(n, p)]
+        ordered = decayed + others
+        if not ordered:
+            raise ValueError("FlatParams needs at least one parameter")
+        dtypes = {p.dtype for _, p in ordered}
+        if len(dtypes) != 1:
+            raise ValueError(f"parameters must share one dtype to be flattened, got {dtypes}")
+        self.dtype, self.device = ordered[0][1].dtype, ordered[0][1].device
+        self.slots: list[Slot] = []
+        offset = 0
+        for n, p in ordered:
+            self.slots.append(Slot(n, offset, p.numel(), tuple(p.shape)))
+            offset += p.numel()
+        self.numel = offset  # real elements, without padding
+        self.n_decay = sum(p.numel() for _, p in decayed)
+        self.padded = -(-offset // pad_to) * pad_to
+        self.data = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
+        self.grad = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
+        self.params = [p for _, p in ordered]
+        with torch.no_grad():
+            for slot, p in zip(self.slots, self.params):
+                self.data[slot.offset:slot.offset + slot.numel].copy_(p.reshape(-1))
+        self.bind()
+
+    def bind(self) -> None:
+        """Point every parameter and its .grad at the flat buffers. Autograd then accumulates
+        into the flat gradient in place (it only replaces .grad when it is None)."""
+        for slot, p in zip(self.slots, self.params):
+            p.data = self.view(self.data, slot)
+            p.grad = self.view(self.grad, slot)
+
+    @staticmethod
+    def view(flat: torch.Tensor, slot: Slot) -> torch.Tensor:
+        return flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+
+    def zero_grad(self) -> None:
+        self.grad.zero_()
+        # a caller that set .grad = None (e.g. torch.nn.Module.zero_grad) would silently detach
+        # the views: rebind so gradients keep landing in the flat buffer
+        if any(p.grad is None or p.grad.data_ptr() != self.view(self.grad, s).data_ptr()
+               for s, p in zip(self.slots, self.params)):
+            self.bind()
+
+    def by_name(self, flat: torch.Tensor, lo: int = 0) -> dict[str, torch.Tensor]:
+        """Views of `flat` (which covers [lo, lo + len(flat)) of the space) per parameter name;
+        parameters only partly inside the range are returned as their overlapping 1-D part."""
+        hi = lo + flat.numel()
+        out = {}
+        for s in self.slots:
+            a, b = max(s.offset, lo), min(s.offset + s.numel, hi)
+            if a >= b:
+                continue
+            part = flat[a - lo:b - lo]
+            out[s.name] = part.view(s.shape) if (a, b) == (s.offset, s.offset + s.numel) else part
+        return out
