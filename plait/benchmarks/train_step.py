@@ -8,7 +8,7 @@ memory peaks and compile caches do not leak between them. Variants:
   hf-compile     the same under torch.compile
 MFU = tokens/s x (6N + 12·L·H·Q·T) / peak, with the same N for every variant.
 
-  python bench/train_step.py --presets 125m,1b --seq 2048 --micro-batch 8 --out bench/results/x.json
+  plait bench train --presets 125m,1b --seq 2048 --micro-batch 125m=16,1b=8 --out bench/results/x.json
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+HELP = "single-GPU training step: plait vs HF transformers (eager and compiled)"
 
 
 def _hf_step_fn(cfg, micro_batch, seq, compiled):
@@ -110,8 +109,7 @@ def child(preset: str, variant: str, micro_batch: int, seq: int, steps: int, war
             "loss": float(loss)}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def add_arguments(ap) -> None:
     ap.add_argument("--presets", default="125m,1b")
     ap.add_argument("--variants", default="plait,hf,hf-compile")
     ap.add_argument("--seq", type=int, default=2048)
@@ -119,11 +117,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--out")
-    ap.add_argument("--child", nargs=3, metavar=("PRESET", "VARIANT", "MB"))
-    a = ap.parse_args()
+    ap.add_argument("--child", nargs=3, metavar=("PRESET", "VARIANT", "MB"), help=argparse.SUPPRESS)
+
+
+def run(a) -> int:
     if a.child:
         print("RESULT " + json.dumps(child(a.child[0], a.child[1], int(a.child[2]), a.seq, a.steps, a.warmup)))
-        return
+        return 0
     import torch
 
     mb = dict(kv.split("=") for kv in a.micro_batch.split(",")) if "=" in a.micro_batch else {}
@@ -131,9 +131,9 @@ def main() -> None:
     for preset in a.presets.split(","):
         for variant in a.variants.split(","):
             m = int(mb.get(preset, a.micro_batch if not mb else 8))
-            cmd = [sys.executable, __file__, "--child", preset, variant, str(m), "--seq", str(a.seq),
-                   "--steps", str(a.steps), "--warmup", str(a.warmup)]
-            r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+            cmd = [sys.executable, "-m", "plait.benchmarks.train_step", "--child", preset, variant, str(m),
+                   "--seq", str(a.seq), "--steps", str(a.steps), "--warmup", str(a.warmup)]
+            r = subprocess.run(cmd, capture_output=True, text=True)
             line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
             row = json.loads(line[-1][7:]) if line else {"preset": preset, "variant": variant, "micro_batch": m,
                                                           "error": (r.stderr.strip().splitlines() or ["?"])[-1][:300]}
@@ -152,7 +152,10 @@ def main() -> None:
         else:
             print(f"{r['preset']:6} {r['variant']:12} {r['micro_batch']:>3} {r['tokens_per_s']:>9.0f} "
                   f"{100 * r['mfu']:>5.1f}% {r['peak_mem_gb']:>7.1f}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=HELP)
+    add_arguments(parser)
+    sys.exit(run(parser.parse_args()))
