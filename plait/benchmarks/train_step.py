@@ -73,7 +73,21 @@ def _plait_step_fn(cfg, micro_batch, seq, compiled):
     return step
 
 
-def child(preset: str, variant: str, micro_batch: int, seq: int, steps: int, warmup: int) -> dict:
+def profile(step, x, y, top: int = 30) -> None:
+    """Print the kernels that take the most GPU time over 3 steps (to stderr, after the result)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            step(x, y)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=70),
+          file=sys.stderr)
+
+
+def child(preset: str, variant: str, micro_batch: int, seq: int, steps: int, warmup: int,
+          with_profile: bool = False) -> dict:
     import torch
 
     from plait.config import build_config
@@ -99,6 +113,8 @@ def child(preset: str, variant: str, micro_batch: int, seq: int, steps: int, war
         times.append(time.perf_counter() - t0)
     times.sort()
     med = times[len(times) // 2]
+    if with_profile:
+        profile(step, x, y)
     tok_s = micro_batch * seq / med
     fpt = flops_per_token(cfg, seq)
     peak = peak_flops(torch.device("cuda"), torch.bfloat16)
@@ -117,12 +133,14 @@ def add_arguments(ap) -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--out")
+    ap.add_argument("--profile", action="store_true", help="print a kernel-time table per variant (stderr)")
     ap.add_argument("--child", nargs=3, metavar=("PRESET", "VARIANT", "MB"), help=argparse.SUPPRESS)
 
 
 def run(a) -> int:
     if a.child:
-        print("RESULT " + json.dumps(child(a.child[0], a.child[1], int(a.child[2]), a.seq, a.steps, a.warmup)))
+        print("RESULT " + json.dumps(child(a.child[0], a.child[1], int(a.child[2]), a.seq, a.steps, a.warmup,
+                                           a.profile)))
         return 0
     import torch
 
@@ -133,7 +151,10 @@ def run(a) -> int:
             m = int(mb.get(preset, a.micro_batch if not mb else 8))
             cmd = [sys.executable, "-m", "plait.benchmarks.train_step", "--child", preset, variant, str(m),
                    "--seq", str(a.seq), "--steps", str(a.steps), "--warmup", str(a.warmup)]
+            cmd += ["--profile"] if a.profile else []
             r = subprocess.run(cmd, capture_output=True, text=True)
+            if a.profile:
+                print(r.stderr[-12000:], file=sys.stderr)
             line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
             row = json.loads(line[-1][7:]) if line else {"preset": preset, "variant": variant, "micro_batch": m,
                                                           "error": (r.stderr.strip().splitlines() or ["?"])[-1][:300]}
