@@ -70,6 +70,10 @@ def validate_config(cfg: Config) -> None:
 
 
 def validate_parallel(cfg: Config) -> None:
+    """Degrees, world size and placement, as the launcher will see them, before any process starts."""
+    from plait.launch import planned_world
+    from plait.parallel.dims import ParallelDims
+
     p = cfg.parallel
     _positive("parallel.nproc", p.nproc)
     for name in ("dp_replicate", "tp", "pp", "cp", "gpus_per_node"):
@@ -80,3 +84,9 @@ def validate_parallel(cfg: Config) -> None:
         raise bad_value("parallel.zero", p.zero, "choose 0 (DDP), 1, 2 or 3 (FSDP)")
     _positive("parallel.timeout_s", p.timeout_s)
     _positive("parallel.bucket_mb", p.bucket_mb)
+    _positive("parallel.microbatches", p.microbatches, allow_zero=True)
+    # Under torchrun/srun the world is what they started; locally it is nproc, all on this node, so
+    # the TP-inside-a-node check uses the real processes per node rather than parallel.gpus_per_node.
+    world, per_node = planned_world(p)
+    dims = ParallelDims.from_config(p, world)
+    dims.check_placement(per_node, p.allow_cross_node_tp)  # refuses; a permitted crossing warns in the workers

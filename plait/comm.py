@@ -1,0 +1,378 @@
+"""Collectives over named mesh dims, each call counted in a `Ledger`.
+
+    ledger = Ledger()
+    comm = Comm(dims, ledger)                          # dims: ParallelDims with its mesh built
+    comm.all_reduce(grad, "dp", op="avg")              # in place; returns grad
+    h = comm.reduce_scatter(flat, "dp_shard", async_op=True); ...; shard = h.wait()
+    y = comm.reduce_from(y_partial, "tp")              # autograd-aware forms for TP / SP / CP
+    ledger.step(); ledger.summary()                    # {dim: {op: {calls, bytes, sent_bytes}}}
+
+The ledger counts, per device, the bytes a ring algorithm sends for each call (S = message size,
+N = group size): all-reduce 2S(N-1)/N; all-gather and reduce-scatter S(N-1)/N of the full (gathered,
+resp. unreduced) size; all-to-all S(N-1)/N; broadcast, reduce and send S; recv 0. These are the
+seed formulas the planner predicts with, so a run can be checked against its plan byte for byte.
+
+Recording reads only tensor metadata (no device sync, no data access) and costs a few Python
+operations; `Ledger(enabled=False)` or `ledger=None` skips it. A group of size 1 skips the
+collective itself, so a single-device run goes through the same calls for free.
+
+Errors: a collective that fails or times out raises `CollectiveError` naming the op, the mesh dim,
+the group and the rank. gloo raises it from the call (or from `wait()` of an async handle) after
+`parallel.timeout_s`. NCCL runs asynchronously, so its watchdog aborts the process instead, with a
+log line naming the op type, the group (`mesh_<dim>`) and the rank.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.distributed as dist
+
+from plait.ledger import Ledger, ring_bytes  # noqa: F401  (re-exported: Comm's callers build the Ledger)
+
+# torch 2.13 renamed the tensor forms (and deprecates the old names); torch 2.11 has only the old ones
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or did not complete in time; the message names op, dim, group and rank."""
+
+
+class Pending:
+    """Handle of an async collective: `wait()` completes it and returns its result tensor."""
+
+    __slots__ = ("work", "result", "_after", "_comm", "_op", "_dim")
+
+    def __init__(self, work, result, after, comm, op, dim):
+        self.work, self.result, self._after, self._comm, self._op, self._dim = work, result, after, comm, op, dim
+
+    def wait(self):
+        if self.work is not None:
+            try:
+                for w in self.work if isinstance(self.work, list) else (self.work,):
+                    w.wait()
+            except RuntimeError as e:
+                self._comm._raise(self._op, self._dim, e)
+            self.work = None
+            if self._after is not None:
+                self._after()
+        return self.result
+
+    def is_completed(self) -> bool:
+        return self.work is None or all(w.is_completed() for w in (self.work if isinstance(self.work, list)
+                                                                   else (self.work,)))
+
+
+class _Group:
+    __slots__ = ("pg", "n", "rank", "ranks", "native_avg")
+
+    def __init__(self, pg):
+        self.pg = pg
+        self.n = dist.get_world_size(pg)
+        self.rank = dist.get_rank(pg)
+        self.ranks = dist.get_process_group_ranks(pg)
+        self.native_avg = "nccl" in str(dist.get_backend(pg)).lower()  # gloo has no AVG
+
+
+class Comm:
+    """Collective wrappers addressed by mesh dim name ("dp", "tp", ...); see the module docstring.
+
+    dims: a ParallelDims with its mesh built (groups are looked up by name and cached), or None.
+    groups: extra or overriding {name: ProcessGroup}; "world" is always the default group.
+    Reduction ops: "sum", "avg", "max", "min". Peers and roots are ranks *within* the dim's group.
+    """
+
+    def __init__(self, dims=None, ledger: Ledger | None = None, groups: dict | None = None,
+                 timeout_s: float | None = None):
+        self.dims = dims
+        self.ledger = ledger if ledger is not None and ledger.enabled else None
+        self._given = dict(groups or {})
+        self._groups: dict[str, _Group] = {}
+        self.timeout_s = timeout_s if timeout_s is not None else getattr(dims, "timeout_s", None)
+
+    def group(self, dim: str) -> _Group:
+        g = self._groups.get(dim)
+        if g is None:
+            if dim in self._given:
+                pg = self._given[dim]
+            elif dim == "world" or self.dims is None:
+                pg = dist.group.WORLD
+            else:
+                pg = self.dims.group(dim)
+            g = self._groups[dim] = _Group(pg)
+        return g
+
+    def size(self, dim: str) -> int:
+        return self.group(dim).n
+
+    def rank(self, dim: str) -> int:
+        return self.group(dim).rank
+
+    # ---- plain collectives ---------------------------------------------------------------------------
+
+    def all_reduce(self, t, dim: str, op: str = "sum", async_op: bool = False):
+        g = self.group(dim)
+        if self.ledger is not None:
+            self.ledger.record("all_reduce", dim, t.numel() * t.element_size(), g.n)
+        if g.n == 1:
+            return self._done(t, async_op)
+        rop, after = self._op(op, g, t)
+        return self._issue(dist.all_reduce, (t,), dict(op=rop, group=g.pg), t, after, async_op, "all_reduce", dim)
+
+    def all_gather(self, t, dim: str, out=None, async_op: bool = False):
+        """Concatenate every rank's `t` along dim 0 into `out` (allocated when None)."""
+        g = self.group(dim)
+        if out is None:
+            out = t.new_empty((g.n * t.shape[0],) + tuple(t.shape[1:])) if t.dim() else t.new_empty(g.n)
+        if self.ledger is not None:
+            self.ledger.record("all_gather", dim, out.numel() * out.element_size(), g.n)
+        if g.n == 1:
+            out.copy_(t.reshape(out.shape))
+            return self._done(out, async_op)
+        return self._issue(_all_gather_single, (out, t), dict(group=g.pg), out, None, async_op, "all_gather", dim)
+
+    def reduce_scatter(self, t, dim: str, op: str = "sum", out=None, async_op: bool = False):
+        """Reduce `t` over the group and keep this rank's 1/N slice along dim 0 (into `out`)."""
+        g = self.group(dim)
+        if out is None:
+            out = t.new_empty((t.shape[0] // g.n,) + tuple(t.shape[1:]))
+        if self.ledger is not None:
+            self.ledger.record("reduce_scatter", dim, t.numel() * t.element_size(), g.n)
+        if g.n == 1:
+            out.copy_(t.reshape(out.shape))
+            return self._done(out, async_op)
+        rop, after = self._op(op, g, out)
+        return self._issue(_reduce_scatter_single, (out, t), dict(op=rop, group=g.pg), out, after, async_op,
+                           "reduce_scatter", dim)
+
+    def broadcast(self, t, dim: str, src: int = 0, async_op: bool = False):
+        g = self.group(dim)
+        if self.ledger is not None:
+            self.ledger.record("broadcast", dim, t.numel() * t.element_size(), g.n)
+        if g.n == 1:
+            return self._done(t, async_op)
+        return self._issue(dist.broadcast, (t,), dict(src=g.ranks[src], group=g.pg), t, None, async_op,
+                           "broadcast", dim)
+
+    def reduce(self, t, dim: str, dst: int = 0, op: str = "sum", async_op: bool = False):
+        """Reduce into `t` on group rank `dst`; on the other ranks `t` is scratch afterwards (gloo uses it)."""
+        g = self.group(dim)
+        if self.ledger is not None:
+            self.ledger.record("reduce", dim, t.numel() * t.element_size(), g.n)
+        if g.n == 1:
+            return self._done(t, async_op)
+        rop, after = self._op(op, g, t)
+        if after is not None and g.rank != dst:
+            after = None  # only the destination holds the sum to divide
+        return self._issue(dist.reduce, (t,), dict(dst=g.ranks[dst], op=rop, group=g.pg), t, after, async_op,
+                           "reduce", dim)
+
+    def all_to_all(self, t, dim: str, out=None, async_op: bool = False):
+        """Equal-split all-to-all along dim 0: slice j of `t` goes to rank j, slice i of `out` came from i."""
+        g = self.group(dim)
+        out = torch.empty_like(t) if out is None else out
+        if self.ledger is not None:
+            self.ledger.record("all_to_all", dim, t.numel() * t.element_size(), g.n)
+        if g.n == 1:
+            out.copy_(t)
+            return self._done(out, async_op)
+        return self._issue(dist.all_to_all_single, (out, t), dict(group=g.pg), out, None, async_op,
+                           "all_to_all", dim)
+
+    def send_recv(self, dim: str, sends=(), recvs=(), async_op: bool = False):
+        """Batched point-to-point: sends/recvs are (tensor, peer) with peer a rank in the dim's group."""
+        g = self.group(dim)
+        ops = []
+        for t, peer in sends:
+            if self.ledger is not None:
+                self.ledger.record("send", dim, t.numel() * t.element_size(), g.n)
+            ops.append(dist.P2POp(dist.isend, t, g.ranks[peer], g.pg))
+        for t, peer in recvs:
+            if self.ledger is not None:
+                self.ledger.record("recv", dim, t.numel() * t.element_size(), g.n)
+            ops.append(dist.P2POp(dist.irecv, t, g.ranks[peer], g.pg))
+        if not ops:
+            return self._done(None, async_op)
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except RuntimeError as e:
+            self._raise("send_recv", dim, e)
+        p = Pending(works, None, None, self, "send_recv", dim)
+        return p if async_op else p.wait()
+
+    def barrier(self, dim: str = "world") -> None:
+        g = self.group(dim)
+        if g.n > 1:
+            self._issue(dist.barrier, (), dict(group=g.pg), None, None, False, "barrier", dim)
+
+    # ---- plumbing ------------------------------------------------------------------------------------
+
+    def _op(self, op: str, g: _Group, result):
+        if op == "avg" and not (g.native_avg and result.is_cuda):
+            return dist.ReduceOp.SUM, lambda: result.div_(g.n)  # gloo has no AVG: sum, then divide
+        try:
+            return _OPS[op], None
+        except KeyError:
+            raise ValueError(f"unknown reduction {op!r}; choose sum, avg, max or min") from None
+
+    def _issue(self, fn, args, kwargs, result, after, async_op, op, dim):
+        try:
+            work = fn(*args, async_op=True, **kwargs)
+        except RuntimeError as e:
+            self._raise(op, dim, e)
+        p = Pending(work, result, after, self, op, dim)
+        return p if async_op else p.wait()
+
+    def _done(self, result, async_op):
+        return Pending(None, result, None, self, "", "") if async_op else result
+
+    def _raise(self, op: str, dim: str, e: Exception):
+        g = self.group(dim)
+        ranks = g.ranks if len(g.ranks) <= 8 else f"{g.ranks[:4]}...{g.ranks[-2:]}"
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if re.search(r"timed? ?out", str(e), re.I):
+            limit = f"parallel.timeout_s = {self.timeout_s:g} s" if self.timeout_s else "the timeout"
+            what = f"did not complete within {limit}: a peer is missing, stuck or slower than the timeout"
+        else:
+            what = f"failed ({first})"
+        raise CollectiveError(f"{op} on mesh dim {dim!r} (group of {g.n}: ranks {ranks}) {what}, on rank "
+                              f"{dist.get_rank()}") from e
+
+    # ---- autograd-aware forms (tensor / sequence / context parallel) ---------------------------------
+
+    def copy_to(self, x, dim: str):
+        """Identity forward, all-reduce backward: enter a TP region (column-parallel input)."""
+        return _CopyTo.apply(x, self, dim)
+
+    def reduce_from(self, x, dim: str):
+        """All-reduce forward, identity backward: leave a TP region (row-parallel output)."""
+        return _ReduceFrom.apply(x, self, dim)
+
+    def all_gather_along(self, x, dim: str, axis: int = 0, grad: str = "reduce_scatter"):
+        """All-gather along tensor axis `axis`. Backward: reduce-scatter (SP: the gathered activation
+        feeds a TP region whose ranks each add a partial gradient) or "split" (keep own slice)."""
+        return _GatherAlong.apply(x, self, dim, axis, grad)
+
+    def reduce_scatter_along(self, x, dim: str, axis: int = 0):
+        """Reduce-scatter along `axis` forward, all-gather backward (SP: leave a TP region)."""
+        return _ReduceScatterAlong.apply(x, self, dim, axis)
+
+    def split_along(self, x, dim: str, axis: int = 0):
+        """Keep this rank's slice along `axis` forward (no traffic), all-gather backward."""
+        return _SplitAlong.apply(x, self, dim, axis)
+
+    def all_to_all_along(self, x, dim: str, scatter_axis: int, gather_axis: int):
+        """Split along `scatter_axis`, exchange, concatenate along `gather_axis`; backward reverses it
+        (Ulysses-style context parallel: sequence-sharded <-> head-sharded)."""
+        return _AllToAllAlong.apply(x, self, dim, scatter_axis, gather_axis)
+
+    def _gather(self, x, dim, axis):
+        n = self.size(dim)
+        if n == 1:
+            return x
+        x, axis = x.contiguous(), axis % x.dim()
+        buf = x.new_empty((n,) + tuple(x.shape))  # (n, *x.shape): slot j holds rank j's x
+        self.all_gather(x.view(-1), dim, out=buf.view(-1))
+        return buf.movedim(0, axis).flatten(axis, axis + 1)
+
+    def _reduce_scatter(self, x, dim, axis):
+        n = self.size(dim)
+        if n == 1:
+            return x
+        axis = axis % x.dim()
+        if x.shape[axis] % n:
+            raise ValueError(f"reduce-scatter along axis {axis}: size {x.shape[axis]} is not divisible by the "
+                             f"{n} ranks of {dim!r}")
+        src = x.unflatten(axis, (n, -1)).movedim(axis, 0).contiguous()  # (n, ..., size/n, ...)
+        out = src.new_empty(src.shape[1:])
+        self.reduce_scatter(src.view(-1), dim, out=out.view(-1))
+        return out
+
+    def _split(self, x, dim, axis):
+        n = self.size(dim)
+        if n == 1:
+            return x
+        return x.chunk(n, axis)[self.rank(dim)].contiguous()
+
+    def _all_to_all(self, x, dim, s_axis, g_axis):
+        n = self.size(dim)
+        if n == 1:
+            return x
+        s_axis, g_axis = s_axis % x.dim(), g_axis % x.dim()
+        src = x.unflatten(s_axis, (n, -1)).movedim(s_axis, 0).contiguous()  # (n, *chunk): chunk j -> rank j
+        dst = self.all_to_all(src, dim)                                      # (n, *chunk): chunk i from rank i
+        return dst.movedim(0, g_axis).flatten(g_axis, g_axis + 1)
+
+
+class _CopyTo(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, dim):
+        ctx.comm, ctx.dim = comm, dim
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.comm.all_reduce(g.contiguous(), ctx.dim), None, None
+
+
+class _ReduceFrom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, dim):
+        if x.is_contiguous():
+            ctx.mark_dirty(x)  # reduced in place: no activation-sized copy per TP layer
+            return comm.all_reduce(x, dim)
+        return comm.all_reduce(x.contiguous(), dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None, None
+
+
+class _GatherAlong(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, dim, axis, grad):
+        ctx.comm, ctx.dim, ctx.axis, ctx.grad = comm, dim, axis, grad
+        return comm._gather(x, dim, axis)
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.grad == "split":
+            return ctx.comm._split(g, ctx.dim, ctx.axis), None, None, None, None
+        return ctx.comm._reduce_scatter(g, ctx.dim, ctx.axis), None, None, None, None
+
+
+class _ReduceScatterAlong(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, dim, axis):
+        ctx.comm, ctx.dim, ctx.axis = comm, dim, axis
+        return comm._reduce_scatter(x, dim, axis)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.comm._gather(g, ctx.dim, ctx.axis), None, None, None
+
+
+class _SplitAlong(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, dim, axis):
+        ctx.comm, ctx.dim, ctx.axis = comm, dim, axis
+        return comm._split(x, dim, axis)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.comm._gather(g, ctx.dim, ctx.axis), None, None, None
+
+
+class _AllToAllAlong(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, dim, s_axis, g_axis):
+        ctx.comm, ctx.dim, ctx.s_axis, ctx.g_axis = comm, dim, s_axis, g_axis
+        return comm._all_to_all(x, dim, s_axis, g_axis)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.comm._all_to_all(g, ctx.dim, ctx.g_axis, ctx.s_axis), None, None, None, None

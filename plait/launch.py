@@ -1,0 +1,414 @@
+"""Start the processes of a run, or join the ones torchrun / srun started; set up and tear down.
+
+The whole API (what `plait train --nproc N` and the benchmarks use):
+
+    run(entry, args, nproc, device_type="cpu") -> list   # per-rank return values of entry(*args)
+    spawn(entry, args, nproc, ...) -> list               # always start nproc local processes
+    init_distributed(parallel_cfg, device_type) -> ParallelDims   # in each worker: process group + mesh
+    shutdown()                                           # in each worker, at the end
+    detect_launch() -> LaunchEnv | None                  # torchrun / srun / plait's own workers
+
+    def worker(cfg):                                     # module level, so it pickles by name
+        dims = init_distributed(cfg.parallel, "cuda")    # sets cuda:<local rank>, timeout, mesh
+        try:
+            comm = Comm(dims, Ledger())
+            ...                                          # dims.device, dims.group("dp"), comm.all_reduce(...)
+            return {"loss": ...}
+        finally:
+            shutdown()
+
+    results = run(worker, (cfg,), nproc=cfg.parallel.nproc, device_type="cuda")
+
+`run` calls `entry` in this process when torchrun or srun already started us (or nproc is 1), and
+otherwise starts nproc processes with torch's elastic launcher (one per GPU on CUDA, gloo over
+loopback on CPU). The same command line therefore works under `plait ... --nproc N`, `torchrun` and
+`srun` (docs/launching.md). A worker that fails ends the run with a `SpawnError` naming the failing
+rank and its error on one line; every failed rank's traceback is in `SpawnError.tracebacks`.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from plait.errors import UserError, bad_value
+
+# Modules the fork server imports once, so that each worker starts in ~0.1 s instead of paying for
+# `import torch` again (2-4 s per rank on a small CPU, the bulk of a short multi-process test).
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.device_mesh", "plait.launch", "plait.comm",
+           "plait.collectives", "plait.parallel.dims"]
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Where this process sits, as the launcher that started it describes it."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    launcher: str  # "plait" (spawn), "torchrun", "slurm", "env" (variables set by hand) or "single"
+
+
+class SpawnError(RuntimeError):
+    """A worker failed. str() is one line naming the rank; `tracebacks` maps rank -> traceback."""
+
+    def __init__(self, rank: int, message: str, tracebacks: dict[int, str], exitcodes: dict[int, int]):
+        others = len(tracebacks) - 1
+        super().__init__(f"rank {rank} failed: {message}"
+                         + (f" ({others} other rank(s) failed after it)" if others > 0 else ""))
+        self.rank, self.message, self.tracebacks, self.exitcodes = rank, message, tracebacks, exitcodes
+
+    @property
+    def traceback(self) -> str:
+        return self.tracebacks.get(self.rank, "")
+
+
+# ---- detecting an existing launch ---------------------------------------------------------------------
+
+
+def detect_launch(env=None) -> LaunchEnv | None:
+    """Read torchrun-style variables (RANK, WORLD_SIZE, ...) or srun's SLURM_* ones; None if neither."""
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
+            raise UserError("RANK and WORLD_SIZE are set but MASTER_ADDR/MASTER_PORT are not: set both "
+                            "(rank 0's host and a free port) or start the run with torchrun")
+        world = int(env["WORLD_SIZE"])
+        launcher = "plait" if env.get("PLAIT_SPAWNED") else "torchrun" if "TORCHELASTIC_RUN_ID" in env else "env"
+        return LaunchEnv(int(env["RANK"]), world, int(env.get("LOCAL_RANK", 0)),
+                         int(env.get("LOCAL_WORLD_SIZE", world)), env["MASTER_ADDR"], int(env["MASTER_PORT"]),
+                         launcher)
+    # SLURM_STEP_ID is set by srun only: a batch script run directly (no srun) also has SLURM_PROCID=0
+    # and SLURM_NTASKS=N, and treating it as rank 0 of N would wait forever for peers that never come.
+    if "SLURM_PROCID" in env and ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env):
+        world = int(env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or 1)
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "")
+        addr = env.get("MASTER_ADDR") or first_host(nodelist) or "127.0.0.1"
+        port = int(env.get("MASTER_PORT") or slurm_port(env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID") or "0"))
+        per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or str(world)
+        local_world = tasks_on_node(per_node, int(env.get("SLURM_NODEID", 0)))
+        return LaunchEnv(int(env["SLURM_PROCID"]), world, int(env.get("SLURM_LOCALID", 0)), local_world,
+                         addr, port, "slurm")
+    return None
+
+
+def first_host(nodelist: str) -> str:
+    """First hostname of a SLURM node list: 'gpu[01-04,07],cpu1' -> 'gpu01', 'a[1-2]-b[3]' -> 'a1-b3'."""
+    depth, first = 0, ""
+    for ch in nodelist.strip():  # the first top-level comma ends the first entry; commas inside [] do not
+        if ch == "," and depth == 0:
+            break
+        depth += (ch == "[") - (ch == "]")
+        first += ch
+    # each bracket group contributes its first value, zero padding kept ('[007-009]' -> '007')
+    return re.sub(r"\[([^\]]*)\]", lambda m: re.split(r"[-,]", m.group(1))[0], first)
+
+
+def slurm_port(job_id: str) -> int:
+    """A port every task of a job computes alike, below Linux's ephemeral range (32768+)."""
+    digits = re.sub(r"\D", "", str(job_id)) or "0"
+    return 15000 + int(digits) % 15000
+
+
+def tasks_on_node(tasks_per_node: str, node_id: int) -> int:
+    """Expand SLURM's '4(x2),3' into [4, 4, 3] and pick this node's count."""
+    counts = []
+    for part in tasks_per_node.split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if m:
+            counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return counts[node_id] if 0 <= node_id < len(counts) else (counts[0] if counts else 1)
+
+
+def planned_world(parallel, env=None) -> tuple[int, int]:
+    """(world size, processes on this node) the run will have: the launcher's if launched, else nproc."""
+    le = detect_launch(env)
+    if le is not None:
+        return le.world_size, le.local_world_size
+    return parallel.nproc, parallel.nproc
+
+
+# ---- inside a worker ---------------------------------------------------------------------------------
+
+
+def init_distributed(parallel, device_type: str = "cpu", env=None):
+    """Join the process group and build the mesh; returns the `ParallelDims` with `.mesh` and `.device`.
+
+    Reads the launcher's environment (plait's spawn, torchrun or srun). A process nobody launched
+    runs as a world of one, so a single-device run takes the same code path. Every collective on
+    every mesh dim then fails after `parallel.timeout_s` instead of hanging.
+    """
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from plait.parallel.dims import ParallelDims
+
+    le = detect_launch(env)
+    if le is None:
+        if parallel.nproc > 1:
+            raise bad_value("parallel.nproc", parallel.nproc, "this process was not started by a launcher; "
+                            "use plait.launch.run/spawn (plait train --nproc N), torchrun or srun")
+        le = LaunchEnv(0, 1, 0, 1, "127.0.0.1", free_port(), "single")
+    os.environ.update(RANK=str(le.rank), WORLD_SIZE=str(le.world_size), LOCAL_RANK=str(le.local_rank),
+                      MASTER_ADDR=le.master_addr, MASTER_PORT=str(le.master_port))
+    if le.master_addr in ("127.0.0.1", "localhost"):
+        _loopback_env(os.environ)
+    dims = ParallelDims.from_config(parallel, le.world_size)
+    warning = dims.check_placement(le.local_world_size, parallel.allow_cross_node_tp)
+    if warning and le.rank == 0:
+        print(f"plait: {warning}", file=sys.stderr)
+
+    kwargs = {}
+    if device_type == "cuda":
+        count = torch.cuda.device_count()
+        if count == 0:
+            raise bad_value("train.device", "cuda", "no GPU is visible to this process; use --train.device cpu")
+        # srun may hand each task one visible GPU (local rank 3 sees only device 0), hence the modulo
+        device = torch.device("cuda", le.local_rank % count)
+        torch.cuda.set_device(device)
+        kwargs["device_id"] = device  # eager NCCL init: DeviceMesh then splits groups in one call per dim
+        backend = "nccl"
+    else:
+        device = torch.device(device_type)
+        backend = "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=parallel.timeout_s),
+                                **kwargs)
+    dims.build_mesh(device_type, parallel.timeout_s)
+    dims.device = device
+    return dims
+
+
+def shutdown() -> None:
+    """Tear down the process group so that gloo's threads cannot abort the interpreter at exit.
+
+    Without it a gloo worker intermittently dies with SIGABRT after finishing its work (upstream
+    pytorch issue 190489), and the launcher then reports a failed run.
+    """
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    finally:
+        gc.collect()
+
+
+# ---- starting processes ------------------------------------------------------------------------------
+
+
+def run(entry, args=(), nproc: int = 1, device_type: str = "cpu", **kw) -> list:
+    """Run `entry(*args)` on every rank: here if already launched (or nproc is 1), else via `spawn`."""
+    le = detect_launch()
+    if le is not None and le.launcher != "plait":
+        if nproc > 1 and nproc != le.local_world_size:
+            raise bad_value("parallel.nproc", nproc, f"{le.launcher} already started {le.local_world_size} "
+                            f"process(es) on this node; drop --nproc when launching with {le.launcher}")
+        return [_call(entry, args)]
+    if nproc == 1:
+        return [_call(entry, args)]
+    return spawn(entry, args, nproc, device_type=device_type, **kw)
+
+
+def _call(entry, args):
+    try:
+        return entry(*args)
+    finally:
+        shutdown()
+
+
+def spawn(entry, args=(), nproc: int = 2, *, device_type: str = "cpu", timeout_s: float | None = None,
+          start_method: str = "forkserver", preload: tuple[str, ...] = (), env: dict | None = None) -> list:
+    """Start `nproc` local processes running `entry(*args)` and return their results in rank order.
+
+    entry: a module-level function (it is pickled by name). timeout_s: bound on the whole run; a
+    rank still running then dumps its stacks and fails (for tests and benchmarks; training uses
+    parallel.timeout_s per collective instead). env: extra variables for the workers.
+    """
+    import torch
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if nproc < 1:
+        raise bad_value("parallel.nproc", nproc, "must be a positive number of processes")
+    if device_type == "cuda" and torch.cuda.device_count() < nproc:
+        raise bad_value("parallel.nproc", nproc, f"only {torch.cuda.device_count()} GPU(s) are visible; "
+                        f"start at most one process per GPU")
+    child_env = dict(os.environ)
+    child_env.update(env or {}, PLAIT_SPAWNED="1")
+    _loopback_env(child_env)
+    if device_type == "cpu" and "OMP_NUM_THREADS" not in child_env:
+        # nproc ranks share the cores: oversubscribed intra-op threads slow every rank down
+        child_env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    if start_method == "forkserver":
+        import multiprocessing
+        from multiprocessing import forkserver
+
+        multiprocessing.set_forkserver_preload(list(dict.fromkeys(PRELOAD + list(preload))))
+        forkserver.ensure_running()
+    workdir = tempfile.mkdtemp(prefix="plait-launch-")
+    try:
+        for attempt in range(3):
+            port = free_port()
+            config = LaunchConfig(
+                min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"plait-{os.getpid()}-{port}",
+                rdzv_backend="static", rdzv_endpoint=f"127.0.0.1:{port}", rdzv_configs={"rank": 0},
+                max_restarts=0, monitor_interval=0.05, start_method=start_method,
+                logs_specs=DefaultLogsSpecs(log_dir=os.path.join(workdir, f"logs{attempt}")),
+                local_addr="127.0.0.1")
+            try:
+                with _quiet_elastic(), _own_signals(), _tempdir(workdir):
+                    out = elastic_launch(config, _worker)(entry, tuple(args), child_env, timeout_s, workdir)
+                return [out[r] for r in range(nproc)]
+            except ChildFailedError as e:
+                raise _failure(e, workdir) from None
+            except Exception as e:  # the free port was taken between probing and binding it
+                if attempt == 2 or "address already in use" not in str(e).lower():
+                    raise
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _worker(entry, args, env, timeout_s, workdir):
+    for k, v in env.items():  # the fork server's environment is from when it started, not from now
+        os.environ.setdefault(k, v)
+    rank = int(os.environ.get("RANK", 0))
+    if os.environ.get("OMP_NUM_THREADS"):
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    done = threading.Event()
+    if timeout_s:
+        threading.Thread(target=_watchdog, args=(done, timeout_s, rank, workdir), daemon=True).start()
+    try:
+        return entry(*args)
+    except BaseException as e:
+        _write_report(workdir, rank, f"{type(e).__name__}: {e}", traceback.format_exc())
+        raise
+    finally:
+        done.set()
+        shutdown()
+
+
+def _watchdog(done: threading.Event, timeout_s: float, rank: int, workdir: str) -> None:
+    if done.wait(timeout_s):
+        return
+    frames = sys._current_frames()
+    stacks = "\n".join(f"Thread {tid}:\n" + "".join(traceback.format_stack(f)) for tid, f in frames.items())
+    _write_report(workdir, rank, f"TimeoutError: rank {rank} still running after {timeout_s:g} s", stacks)
+    sys.stderr.flush()
+    os._exit(124)  # no clean shutdown: the rank is stuck, possibly inside a collective
+
+
+def _write_report(workdir: str, rank: int, message: str, tb: str) -> None:
+    path = os.path.join(workdir, f"rank{rank}.json")
+    if not os.path.exists(path):  # the first report of a rank is its root cause
+        with open(path, "w") as f:
+            json.dump({"rank": rank, "time": time.time(), "message": message, "traceback": tb}, f)
+
+
+# Errors a rank raises because a peer died first: the peer, not this rank, is the root cause.
+_PEER_LOSS = re.compile(r"connection (closed|reset)|broken pipe|peer|DistNetworkError|recv.*0 bytes", re.I)
+
+
+def _failure(e, workdir: str) -> Exception:
+    reports = {}
+    for name in os.listdir(workdir):  # every rank that raised, also those stopped before the agent saw it
+        if re.fullmatch(r"rank\d+\.json", name):
+            with open(os.path.join(workdir, name)) as f:
+                rep = json.load(f)
+            reports[rep["rank"]] = rep
+    for r, failure in e.failures.items():
+        if r not in reports:  # died before or outside `entry` (import error, signal, os._exit): no Python error
+            how = (f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}")
+            reports[r] = {"time": float("inf"), "traceback": "",
+                          "message": f"process ended with {how} and recorded no Python error (see its output above)"}
+    root = min(reports, key=lambda r: (bool(_PEER_LOSS.search(reports[r]["message"])), reports[r]["time"], r))
+    # the same error on several ranks (a bad config, say) is reported for the lowest of them
+    root = min(r for r in reports if reports[r]["message"] == reports[root]["message"])
+    msg = reports[root]["message"].strip().splitlines()[0] if reports[root]["message"].strip() else "failed"
+    if msg.startswith("UserError: "):
+        return UserError(f"rank {root}: {msg[len('UserError: '):]}")
+    return SpawnError(root, msg, {r: rep["traceback"] for r, rep in reports.items()},
+                      {r: f.exitcode for r, f in e.failures.items()})
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _loopback_env(env) -> None:
+    """Keep a local run's traffic on loopback (gloo otherwise picks the interface of the hostname)."""
+    env.setdefault("MASTER_ADDR", "127.0.0.1")
+    if sys.platform.startswith("linux"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
+@contextmanager
+def _quiet_elastic():
+    """Silence torchelastic's multi-line logs: SpawnError already says which rank failed and why."""
+    import logging
+
+    prefixes = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing", "torchelastic")
+    loggers = [logging.getLogger(n) for n in list(logging.root.manager.loggerDict) if n.startswith(prefixes)]
+    loggers += [logging.getLogger(p) for p in prefixes]
+    old = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, old):
+            lg.setLevel(level)
+
+
+@contextmanager
+def _own_signals():
+    """The elastic agent installs signal handlers for good; put the caller's back afterwards, and turn
+    its SignalException for Ctrl-C back into KeyboardInterrupt."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    sigs = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT]
+    main = threading.current_thread() is threading.main_thread()
+    saved = [signal.getsignal(s) for s in sigs] if main else []
+    try:
+        yield
+    except SignalException as e:
+        if e.sigval == signal.SIGINT:
+            raise KeyboardInterrupt from None
+        raise
+    finally:
+        for s, h in zip(sigs, saved):
+            signal.signal(s, h)
+
+
+@contextmanager
+def _tempdir(path: str):
+    """Point tempfile at the run's folder: torch.multiprocessing leaves error-file pickles behind in
+    the temp dir when a worker fails, and this folder is deleted afterwards."""
+    old = tempfile.tempdir
+    tempfile.tempdir = path
+    try:
+        yield
+    finally:
+        tempfile.tempdir = old

@@ -1,0 +1,1 @@
+"""Parallelisms over one device mesh: dims and mesh, data, tensor, context and pipeline parallel."""

@@ -1,0 +1,158 @@
+"""plait.launch: launcher detection (torchrun, srun), spawning, failures, timeouts, teardown."""
+
+import os
+import time
+
+import pytest
+import torch
+
+from dist import run_dist
+from plait import launch
+from plait.comm import Comm, Ledger
+from plait.config import ParallelConfig
+from plait.errors import UserError
+from plait.launch import LaunchEnv, SpawnError, detect_launch, first_host, slurm_port, tasks_on_node
+
+
+@pytest.mark.parametrize("nodelist, host", [
+    ("gpu[01-04,07]", "gpu01"), ("node1,node2", "node1"), ("node7", "node7"), ("gpu-[007-009],cpu1", "gpu-007"),
+    ("a[3,5-7]", "a3"), ("rack[1-2]-node[05-06],x1", "rack1-node05"), (" n[2]", "n2"),
+])
+def test_first_host_of_a_slurm_nodelist(nodelist, host):
+    assert first_host(nodelist) == host
+
+
+def test_tasks_per_node():
+    assert tasks_on_node("4(x2),3", 0) == 4 and tasks_on_node("4(x2),3", 1) == 4 and tasks_on_node("4(x2),3", 2) == 3
+    assert tasks_on_node("8", 0) == 8
+
+
+SRUN = {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "8",
+        "SLURM_STEP_ID": "0", "SLURM_NODEID": "1", "SLURM_JOB_ID": "123456", "SLURM_STEP_NODELIST": "gpu[01-02]",
+        "SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_STEP_TASKS_PER_NODE": "4(x2)"}
+
+
+def test_srun_environment():
+    le = detect_launch(SRUN)
+    assert le == LaunchEnv(rank=5, world_size=8, local_rank=1, local_world_size=4, master_addr="gpu01",
+                           master_port=slurm_port("123456"), launcher="slurm")
+    assert 15000 <= le.master_port < 30000 and slurm_port("123456") == slurm_port("123456")
+    # every task of the job computes the same port; an explicit MASTER_ADDR / MASTER_PORT wins
+    assert detect_launch(dict(SRUN, SLURM_PROCID="0", SLURM_LOCALID="0")).master_port == le.master_port
+    mine = detect_launch(dict(SRUN, MASTER_ADDR="10.0.0.1", MASTER_PORT="29500"))
+    assert (mine.master_addr, mine.master_port) == ("10.0.0.1", 29500)
+
+
+def test_batch_script_without_srun_is_not_a_launch():
+    # sbatch's own shell has SLURM_PROCID=0 and SLURM_NTASKS=8 but no step: rank 0 of 8 would wait forever
+    batch = {k: v for k, v in SRUN.items() if not k.startswith("SLURM_STEP")}
+    assert detect_launch(dict(batch, SLURM_PROCID="0")) is None
+
+
+def test_torchrun_environment():
+    env = {"RANK": "3", "WORLD_SIZE": "16", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "8", "MASTER_ADDR": "node0",
+           "MASTER_PORT": "29400", "TORCHELASTIC_RUN_ID": "job1"}
+    assert detect_launch(env) == LaunchEnv(3, 16, 3, 8, "node0", 29400, "torchrun")
+    assert detect_launch(dict(env, **SRUN)).launcher == "torchrun"  # torchrun inside an allocation
+    with pytest.raises(UserError, match="MASTER_ADDR"):
+        detect_launch({"RANK": "0", "WORLD_SIZE": "2"})
+    assert detect_launch({}) is None
+    assert launch.planned_world(ParallelConfig(nproc=4), env) == (16, 8)
+    assert launch.planned_world(ParallelConfig(nproc=4), {}) == (4, 4)
+
+
+def _train_like(cfg, fail_rank):
+    """What a `plait train --nproc N` worker does: init, a collective through Comm, return, shutdown."""
+    dims = launch.init_distributed(cfg, "cpu")
+    ledger = Ledger()
+    x = torch.full((4,), float(dims.rank))
+    Comm(dims, ledger).all_reduce(x, "dp")
+    if dims.rank == fail_rank:
+        raise ValueError(f"deliberate failure on rank {dims.rank}")
+    return dims.rank, os.getpid(), x.tolist(), ledger.summary()["dp"]["sent_bytes"], dims.device.type
+
+
+def test_run_spawns_workers_and_returns_results_in_rank_order():
+    out = launch.run(_train_like, (ParallelConfig(nproc=2), -1), nproc=2)
+    assert [o[0] for o in out] == [0, 1]
+    assert all(o[2] == [1.0] * 4 and o[3] == 16.0 and o[4] == "cpu" for o in out)
+    for _, pid, *_ in out:  # the workers are gone
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_a_failing_rank_is_named_with_its_traceback():
+    with pytest.raises(SpawnError) as e:
+        launch.spawn(_train_like, (ParallelConfig(nproc=3), 2), 3)
+    assert str(e.value).startswith("rank 2 failed: ValueError: deliberate failure on rank 2")
+    assert "\n" not in str(e.value)
+    assert e.value.rank == 2 and "_train_like" in e.value.traceback and "raise ValueError" in e.value.traceback
+
+
+def _user_mistake():
+    raise UserError("parallel.tp = 3: must divide model.n_heads = 8")
+
+
+def test_a_user_error_in_a_worker_stays_one_line():
+    with pytest.raises(UserError, match=r"^rank 0: parallel.tp = 3: must divide"):
+        launch.spawn(_user_mistake, (), 2)
+
+
+def _missing_peer():
+    """Rank 1 never joins rank 0's all-reduce on the tp sub-group (ranks 2 and 3 finish normally)."""
+    dims = launch.init_distributed(ParallelConfig(nproc=4, tp=2, timeout_s=2), "cpu")
+    if dims.rank == 0:
+        Comm(dims).all_reduce(torch.ones(3), "tp")
+    elif dims.rank == 1:
+        time.sleep(60)  # alive but absent: only the timeout can end rank 0's wait
+
+
+def test_a_stuck_collective_times_out_naming_op_dim_and_rank():
+    t0 = time.time()
+    with pytest.raises(SpawnError) as e:
+        launch.spawn(_missing_peer, (), 4, timeout_s=40)
+    assert time.time() - t0 < 25, "the collective timeout, not the harness bound, must end the run"
+    msg = str(e.value)
+    assert msg.startswith("rank 0 failed: CollectiveError: all_reduce on mesh dim 'tp'")
+    assert "did not complete within parallel.timeout_s = 2 s" in msg and "on rank 0" in msg
+    assert "CollectiveError" in e.value.traceback
+
+
+def _sleeper(dims):
+    if dims.rank == 1:
+        time.sleep(60)
+
+
+def test_the_harness_bound_kills_a_hung_rank():
+    t0 = time.time()
+    with pytest.raises(BaseException) as e:  # pytest.fail raised by run_dist
+        run_dist(_sleeper, 2, timeout=3)
+    assert time.time() - t0 < 20
+    assert "rank 1 failed: TimeoutError: rank 1 still running after 3 s" in str(e.value)
+    assert "time.sleep(60)" in str(e.value)  # the stack of the stuck rank is shown
+
+
+def test_single_process_runs_as_a_world_of_one(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(UserError, match="parallel.nproc = 2"):
+        launch.init_distributed(ParallelConfig(nproc=2), "cpu", env={})
+    dims = launch.init_distributed(ParallelConfig(), "cpu", env={})
+    try:
+        assert dims.world_size == 1 and dims.shape == (1, 1, 1, 1, 1)
+        x = torch.ones(3)
+        assert Comm(dims).all_reduce(x, "dp") is x
+    finally:
+        launch.shutdown()
+    assert not torch.distributed.is_initialized()
+
+
+def test_nproc_conflicts_with_an_outer_launcher(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    with pytest.raises(UserError, match="torchrun already started 4"):
+        launch.run(print, (), nproc=2)
