@@ -1,0 +1,1 @@
+"""Benchmarks behind `plait bench <what>` (see plait/commands/bench.py)."""

@@ -1,0 +1,258 @@
+"""`plait bench comm`: time collectives like nccl-tests, for torch.distributed and plait's ring.
+
+For each size S (bytes; the gathered size for all-gather, the unreduced size for reduce-scatter):
+  time   mean of `iters` back-to-back calls, the slowest rank's (a collective ends when the last ends)
+  algbw  S / time
+  busbw  algbw x 2(N-1)/N for all-reduce, x (N-1)/N for all-gather and reduce-scatter: what each link
+         carries, comparable across N and with the hardware's link bandwidth (nccl-tests' definition)
+
+Every size is first checked for correctness (integer-valued data, exact in bf16) against the
+expected sum, so a fast wrong answer cannot pass. Runs on CPU/gloo or GPU/NCCL; `--nproc N` starts
+the processes itself, or run it under torchrun. `--json` writes bench/results/comm-<card>-<n>gpu.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+
+HELP = "collective bandwidth (time, algbw, busbw) of torch.distributed vs plait's ring, like nccl-tests"
+OPS = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--nproc", type=int, default=0, help="processes to start (default: all GPUs, or 2 on CPU; "
+                   "ignored under torchrun/srun)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, from {','.join(OPS)}")
+    p.add_argument("--impl", default="torch,ring,ring-auto",
+                   help="comma-separated: torch, ring (one piece per chunk), ring-K (K pieces per chunk, "
+                        "pipelined), ring-auto (pieces of about --piece-bytes)")
+    p.add_argument("--min-bytes", default="1K", help="smallest size (default 1K)")
+    p.add_argument("--max-bytes", default=None, help="largest size (default 1G on GPU, 16M on CPU)")
+    p.add_argument("--factor", type=int, default=2, help="size multiplier between rows (default 2)")
+    p.add_argument("--dtype", choices=("bf16", "fp32", "fp16"), default=None, help="default bf16 on GPU, fp32 on CPU")
+    p.add_argument("--iters", type=int, default=0, help="timed calls per size (default 20 on GPU, fewer on CPU)")
+    p.add_argument("--warmup", type=int, default=0, help="untimed calls per size (default 5 on GPU, 1 on CPU)")
+    p.add_argument("--piece-bytes", default="8M", help="piece size of ring-auto (default 8M)")
+    p.add_argument("--json", nargs="?", const="auto", default=None, metavar="PATH",
+                   help="write results as JSON (no PATH: bench/results/comm-<card>-<n>gpu.json)")
+    p.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
+
+
+def parse_bytes(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*", str(text), re.I)
+    if not m:
+        from plait.errors import bad_value
+
+        raise bad_value("size", text, "write a byte count like 4096, 64K, 256M or 1G")
+    return int(float(m.group(1)) * 1024 ** " kmgt".index((m.group(2) or " ").lower()))
+
+
+def run(args) -> int:
+    import torch
+
+    from plait.errors import bad_value
+    from plait.launch import detect_launch, run as launch_run
+
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise bad_value("--device", "cuda", "no GPU is visible; use --device cpu")
+    launched = detect_launch()
+    nproc = args.nproc or (torch.cuda.device_count() if device == "cuda" else 2)
+    if launched is not None:
+        nproc = launched.world_size
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    for o in ops:
+        if o not in OPS:
+            raise bad_value("--ops", o, f"choose from {', '.join(OPS)}")
+    impls = [i.strip() for i in args.impl.split(",") if i.strip()]
+    for i in impls:
+        if not re.fullmatch(r"torch|ring|ring-auto|ring-\d+", i):
+            raise bad_value("--impl", i, "choose torch, ring, ring-auto or ring-K (K pieces per chunk)")
+    opts = dict(device=device, ops=ops, impls=impls, min_bytes=parse_bytes(args.min_bytes),
+                max_bytes=parse_bytes(args.max_bytes or ("1G" if device == "cuda" else "16M")),
+                factor=max(2, args.factor), dtype=args.dtype or ("bf16" if device == "cuda" else "fp32"),
+                iters=args.iters, warmup=args.warmup, piece_bytes=parse_bytes(args.piece_bytes),
+                json=args.json, timeout=args.timeout, nproc=nproc)
+    results = launch_run(bench_rank, (opts,), nproc=nproc, device_type=device)
+    return 0 if results and all(r is None or r.get("ok", True) for r in results) else 1
+
+
+def bench_rank(opts: dict) -> dict | None:
+    """One rank of the benchmark; rank 0 prints the table and writes the JSON."""
+    import torch
+    import torch.distributed as dist
+
+    from plait.config import ParallelConfig
+    from plait.launch import init_distributed
+
+    dims = init_distributed(ParallelConfig(nproc=opts["nproc"], timeout_s=opts["timeout"]), opts["device"])
+    n, rank, dev = dims.world_size, dims.rank, dims.device
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[opts["dtype"]]
+    esize = torch.empty((), dtype=dtype).element_size()
+    header = _header(opts, n, dev)
+    if rank == 0:
+        print(header["title"])
+        print(f"# {'size':>12}  {'op':<15} {'impl':<10} {'time(us)':>10} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12}  check")
+    rows, ok, size = [], True, opts["min_bytes"]
+    while size <= opts["max_bytes"]:
+        for op in opts["ops"]:
+            numel = max(n, size // esize // n * n)  # divisible by N for all-gather / reduce-scatter
+            for impl in opts["impls"]:
+                fn, check = _make(op, impl, numel, n, rank, dtype, dev, opts["piece_bytes"])
+                good = check()
+                ok &= good
+                t = _time(fn, dev, opts, numel * esize)
+                nbytes = numel * esize
+                algbw = nbytes / t / 1e9
+                busbw = algbw * (2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n)
+                rows.append(dict(op=op, impl=impl, bytes=nbytes, time_us=t * 1e6, algbw_GBps=algbw,
+                                 busbw_GBps=busbw, correct=good))
+                if rank == 0:
+                    print(f"  {nbytes:>12}  {op:<15} {impl:<10} {t * 1e6:>10.1f} {algbw:>12.2f} {busbw:>12.2f}  "
+                          f"{'ok' if good else 'WRONG'}", flush=True)
+        size *= opts["factor"]
+    if rank != 0:
+        return None
+    summary = _summary(rows)
+    for line in summary["lines"]:
+        print(line)
+    if opts["json"]:
+        path = opts["json"] if opts["json"] != "auto" else _auto_path(header, n)
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(dict(header, config={k: v for k, v in opts.items() if k != "json"}, results=rows,
+                           summary=summary["ratios"]), f, indent=1)
+        print(f"# wrote {path}")
+    del dist
+    return {"ok": ok}
+
+
+def _make(op, impl, numel, n, rank, dtype, dev, piece_bytes):
+    """(timed callable, correctness check) for one op / implementation / size, buffers allocated once."""
+    import torch
+    import torch.distributed as dist
+
+    from plait import collectives as C
+    from plait.comm import _all_gather_single, _reduce_scatter_single
+
+    esize = torch.empty((), dtype=dtype).element_size()
+    chunk = numel // n
+    if impl == "ring-auto":
+        pieces = max(1, min(16, chunk * esize // max(1, piece_bytes)))
+    else:
+        pieces = int(impl.split("-")[1]) if impl.startswith("ring-") else 1
+    # small integers: exact in bf16, so every implementation must match the expected sum exactly
+    base = (torch.arange(numel, device=dev) % 7).to(dtype)
+    x = base + rank
+    total = base * n + n * (n - 1) // 2
+    if op == "all_reduce":
+        fn = (lambda: dist.all_reduce(x)) if impl == "torch" else (lambda: C.ring_all_reduce(x, pipeline=pieces))
+
+        def check():
+            x.copy_(base + rank)
+            fn()
+            return torch.equal(x, total)
+    elif op == "all_gather":
+        mine = (base[rank * chunk:(rank + 1) * chunk] + rank).contiguous()
+        out = torch.empty(numel, dtype=dtype, device=dev)
+        fn = ((lambda: _all_gather_single(out, mine)) if impl == "torch"
+              else (lambda: out.copy_(C.ring_all_gather(mine, pipeline=pieces))))
+        expect = base + torch.arange(n, device=dev).repeat_interleave(chunk).to(dtype)
+
+        def check():
+            fn()
+            return torch.equal(out, expect)
+    else:
+        out = torch.empty(chunk, dtype=dtype, device=dev)
+        fn = ((lambda: _reduce_scatter_single(out, x)) if impl == "torch"
+              else (lambda: C.ring_reduce_scatter(x, pipeline=pieces, inplace=True)))
+
+        def check():
+            x.copy_(base + rank)
+            got = fn() if impl != "torch" else (fn(), out)[1]
+            return torch.equal(got.reshape(-1), total[rank * chunk:(rank + 1) * chunk])
+    return fn, lambda: _all_agree(check(), dev)
+
+
+def _all_agree(flag: bool, dev) -> bool:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([0.0 if flag else 1.0], device=dev)
+    dist.all_reduce(t)
+    return t.item() == 0.0
+
+
+def _time(fn, dev, opts, nbytes) -> float:
+    """Seconds per call on the slowest rank (warmup first; one barrier, then back-to-back calls)."""
+    import torch
+    import torch.distributed as dist
+
+    cuda = dev.type == "cuda"
+    iters = opts["iters"] or (20 if cuda else max(3, min(20, (1 << 24) // max(nbytes, 1))))
+    for _ in range(opts["warmup"] or (5 if cuda else 1)):
+        fn()
+    if cuda:
+        torch.cuda.synchronize(dev)
+    dist.barrier()
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize(dev)
+        t = start.elapsed_time(end) / 1e3 / iters
+    else:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        t = (time.perf_counter() - t0) / iters
+    worst = torch.tensor([t], dtype=torch.float64, device=dev)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return worst.item()
+
+
+def _header(opts, n, dev) -> dict:
+    import datetime
+    import platform
+
+    import torch
+
+    if dev.type == "cuda":
+        name = torch.cuda.get_device_name(dev)
+        nccl = ".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else None
+        backend = f"NCCL {nccl}"
+    else:
+        name, nccl, backend = platform.processor() or platform.machine() or "cpu", None, "gloo"
+    title = (f"# plait bench comm: {n} x {name}, torch {torch.__version__}, {backend}, {opts['dtype']}, "
+             f"busbw per nccl-tests (all-reduce x 2(N-1)/N, all-gather / reduce-scatter x (N-1)/N)")
+    return dict(bench="comm", title=title, device=name, device_type=dev.type, nproc=n, torch=torch.__version__,
+                nccl=nccl, date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+                dtype=opts["dtype"], nvls=os.environ.get("NCCL_NVLS_ENABLE"))
+
+
+def _auto_path(header, n) -> str:
+    if header["device_type"] == "cuda":
+        words = [w for w in re.split(r"[^a-z0-9]+", header["device"].lower()) if w and w != "nvidia"]
+        return f"bench/results/comm-{words[0] if words else 'gpu'}-{n}gpu.json"
+    return f"bench/results/comm-cpu-{n}proc.json"
+
+
+def _summary(rows) -> dict:
+    """plait's ring busbw as a share of torch's, per op, over the sizes >= 256 MiB (the issue's goal)."""
+    lines, ratios = [], {}
+    big = [r for r in rows if r["bytes"] >= 256 * 2**20]
+    for op in OPS:
+        ref = {r["bytes"]: r["busbw_GBps"] for r in big if r["op"] == op and r["impl"] == "torch"}
+        for impl in sorted({r["impl"] for r in big if r["op"] == op and r["impl"] != "torch"}):
+            shares = [r["busbw_GBps"] / ref[r["bytes"]] for r in big
+                      if r["op"] == op and r["impl"] == impl and ref.get(r["bytes"])]
+            if shares:
+                ratios[f"{op}/{impl}"] = min(shares)
+                lines.append(f"# {op} {impl}: busbw >= {100 * min(shares):.0f}% of torch's at every size >= 256 MiB")
+    return {"lines": lines, "ratios": ratios}

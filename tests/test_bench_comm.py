@@ -1,0 +1,24 @@
+"""`plait bench comm` end to end on CPU: nccl-tests columns, correctness flags, the JSON record."""
+
+import json
+
+import pytest
+import torch
+
+from plait.cli import main
+
+
+def test_bench_comm_writes_nccl_tests_style_results(tmp_path):
+    path = tmp_path / "comm.json"
+    assert main(["bench", "comm", "--nproc", "2", "--min-bytes", "1K", "--max-bytes", "2K", "--impl", "torch,ring,ring-2",
+                 "--json", str(path)]) == 0
+    res = json.loads(path.read_text())
+    assert "busbw per nccl-tests" in res["title"] and res["nproc"] == 2 and res["device_type"] == "cpu"
+    assert res["torch"] == torch.__version__ and res["date"]
+    rows = res["results"]
+    assert {(r["op"], r["impl"]) for r in rows} == {(o, i) for o in ("all_reduce", "all_gather", "reduce_scatter")
+                                                   for i in ("torch", "ring", "ring-2")}
+    assert {r["bytes"] for r in rows} == {1024, 2048} and all(r["correct"] for r in rows)
+    for r in rows:  # nccl-tests: busbw = algbw x 2(N-1)/N for all-reduce, x (N-1)/N for the others (N = 2)
+        assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * (1.0 if r["op"] == "all_reduce" else 0.5))
+        assert r["algbw_GBps"] == pytest.approx(r["bytes"] / (r["time_us"] * 1e-6) / 1e9)
