@@ -1,0 +1,54 @@
+"""`plait schedule`: draw a pipeline schedule's timeline and report its simulated bubble."""
+
+from __future__ import annotations
+
+NAME = "schedule"
+HELP = "Draw a pipeline schedule (gpipe, 1f1b, interleaved, zb) as a timeline and simulate its bubble"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--pp", type=int, default=4, help="pipeline ranks")
+    p.add_argument("--microbatches", type=int, default=8, help="micro-batches per step")
+    p.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved or zb (ZB-H1)")
+    p.add_argument("--v", type=int, default=None, help="model chunks per rank (interleaved; default 2)")
+    p.add_argument("--f", type=float, default=1.0, help="forward cost of a rank's layers (time units)")
+    p.add_argument("--b", type=float, default=None,
+                   help="backward cost (default 2 x f; for zb the input-gradient half, default f)")
+    p.add_argument("--w", type=float, default=None, help="zb only: weight-gradient cost (default f)")
+    p.add_argument("--actions", action="store_true", help="also list every rank's actions, sends and receives")
+
+
+def run(args, extra) -> int:
+    from plait.errors import bad_value
+    from plait.parallel.schedules import build_schedule, check, check_args, in_flight
+    from plait.planner.simulate import render, simulate, unit_durations
+
+    v = args.v if args.v is not None else (2 if str(args.schedule).lower() == "interleaved" else 1)
+    name = check_args(args.schedule, args.pp, args.microbatches, v)
+    for flag, val in (("--f", args.f), ("--b", args.b), ("--w", args.w)):
+        if val is not None and not val > 0:
+            raise bad_value(flag, val, "must be a positive time")
+    split = name == "zb"
+    b = args.b if args.b is not None else (args.f if split else 2 * args.f)
+    w = (args.w if args.w is not None else args.f) if split else 0.0
+    sched = build_schedule(name, args.pp, args.microbatches, v)
+    rounds = check(sched)  # proves the lists cannot deadlock, even with rendezvous send/recv
+    tl = simulate(sched, unit_durations(args.f / v, b / v, w / v))
+    p, m = args.pp, args.microbatches
+    print(f"{name} schedule, pp = {p}, micro-batches = {m}" + (f", v = {v}" if v > 1 else "")
+          + f"; F = {args.f:g}, B = {b:g}" + (f", W = {w:g}" if split else "") + " per rank")
+    print(render(tl))
+    print(f"makespan {tl.makespan_s:g}; bubble {tl.bubble_fraction:.2%} of the ranks' time "
+          f"(idle / busy = {tl.bubble_over_compute:.2%})")
+    formula = {"gpipe": (p - 1) / (m + p - 1), "1f1b": (p - 1) / (m + p - 1),
+               "interleaved": (p - 1) / (v * m + p - 1)}.get(name)
+    if formula is not None:
+        print(f"textbook: (p-1)/({'v m' if v > 1 else 'm'} + p-1) = {formula:.2%}")
+    peaks = [in_flight(sched, r) for r in range(p)]
+    print("micro-batches in flight per rank (F done, B not): " + ", ".join(str(fb) for fb, _ in peaks)
+          + ("; weight-gradient passes waiting: " + ", ".join(str(bw) for _, bw in peaks) if split else ""))
+    print(f"checked: every F before its B, sends and receives paired, no deadlock ({rounds} rendezvous rounds)")
+    if args.actions:
+        for r, acts in enumerate(sched.ranks):
+            print(f"rank {r}: " + " ".join(str(a) for a in acts))
+    return 0

@@ -1,0 +1,201 @@
+"""Pipeline schedules as data: well formed, deadlock-free, and with the bubbles and memory the
+seeds and papers state."""
+
+import dataclasses
+
+import pytest
+
+from plait.cli import main
+from plait.errors import UserError
+from plait.parallel.schedules import (Action, Schedule, ScheduleError, build_schedule, check, check_args,
+                                      compute_order, in_flight, peak_activation_units)
+from plait.planner.simulate import render, simulate, unit_durations
+
+GRID = [(name, v, pp, m)
+        for name, vs in (("gpipe", (1,)), ("1f1b", (1,)), ("interleaved", (2, 3)), ("zb", (1,)))
+        for v in vs for pp in (1, 2, 3, 4, 8) for m in (1, 2, 3, 4, 8, 16)
+        if not (name == "interleaved" and (pp < 2 or m % pp))]
+
+
+@pytest.mark.parametrize("name,v,pp,m", GRID)
+def test_every_schedule_is_well_formed_and_cannot_deadlock(name, v, pp, m):
+    """check(): one F/B(/W) per (micro-batch, stage) on the right rank, F before B before W, every
+    receive before its consumer, sends and receives paired, and a rendezvous execution that ends."""
+    s = build_schedule(name, pp, m, v)
+    assert check(s) > 0
+    tl = simulate(s)
+    assert tl.makespan_s > 0
+
+
+def _bubble(name, pp, m, v=1):
+    return simulate(build_schedule(name, pp, m, v)).bubble_fraction
+
+
+@pytest.mark.parametrize("pp,m", [(2, 2), (4, 8), (4, 16), (8, 32), (3, 7)])
+def test_gpipe_and_1f1b_bubble_is_p_minus_1_over_m_plus_p_minus_1(pp, m):
+    """Seeds 000, 001, 002: bubble fraction (N-1)/(M+N-1), from simulating the action lists."""
+    for name in ("gpipe", "1f1b"):
+        assert _bubble(name, pp, m) == pytest.approx((pp - 1) / (m + pp - 1), abs=1e-12)
+
+
+@pytest.mark.parametrize("pp,m,v", [(2, 4, 2), (4, 8, 2), (4, 8, 4), (4, 4, 2), (8, 16, 2), (3, 9, 3)])
+def test_interleaved_bubble_shrinks_by_v(pp, m, v):
+    """Narayanan et al. 2021: interleaving v chunks divides the bubble by v: (p-1)/(v m + p-1)."""
+    assert _bubble("interleaved", pp, m, v) == pytest.approx((pp - 1) / (v * m + pp - 1), abs=1e-12)
+
+
+@pytest.mark.parametrize("pp,m", [(2, 2), (4, 4), (4, 8), (8, 16), (5, 12)])
+def test_zb_h1_bubble_is_a_third_of_1f1b(pp, m):
+    """Qi et al. 2023: with T_F = T_B = T_W, ZB-H1 idles (p-1)(T_F + T_B - T_W) per rank against
+    1F1B's (p-1)(T_F + T_B + T_W): a third."""
+    zb = simulate(build_schedule("zb", pp, m))
+    one = simulate(build_schedule("1f1b", pp, m), unit_durations(1, 2, 0))
+    idle_zb = pp * zb.makespan_s - sum(zb.busy_s)
+    idle_1f1b = pp * one.makespan_s - sum(one.busy_s)
+    assert idle_zb / pp == pytest.approx(pp - 1)
+    assert idle_1f1b / pp == pytest.approx(3 * (pp - 1))
+
+
+def test_seed_bubble_tables():
+    """Seed 002 (distributed training guide): P=4 M=32 -> 3/35 = 8.6%; P=4 M=4 -> 3/7 = 43%;
+    P=4 M=16 -> 3/19 = 16%; P=4 M=64 -> 3/67 = 4.5%; P=8 M=64 -> 7/71 = 9.9%.
+    Seed 001: N=4, M=16 -> ~16%. Seed 000: N=4, M=16 exact 3/19 = 15.8%."""
+    table = {(4, 32): 0.086, (4, 4): 0.43, (4, 16): 0.16, (4, 64): 0.045, (8, 64): 0.099}
+    for (p, m), seed in table.items():
+        got = _bubble("1f1b", p, m)
+        assert got == pytest.approx((p - 1) / (m + p - 1))
+        assert round(got, 3 if seed < 0.1 else 2) == pytest.approx(seed, abs=1e-9)
+    assert round(_bubble("1f1b", 4, 16) * 100, 1) == 15.8
+
+
+def test_seed_approximation_is_bubble_over_compute():
+    """Seed 000 calls 3/16 = 18.75% "an approximation" of 3/19 = 15.8% for N=4, M=16. Both are exact:
+    3/19 is idle / total time, 3/16 = (N-1)/M is idle / busy time (Megatron's definition). The
+    simulation gives both; docs/planner.md explains."""
+    tl = simulate(build_schedule("1f1b", 4, 16))
+    assert tl.bubble_fraction == pytest.approx(3 / 19)
+    assert tl.bubble_over_compute == pytest.approx(3 / 16)
+    assert tl.bubble_over_compute == pytest.approx(0.1875)
+
+
+def test_seed_rule_m_at_least_4n_keeps_bubble_under_25_percent():
+    """Seeds 000/001: M >= 4N keeps the bubble under 25% (even by the (N-1)/M measure)."""
+    for n in (2, 4, 8, 16):
+        tl = simulate(build_schedule("1f1b", n, 4 * n))
+        assert tl.bubble_over_compute < 0.25 and tl.bubble_fraction < 0.25
+
+
+def test_seed_pp_sends_per_step_2m_n_minus_1():
+    """Seed 000: PP communicates 2M(N-1) = 448 times per step for M=32, N=8 (each micro-batch's
+    activation forward and gradient backward across each of the N-1 boundaries)."""
+    s = build_schedule("1f1b", 8, 32)
+    sends = sum(a.kind.startswith("SEND") for acts in s.ranks for a in acts)
+    recvs = sum(a.kind.startswith("RECV") for acts in s.ranks for a in acts)
+    assert sends == recvs == 2 * 32 * (8 - 1) == 448
+
+
+def test_in_flight_micro_batches():
+    """1F1B holds at most pp - rank micro-batches (seed 002: "at most P ... instead of M"); GPipe
+    all M; interleaving holds (1 + (p-1)/(p v)) times 1F1B's on rank 0 (Korthikanti et al. 2022)."""
+    pp, m = 4, 16
+    one, gp = build_schedule("1f1b", pp, m), build_schedule("gpipe", pp, m)
+    assert [in_flight(one, r)[0] for r in range(pp)] == [4, 3, 2, 1]
+    assert [in_flight(gp, r)[0] for r in range(pp)] == [m] * pp
+    for v in (2, 4):
+        units = peak_activation_units("interleaved", pp, m, v, 0, 0.0)  # in chunks (1/v of a stage)
+        assert units / v / pp == pytest.approx(1 + (pp - 1) / (pp * v))
+    zb = build_schedule("zb", pp, m)
+    assert [in_flight(zb, r)[0] for r in range(pp)] == [4, 3, 2, 1]  # 1F1B's activation limit
+    assert [in_flight(zb, r)[1] for r in range(pp)] == [1, 2, 3, 4]  # W passes that wait
+
+
+def test_compute_order_matches_built_lists():
+    for name, v in (("1f1b", 1), ("interleaved", 2), ("zb", 1)):
+        s = build_schedule(name, 4, 8, v)
+        assert compute_order(name, 4, 8, v) == tuple(tuple(s.compute_actions(r)) for r in range(4))
+
+
+def _mutate(s: Schedule, rank: int, acts: list) -> Schedule:
+    ranks = list(s.ranks)
+    ranks[rank] = tuple(acts)
+    return dataclasses.replace(s, ranks=tuple(ranks))
+
+
+def test_checker_catches_broken_lists():
+    """A checker that cannot fail proves nothing: corrupt a good schedule in four ways."""
+    s = build_schedule("1f1b", 4, 8)
+    acts = list(s.ranks[1])
+    # 1. B before its F
+    i_f = next(i for i, a in enumerate(acts) if a.kind == "F" and a.microbatch == 0)
+    i_b = next(i for i, a in enumerate(acts) if a.kind == "B" and a.microbatch == 0)
+    bad = acts.copy()
+    bad[i_f], bad[i_b] = bad[i_b], bad[i_f]
+    with pytest.raises(ScheduleError):
+        check(_mutate(s, 1, bad))
+    # 2. a send dropped
+    bad = [a for a in acts if not (a.kind == "SEND_F" and a.microbatch == 3)]
+    with pytest.raises(ScheduleError, match="unpaired"):
+        check(_mutate(s, 1, bad))
+    # 3. a micro-batch's backward missing
+    bad = [a for a in acts if not (a.kind == "B" and a.microbatch == 5)]
+    with pytest.raises(ScheduleError):
+        check(_mutate(s, 1, bad))
+    # 4. receives moved ahead of the sends they wait behind: rendezvous deadlock
+    comm = [a for a in acts if not a.is_compute]
+    recvs_first = sorted(comm, key=lambda a: not a.kind.startswith("RECV"))
+    bad = recvs_first + [a for a in acts if a.is_compute]
+    with pytest.raises(ScheduleError):
+        check(_mutate(s, 1, bad))
+
+
+def test_bad_requests_are_one_line_user_errors():
+    for args in (("foo", 4, 8, 1), ("1f1b", 0, 8, 1), ("1f1b", 4, -1, 1), ("interleaved", 4, 8, 1),
+                 ("interleaved", 4, 6, 2), ("interleaved", 1, 4, 2), ("1f1b", 4, 8, 2)):
+        with pytest.raises(UserError) as e:
+            build_schedule(*args)
+        assert "\n" not in str(e.value)
+    assert check_args("ZB-H1", 4, 8, 1) == "zb"
+
+
+def test_p2p_time_lengthens_the_pipeline():
+    s = build_schedule("1f1b", 4, 8)
+    assert simulate(s, p2p_s=0.1).makespan_s > simulate(s).makespan_s
+
+
+def test_action_is_small_and_frozen():
+    a = Action("F", 3, 1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.kind = "B"
+    assert a.label(2) == "F3b" and a.label() == "F3"
+
+
+def test_render_draws_every_rank():
+    text = render(simulate(build_schedule("1f1b", 4, 4)))
+    rows = text.splitlines()
+    assert len(rows) == 4 and rows[0].startswith("rank  0 | F0 F1 F2 F3")
+    assert "B3" in rows[3]
+
+
+def test_schedule_command(capsys):
+    assert main(["schedule", "--pp", "4", "--microbatches", "8", "--schedule", "1f1b"]) == 0
+    out = capsys.readouterr().out
+    assert "bubble 27.27%" in out and "rank  3 |" in out and "no deadlock" in out
+    assert main(["schedule", "--pp", "4", "--microbatches", "8", "--schedule", "interleaved", "--v", "2"]) == 0
+    assert "bubble 15.79%" in capsys.readouterr().out
+    assert main(["schedule", "--pp", "4", "--microbatches", "6", "--schedule", "interleaved"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "multiple of 4" in err
+
+
+def test_checker_finds_a_real_deadlock():
+    """Rank 0 wants micro-batch 0's gradient before it sends micro-batch 1; rank 1 wants micro-batch
+    1 before it sends that gradient: each waits on the other."""
+    from plait.parallel.schedules import _with_p2p
+
+    r0 = [[Action("F", 0)], [Action("B", 0)], [Action("F", 1)], [Action("B", 1)]]
+    r1 = [[Action("F", 0)], [Action("F", 1)], [Action("B", 0)], [Action("B", 1)]]
+    s = Schedule("custom", 2, 2, 1, False, (tuple(_with_p2p(r0, 0, 2, 1)), tuple(_with_p2p(r1, 1, 2, 1))))
+    with pytest.raises(ScheduleError, match="deadlock"):
+        check(s)
+    with pytest.raises(ScheduleError, match="deadlock"):
+        simulate(s)
