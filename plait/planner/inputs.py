@@ -1,0 +1,104 @@
+"""Turn command-line values into the planner's objects: model dims, cluster, layout, search space.
+
+Kept out of `plait/commands/plan.py` so the command only parses and prints, and so other callers
+(a later `plan --validate`, notebooks) build the same objects the same way.
+"""
+
+from __future__ import annotations
+
+from plait.config import PRESETS, ModelConfig
+from plait.errors import UserError, bad_value
+from plait.planner.costs import ModelDims
+from plait.planner.hardware import Cluster, apply_overrides, cluster
+from plait.planner.layout import Layout
+from plait.planner.search import Space
+
+SHAPE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq")
+LAYOUT_FLAGS = ("tp", "pp", "dp", "cp")
+
+
+def model_dims(preset: str | None, arch: str = "llama", tie: bool | None = None, **shape) -> ModelDims:
+    """A preset's shape with explicit values over it, or a shape given in full."""
+    given = {k: v for k, v in shape.items() if v is not None}
+    for k, v in given.items():
+        if v < 1:
+            raise bad_value(f"--{k.replace('_', '-')}", v, "must be a positive integer")
+    if preset:
+        if preset not in PRESETS:
+            raise bad_value("--model", preset, f"choose one of {', '.join(PRESETS)} or give the shape "
+                            f"(--layers --hidden --heads --vocab --seq ...)")
+        base = ModelDims.from_config(ModelConfig(preset=preset, **PRESETS[preset]))
+        vals = {k: getattr(base, k) for k in SHAPE_FLAGS}
+        vals.update(given)
+        return ModelDims(**vals, arch=arch, tie_embeddings=base.tie_embeddings if tie is None else tie)
+    missing = [k for k in ("layers", "hidden", "heads", "vocab", "seq") if k not in given]
+    if missing:
+        raise UserError(f"--model is not set and the shape misses --{' --'.join(m.replace('_', '-') for m in missing)}: "
+                        f"give --model PRESET ({', '.join(PRESETS)}) or the whole shape")
+    heads = given["heads"]
+    given.setdefault("kv_heads", heads)
+    if given["hidden"] % heads:
+        raise bad_value("--heads", heads, f"must divide --hidden = {given['hidden']}")
+    if "ffn" not in given:
+        given["ffn"] = 4 * given["hidden"] if arch == "gpt" else _swiglu_ffn(given["hidden"])
+    return ModelDims(**given, arch=arch, tie_embeddings=(arch == "gpt") if tie is None else tie)
+
+
+def _swiglu_ffn(h: int) -> int:
+    """Llama's default SwiGLU width: 8h/3 rounded up to a multiple of 256."""
+    return -(-int(8 * h / 3) // 256) * 256
+
+
+def parse_overrides(extra: list[str]) -> dict[str, str]:
+    """`--link.nvlink-gbps 370 --gpu.tflops=900` -> {"link.nvlink-gbps": "370", "gpu.tflops": "900"}."""
+    out: dict[str, str] = {}
+    i = 0
+    while i < len(extra):
+        arg = extra[i]
+        if not arg.startswith("--") or "." not in arg.split("=")[0]:
+            raise UserError(f"unexpected argument {arg!r}: hardware overrides look like --link.nvlink-gbps 370 "
+                            f"or --gpu.tflops 900 (see plait plan --help)")
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(extra):
+                raise UserError(f"{arg} needs a value: write {arg} VALUE")
+            key, value = arg[2:], extra[i + 1]
+            i += 2
+        out[key] = value
+    return out
+
+
+def make_cluster(gpu: str, nodes: int, gpus_per_node: int, overrides: dict[str, str]) -> Cluster:
+    return apply_overrides(cluster(gpu, nodes, gpus_per_node), overrides)
+
+
+def make_layout(c: Cluster, tp=None, pp=None, dp=None, cp=None, dp_replicate=None, zero=None, v=None,
+                schedule=None, micro_batch=None, recompute=None, sp=True) -> Layout:
+    """A full layout from the degrees given; dp defaults to what the others leave."""
+    tp, pp, cp = tp or 1, pp or 1, cp or 1
+    for flag, val in (("--tp", tp), ("--pp", pp), ("--cp", cp)):
+        if val < 1:
+            raise bad_value(flag, val, "must be a positive integer")
+    if dp is None:
+        if c.n_gpus % (tp * pp * cp):
+            raise UserError(f"tp {tp} x pp {pp} x cp {cp} = {tp * pp * cp} does not divide the {c.n_gpus} GPUs "
+                            f"({c.nodes} x {c.gpus_per_node}): choose degrees whose product divides it")
+        dp = c.n_gpus // (tp * pp * cp)
+    rep = dp_replicate or 1
+    if dp < 1 or rep < 1 or dp % rep:
+        raise bad_value("--dp-replicate", rep, f"must divide --dp = {dp}")
+    return Layout(tp=tp, pp=pp, dp_replicate=rep, dp_shard=dp // rep, cp=cp, zero=0 if zero is None else zero,
+                  v=v or 1, schedule=schedule or "1f1b", micro_batch=micro_batch or 1,
+                  recompute=recompute or "none", sp=sp)
+
+
+def make_space(tp=None, pp=None, cp=None, dp_replicate=None, zero=None, v=None, schedule=None,
+               micro_batch=None, recompute=None, sp=True) -> Space:
+    """The search space with every flag the user gave pinned."""
+    s = Space(sp=sp)
+    pins = {"tp": tp, "pp": pp, "cp": cp, "dp_replicate": dp_replicate, "zero": zero, "v": v,
+            "schedule": schedule, "micro_batch": micro_batch, "recompute": recompute}
+    from dataclasses import replace
+    return replace(s, **{k: (val,) for k, val in pins.items() if val is not None})

@@ -1,0 +1,125 @@
+"""A parallel layout: the degree of every mesh dimension and the per-step knobs, validated against
+a model, a cluster and a global batch before anything is costed.
+
+Data-parallel ranks split into dp_replicate x dp_shard (HSDP). ZeRO stage `zero` shards over the
+ranks that hold the same parameters: dp_shard x cp (context-parallel ranks hold the same weights,
+as in `plait.parallel.dims`' dp_shard_cp). Gradients are summed over dp_replicate x dp_shard x cp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from plait.errors import UserError, bad_value
+from plait.parallel.schedules import SCHEDULES, check_args
+from plait.planner.costs import RECOMPUTE, ModelDims
+from plait.planner.hardware import Cluster
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    zero: int = 0
+    v: int = 1
+    schedule: str = "1f1b"
+    micro_batch: int = 1
+    recompute: str = "none"
+    sp: bool = True
+    """Sequence parallelism inside TP regions (only meaningful with tp > 1)."""
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp_replicate", "dp_shard", "cp", "v", "micro_batch"):
+            val = getattr(self, name)
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                raise bad_value(f"--{name.replace('_', '-')}", val, "must be a positive integer")
+        if self.zero not in (0, 1, 2, 3):
+            raise bad_value("--zero", self.zero, "choose 0 (DDP), 1, 2 or 3 (FSDP)")
+        if self.schedule not in SCHEDULES:
+            raise bad_value("--schedule", self.schedule, f"choose one of {', '.join(SCHEDULES)}")
+        if self.recompute not in RECOMPUTE:
+            raise bad_value("--recompute", self.recompute, f"choose one of {', '.join(RECOMPUTE)}")
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def shard_group(self) -> int:
+        """Ranks a ZeRO stage shards over."""
+        return self.dp_shard * self.cp
+
+    @property
+    def grad_group(self) -> int:
+        return self.dp * self.cp
+
+    @property
+    def n_gpus(self) -> int:
+        return self.tp * self.pp * self.dp * self.cp
+
+    @property
+    def seq_parallel(self) -> bool:
+        return self.sp and self.tp > 1
+
+    def sizes(self) -> dict[str, int]:
+        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard,
+                "cp": self.cp, "tp": self.tp}
+
+    def microbatches(self, global_batch: int) -> int:
+        return global_batch // (self.dp * self.micro_batch)
+
+    def describe(self) -> str:
+        dp = f"dp{self.dp}" if self.dp_replicate == 1 else f"dp{self.dp_replicate}x{self.dp_shard}"
+        parts = [f"tp{self.tp}{'+sp' if self.seq_parallel else ''}", f"pp{self.pp}", dp,
+                 f"zero{self.zero}"]
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}")
+        if self.pp > 1:
+            parts.append(self.schedule + (f"/v{self.v}" if self.v > 1 else ""))
+        parts += [f"mb{self.micro_batch}", f"rc:{self.recompute}"]
+        return " ".join(parts)
+
+
+def check_layout(d: ModelDims, lay: Layout, c: Cluster, global_batch: int) -> int:
+    """Raise one UserError line for the first thing that makes `lay` impossible; return the number
+    of micro-batches each pipeline runs per step."""
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise bad_value("--global-batch", global_batch, "must be a positive number of sequences")
+    if lay.n_gpus != c.n_gpus:
+        raise UserError(f"layout tp {lay.tp} x pp {lay.pp} x dp {lay.dp} x cp {lay.cp} = {lay.n_gpus} GPUs "
+                        f"but the cluster has {c.nodes} x {c.gpus_per_node} = {c.n_gpus}: make the product "
+                        f"equal the number of GPUs")
+    if d.heads % lay.tp or d.kv_heads % lay.tp:
+        raise bad_value("--tp", lay.tp, f"must divide the heads ({d.heads}) and kv heads ({d.kv_heads})")
+    if lay.tp > c.gpus_per_node or c.gpus_per_node % lay.tp:
+        raise bad_value("--tp", lay.tp, f"a tensor-parallel group must fit inside a node of "
+                        f"{c.gpus_per_node} GPUs; use a divisor of {c.gpus_per_node}")
+    if lay.pp * lay.v > d.layers:
+        raise bad_value("--pp", lay.pp, f"pp x v = {lay.pp * lay.v} stages exceed the {d.layers} layers")
+    if lay.cp > 1 and d.seq % (2 * lay.cp):
+        raise bad_value("--cp", lay.cp, f"the causal load balance splits each sequence into 2 x cp chunks: "
+                        f"--seq {d.seq} must be a multiple of {2 * lay.cp}")
+    if global_batch % (lay.dp * lay.micro_batch):
+        raise bad_value("--global-batch", global_batch, f"must be a multiple of dp x micro-batch = "
+                        f"{lay.dp} x {lay.micro_batch} = {lay.dp * lay.micro_batch}")
+    m = lay.microbatches(global_batch)
+    if lay.pp == 1 and (lay.v != 1 or lay.schedule not in ("1f1b", "gpipe")):
+        raise bad_value("--schedule", lay.schedule if lay.v == 1 else f"{lay.schedule} --v {lay.v}",
+                        "a pipeline schedule needs --pp > 1; with pp = 1 leave --schedule and --v unset")
+    if lay.pp > 1:
+        check_args(lay.schedule, lay.pp, m, lay.v)
+    return m
+
+
+def stage_layers(layers: int, stages: int) -> list[int]:
+    """Layers of each of `stages` consecutive stages: as even as possible, extras to the middle
+    stages (the first holds the embedding and the last the output head, so they get no extra)."""
+    base, extra = divmod(layers, stages)
+    counts = [base] * stages
+    order = sorted(range(stages), key=lambda i: (i in (0, stages - 1), abs(i - (stages - 1) / 2)))
+    for i in order[:extra]:
+        counts[i] += 1
+    return counts

@@ -1,0 +1,181 @@
+"""Memory per GPU, component by component: model state (under each ZeRO stage and precision
+convention), activations (Korthikanti et al. 2022, and plait's Llama), temporary buffers.
+
+Model state. A precision convention says how many bytes each parameter costs in each role:
+                                  param  grad  master  optimizer  total   K (ZeRO's name)
+  mixed   (ZeRO paper, plait)       2     2      4       4 + 4      16      12
+  lecture (the seeds' 12 B/param)   2     2      4       2 + 2      12       8
+  fp32    (CPU runs)                4     4      0       4 + 4      16       8
+K is everything the optimizer owns (master + moments). ZeRO stage z shards, over the N_d ranks of
+the data-parallel shard group: z >= 1 the optimizer's K, z >= 2 the gradients, z = 3 the
+parameters. Per GPU, in bytes per parameter:
+  stage 0: 2 + 2 + K      stage 1: 2 + 2 + K/N_d      stage 2: 2 + (2 + K)/N_d      stage 3: (2 + 2 + K)/N_d
+(the 2s are param and grad bytes of the convention).
+
+Activations are in bytes per transformer layer per micro-batch; 16-bit activations, 1-byte dropout
+masks (GPT only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from plait.errors import bad_value
+from plait.planner.costs import ModelDims
+
+
+@dataclass(frozen=True)
+class Precision:
+    name: str
+    param_bytes: float
+    grad_bytes: float
+    master_bytes: float
+    optim_bytes: float
+    """Optimizer moments together (Adam: first + second moment)."""
+    act_bytes: float = 2.0
+    """Bytes per activation element (the compute dtype)."""
+    grad_comm_bytes: float | None = None
+    """Bytes per gradient element on the wire (default: grad_bytes)."""
+
+    @property
+    def k(self) -> float:
+        """ZeRO's K: bytes per parameter the optimizer owns (master weights + moments)."""
+        return self.master_bytes + self.optim_bytes
+
+    @property
+    def total(self) -> float:
+        return self.param_bytes + self.grad_bytes + self.k
+
+    @property
+    def wire_grad_bytes(self) -> float:
+        return self.grad_bytes if self.grad_comm_bytes is None else self.grad_comm_bytes
+
+
+PRECISIONS = {
+    "mixed": Precision("mixed", 2, 2, 4, 8),
+    "lecture": Precision("lecture", 2, 2, 4, 4),
+    "fp32": Precision("fp32", 4, 4, 0, 8, act_bytes=4),
+}
+
+
+def precision(name: str) -> Precision:
+    if name not in PRECISIONS:
+        raise bad_value("--precision", name, f"choose one of {', '.join(PRECISIONS)}")
+    return PRECISIONS[name]
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    params: float
+    grads: float
+    master: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.master + self.optimizer
+
+
+def state_bytes(n_params: float, zero: int, n_shard: int, prec: Precision) -> StateBytes:
+    """Model-state bytes on one GPU holding `n_params` parameters, ZeRO stage `zero` over `n_shard`."""
+    if zero not in (0, 1, 2, 3):
+        raise bad_value("--zero", zero, "choose 0, 1, 2 or 3")
+    if n_shard < 1:
+        raise bad_value("dp_shard", n_shard, "must be a positive integer")
+    p, g, m, o = prec.param_bytes, prec.grad_bytes, prec.master_bytes, prec.optim_bytes
+    n = float(n_shard)
+    return StateBytes(params=n_params * p / (n if zero >= 3 else 1),
+                      grads=n_params * g / (n if zero >= 2 else 1),
+                      master=n_params * m / (n if zero >= 1 else 1),
+                      optimizer=n_params * o / (n if zero >= 1 else 1))
+
+
+def bytes_per_param(zero: int, n_shard: int, prec: Precision) -> float:
+    return state_bytes(1.0, zero, n_shard, prec).total
+
+
+def max_params_that_fit(capacity_bytes: float, zero: int, n_shard: int, prec: Precision) -> float:
+    """The largest model whose state alone fits `capacity_bytes` per GPU (activations ignored)."""
+    return capacity_bytes / bytes_per_param(zero, n_shard, prec)
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations (bytes per layer per micro-batch on one GPU)
+# ---------------------------------------------------------------------------------------------
+
+def gpt_layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
+                               recompute: str = "none", f: int | None = None) -> float:
+    """Korthikanti et al. 2022, Table 2, for a GPT layer with f = 4h (other f generalise the 24):
+
+      no parallelism        s b h (34 + 5 a s / h)
+      tensor parallel t     s b h (10 + 24/t + 5 a s / (h t))
+      + sequence parallel   s b h (34/t + 5 a s / (h t))
+      + selective recompute drops the 5 a s / h term (softmax, its dropout, attention over V)
+      full recompute        2 s b h (the layer's input; / t with sequence parallelism)
+
+    The 10 that TP alone leaves whole: two LayerNorm inputs (4), the inputs of QKV and fc1 (4),
+    two dropout masks (2). The 24 it splits: Q, K (4), V (2), projection input (2), GeLU input
+    (2f/h = 8), fc2 input (2f/h = 8)."""
+    f = f or 4 * h
+    if recompute == "full":
+        return 2 * s * b * h / (t if sp else 1)
+    split = 8 + 4 * f / h
+    core = 5 * a * s / h if recompute == "none" else 0.0
+    if sp:
+        return s * b * h * ((10 + split) / t + core / t)
+    return s * b * h * (10 + split / t + core / t)
+
+
+def llama_layer_activation_bytes(d: ModelDims, s: int, b: int, t: int = 1, sp: bool = False,
+                                 recompute: str = "none", act_bytes: float = 2.0) -> float:
+    """What plait's Llama block keeps for its backward, with fused attention (no s x s scores).
+
+    Kept whole under TP alone (4 s b h at 2 bytes): the two RMSNorm inputs, and the inputs of the
+    QKV and w1/w3 matmuls. Split by TP: Q (s b h), K and V (2 s b kv_dim), the attention output
+    (s b h), the softmax log-sum-exp (fp32, s b a), SwiGLU's gate, up and product (3 s b f).
+    Selective recomputation changes nothing: fused attention already recomputes its scores.
+    Counted for fused/compiled kernels; eager mode keeps a few more intermediates."""
+    e = act_bytes
+    if recompute == "full":
+        return e * s * b * d.hidden / (t if sp else 1)
+    whole = e * 4 * s * b * d.hidden
+    split = (e * (2 * s * b * d.hidden + 2 * s * b * d.kv_dim + 3 * s * b * d.ffn)
+             + 4 * s * b * d.heads)
+    return whole / (t if sp else 1) + split / t
+
+
+def layer_activation_bytes(d: ModelDims, s: int, b: int, t: int = 1, sp: bool = False,
+                           recompute: str = "none", act_bytes: float = 2.0) -> float:
+    """Per-layer activation bytes of either architecture (`s` is the sequence slice on this GPU)."""
+    if recompute not in ("none", "selective", "full"):
+        raise bad_value("--recompute", recompute, "choose none, selective or full")
+    if d.arch == "gpt":
+        return gpt_layer_activation_bytes(s, b, d.hidden, d.heads, t, sp, recompute, d.ffn) * act_bytes / 2
+    return llama_layer_activation_bytes(d, s, b, t, sp, recompute, act_bytes)
+
+
+def wgrad_fraction(d: ModelDims) -> float:
+    """Share of a layer's activations a deferred weight-gradient pass (ZB's W) still needs: the
+    inputs of its matmuls plus the gradients of their outputs, relative to the full set."""
+    h, kv, f = d.hidden, d.kv_dim, d.ffn
+    if d.arch == "gpt":  # in elements: QKV, projection, fc1, fc2
+        inputs, out_grads, full = 3 * h + f, 5 * h + f, 9 * h + 2 * f
+    else:
+        inputs, out_grads = 3 * h + f, 3 * h + 2 * kv + 2 * f
+        full = 6 * h + 2 * kv + 3 * f
+    return min(1.0, (inputs + out_grads) / full)
+
+
+def interleaved_memory_factor(pp: int, v: int) -> float:
+    """Korthikanti et al. 2022, sec. 4.2.3: interleaving multiplies the first stage's activation
+    memory by (1 + (p - 1) / (p v)) over 1F1B's L layers' worth (for m >= p micro-batches)."""
+    return 1 + (pp - 1) / (pp * v) if v > 1 else 1.0
+
+
+def loss_chunk_bytes(d: ModelDims, tokens: int, t: int = 1) -> float:
+    """Temporary memory of plait's fused output projection + cross-entropy on the last stage.
+
+    It forms at most 2^28 logits at a time (plait/loss.py) and holds them in bf16 and fp32 plus an
+    fp32 and a bf16 gradient: 12 bytes per logit of the chunk; the vocabulary is split by TP."""
+    logits = min(tokens * d.vocab / t, float(1 << 28))
+    return 12 * logits

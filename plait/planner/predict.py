@@ -1,0 +1,292 @@
+"""`predict`: one layout on one cluster -> memory per GPU by component, traffic per mesh dimension,
+step time, bubble and MFU. The search calls it for every candidate, `plait plan` prints it, and a
+run can be compared with it (predicted vs measured peak memory and step time).
+
+How a step is timed
+  1. Each pipeline stage's F, B (and W for zb) per micro-batch: `stage_costs` (roofline math plus
+     the TP, CP and ZeRO-3 communication that does not hide).
+  2. The schedule's action lists -- the lists the executor runs -- are simulated with those
+     durations and the pipeline link's point-to-point time: makespan and bubble.
+  3. Gradient synchronisation (DDP all-reduce; ZeRO reduce-scatter + all-gather; HSDP's all-reduce
+     across replicas) overlaps each rank's last backward; what sticks out past the rank's end of
+     pipeline work adds to the step.
+  4. The optimizer update is memory-bound: its bytes over HBM bandwidth.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+from plait.parallel.schedules import Action, build_schedule, peak_activation_units
+from plait.planner import costs, memory
+from plait.planner.costs import ModelDims
+from plait.planner.hardware import GIB, Cluster
+from plait.planner.layout import Layout, check_layout
+from plait.planner.memory import Precision
+from plait.planner.simulate import simulate
+from plait.planner.stage_costs import StageCosts, stage_costs
+from plait.planner.traffic import Collective, DimTraffic
+
+BUCKET_BYTES = 25 * (1 << 20)  # plait's default gradient bucket (parallel.bucket_mb)
+MEMORY_PARTS = ("parameters", "gradients", "master_weights", "optimizer_states", "activations",
+                "zero3_gather", "comm_buckets", "recompute_buffer", "cp_ring", "loss_chunk", "reserved")
+TIME_PARTS = ("compute", "tp", "cp", "zero3", "bubble", "dp_sync", "optimizer")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    layout: Layout
+    n_gpus: int
+    microbatches: int
+    tokens_per_step: int
+    memory_bytes: dict[str, float]
+    """Peak memory of the fullest GPU, by component (keys: MEMORY_PARTS)."""
+    memory_rank: int
+    """Pipeline rank of that GPU."""
+    capacity_bytes: float
+    """The GPU's memory as the driver reports it."""
+    traffic: dict[str, DimTraffic]
+    time_s: dict[str, float]
+    """Step time of the slowest rank by part (keys: TIME_PARTS); they add up to step_time_s."""
+    makespan_s: float
+    bubble: float
+    """Idle share of the pipeline ranks' time during the makespan (simulated)."""
+    step_time_s: float
+    model_flops_per_step: float
+    hardware_flops_per_step: float
+    mfu: float
+    hfu: float
+    exact: bool = True
+    """False when the pipeline was estimated in closed form instead of simulated (search screening)."""
+    explain: tuple[tuple[str, str], ...] = field(default=(), repr=False)
+
+    @property
+    def memory_total_bytes(self) -> float:
+        return sum(self.memory_bytes.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.memory_total_bytes <= self.capacity_bytes
+
+    @property
+    def headroom_bytes(self) -> float:
+        """Capacity minus use: negative when the layout does not fit."""
+        return self.capacity_bytes - self.memory_total_bytes
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_time_s
+
+
+@functools.lru_cache(maxsize=256)
+def schedule(name: str, pp: int, m: int, v: int):
+    """Schedules are immutable: build each shape once."""
+    return build_schedule(name, pp, m, v)
+
+
+@functools.lru_cache(maxsize=8192)
+def _peak_units(name: str, pp: int, m: int, v: int, rank: int, wfrac: float) -> float:
+    return peak_activation_units(name, pp, m, v, rank, wfrac)
+
+
+def estimate_makespan(name: str, pp: int, m: int, v: int, durs: tuple, p2p_s: float):
+    """Closed-form makespan for screening many layouts (the search then simulates the best).
+
+    The slowest rank works m times its per-micro-batch time T; fill and drain add the other ranks'
+    share once: sum(T) - max(T) for 1F1B and GPipe ((p - 1) T when even), 1/v of that when
+    interleaved, and for ZB-H1 only F + B - W per rank (W fills the rest)."""
+    per_rank = [sum(sum(durs[r * v + c]) for c in range(v)) for r in range(pp)]
+    fills = [durs[r][0] + durs[r][1] - durs[r][2] for r in range(pp)] if name == "zb" else per_rank
+    fill = (sum(fills) - max(fills)) / (v if name == "interleaved" else 1)
+    makespan = m * max(per_rank) + fill + 2 * (pp - 1) * p2p_s
+    return makespan, 1 - sum(per_rank) * m / (pp * makespan), tuple(makespan for _ in range(pp))
+
+
+@functools.lru_cache(maxsize=4096)
+def simulate_makespan(name: str, pp: int, m: int, v: int, durs: tuple, p2p_s: float):
+    """Simulate the schedule with per-(rank, chunk) durations: (makespan, bubble, end per rank)."""
+    table = {(r, c): durs[r * v + c] for r in range(pp) for c in range(v)}
+
+    def dur(rank: int, a: Action) -> float:
+        f, b, w = table[(rank, a.chunk)]
+        return {"F": f, "B": b, "W": w}[a.kind]
+
+    tl = simulate(schedule(name, pp, m, v), dur, p2p_s)
+    ends = [0.0] * pp
+    for s in tl.spans:
+        ends[s.rank] = max(ends[s.rank], s.end_s)
+    return tl.makespan_s, tl.bubble_fraction, tuple(ends)
+
+
+def _sync_s(lay: Layout, psi: float, m: int, prec: Precision, sc: StageCosts) -> float:
+    """Gradient synchronisation time of a rank holding `psi` parameters."""
+    shard, t = lay.shard_group, 0.0
+    if lay.zero == 0 and lay.grad_group > 1:
+        t += Collective("all_reduce", psi * prec.wire_grad_bytes, lay.grad_group, 1, "").time_s(sc.links["grad"][0])
+    elif lay.zero in (1, 2) and shard > 1:
+        link = sc.links["shard"][0]
+        t += Collective("reduce_scatter", psi * prec.wire_grad_bytes, shard, m if lay.zero == 2 else 1, "").time_s(link)
+        t += Collective("all_gather", psi * prec.param_bytes, shard, 1, "").time_s(link)
+    if lay.zero >= 1 and lay.dp_replicate > 1:
+        t += Collective("all_reduce", psi / shard * prec.wire_grad_bytes, lay.dp_replicate, 1, "").time_s(
+            sc.links["replicate"][0])
+    return t
+
+
+def _memory(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, sc: StageCosts, sched_name: str,
+            m: int) -> tuple[int, dict[str, float]]:
+    """Peak memory by component on every pipeline rank; return the fullest rank's."""
+    tp, pp, v, cp, b, e = lay.tp, lay.pp, lay.v, lay.cp, lay.micro_batch, prec.act_bytes
+    sp, shard = lay.seq_parallel, lay.shard_group
+    wfrac = memory.wgrad_fraction(d)
+    per_layer = memory.layer_activation_bytes(d, d.seq // cp, b, tp, sp, lay.recompute, e)
+    layer_w = costs.layer_params(d) / tp
+    best: tuple[float, int, dict] = (-1.0, 0, {})
+    for r in range(pp):
+        st = memory.state_bytes(sc.rank_params[r], lay.zero, shard, prec)
+        units = _peak_units(sched_name, pp, m, v, r, wfrac)
+        comp = {
+            "parameters": st.params, "gradients": st.grads, "master_weights": st.master,
+            "optimizer_states": st.optimizer,
+            "activations": units * max(sc.layers[ch * pp + r] for ch in range(v)) * per_layer,
+            # two blocks gathered (this one and the prefetched next) + one block's full gradients
+            "zero3_gather": (2 * layer_w * prec.param_bytes + layer_w * prec.grad_bytes)
+            if (lay.zero == 3 and shard > 1) else 0.0,
+            "comm_buckets": 2 * BUCKET_BYTES if (lay.grad_group > 1 and lay.zero < 3) else 0.0,
+            # full recomputation rebuilds one layer's complete activations inside its backward
+            "recompute_buffer": memory.layer_activation_bytes(d, d.seq // cp, b, tp, sp, "none", e)
+            if lay.recompute == "full" else 0.0,
+            "cp_ring": 2 * sc.kv_chunk_bytes if cp > 1 else 0.0,  # the block in use + the one arriving
+            "loss_chunk": memory.loss_chunk_bytes(d, b * d.seq // cp, tp) if r == pp - 1 else 0.0,
+            "reserved": c.reserved_gib * GIB,
+        }
+        total = sum(comp.values())
+        if total > best[0]:
+            best = (total, r, comp)
+    return best[1], best[2]
+
+
+def _traffic(d: ModelDims, lay: Layout, prec: Precision, sc: StageCosts, m: int) -> dict[str, DimTraffic]:
+    """Per mesh dim, per step, what rank 0 of the pipeline sends (a middle stage for PP)."""
+    out: dict[str, DimTraffic] = {}
+    nl = sum(sc.layers[ch * lay.pp] for ch in range(lay.v))  # layers on pipeline rank 0
+    shard, g, p = lay.shard_group, prec.wire_grad_bytes, prec.param_bytes
+    if lay.tp > 1:
+        passes = 3 if lay.recompute == "full" else 2  # forward, backward (and the recomputed forward)
+        out["tp"] = DimTraffic("tp", lay.tp, *sc.links["tp"], tuple(
+            Collective(x.op, x.size_bytes, lay.tp, x.count * passes * nl * m, x.what) for x in sc.tp_forward))
+    if lay.cp > 1:
+        out["cp"] = DimTraffic("cp", lay.cp, *sc.links["cp"], (Collective(
+            "send_recv", sc.kv_chunk_bytes, lay.cp, 3 * (lay.cp - 1) * nl * m,
+            "ring: K/V forward, K/V and dK/dV backward"),))
+    if lay.pp > 1:
+        out["pp"] = DimTraffic("pp", lay.pp, *sc.links["pp"], (Collective(
+            "send_recv", sc.p2p_bytes, lay.pp, 2 * m * lay.v,
+            "activation forward + gradient backward per micro-batch and chunk (a middle stage)"),))
+    psi = sc.rank_params[0]
+    if lay.zero == 0 and lay.grad_group > 1:
+        out["dp"] = DimTraffic("dp", lay.grad_group, *sc.links["grad"], (
+            Collective("all_reduce", psi * g, lay.grad_group, 1, "gradient all-reduce"),))
+    if lay.zero >= 1 and shard > 1:
+        if lay.zero == 3:  # FSDP gathers and reduces again for every micro-batch
+            colls = (Collective("all_gather", psi * p, shard, 2 * m, "parameter all-gather, forward and backward"),
+                     Collective("reduce_scatter", psi * g, shard, m, "gradient reduce-scatter"))
+        else:
+            colls = (Collective("reduce_scatter", psi * g, shard, m if lay.zero == 2 else 1, "gradient reduce-scatter"),
+                     Collective("all_gather", psi * p, shard, 1, "updated-parameter all-gather"))
+        out["dp_shard"] = DimTraffic("dp_shard", shard, *sc.links["shard"], colls)
+    if lay.zero >= 1 and lay.dp_replicate > 1:
+        out["dp_replicate"] = DimTraffic("dp_replicate", lay.dp_replicate, *sc.links["replicate"], (
+            Collective("all_reduce", psi / shard * g, lay.dp_replicate, 1, "all-reduce of the gradient shard"),))
+    return out
+
+
+def predict(d: ModelDims, lay: Layout, c: Cluster, global_batch: int,
+            prec: Precision | str = "mixed", exact: bool = True) -> Prediction:
+    """Memory, traffic and time of `lay` training `d` on `c` with `global_batch` sequences a step.
+
+    `exact=False` replaces the schedule simulation by `estimate_makespan` (for screening)."""
+    prec = memory.precision(prec) if isinstance(prec, str) else prec
+    m = check_layout(d, lay, c, global_batch)
+    pp, v = lay.pp, lay.v
+    sched_name = lay.schedule if pp > 1 else "1f1b"
+    sc = stage_costs(d, lay, c, prec)
+    run = simulate_makespan if exact else estimate_makespan
+    makespan, bubble, ends = run(sched_name, pp, m, v, sc.durations, sc.p2p_s)
+
+    # the step ends when the last rank has synchronised its gradients and updated its weights
+    hbm_s = c.gpu.hbm_gbps * 1e9 * c.hbm_efficiency
+    step, slow, dp_exposed, opt_s = 0.0, 0, 0.0, 0.0
+    for r in range(pp):
+        psi = sc.rank_params[r]
+        last_bwd = sum(sc.durations[r * v + ch][1] + sc.durations[r * v + ch][2] for ch in range(v))
+        exposed = max(0.0, _sync_s(lay, psi, m, prec, sc) - last_bwd * (m if lay.zero == 2 else 1))
+        local = psi / (lay.shard_group if lay.zero >= 1 else 1)
+        # read grad + param, read and write master and moments, write param
+        opt = local * (prec.grad_bytes + 2 * prec.k + 2 * prec.param_bytes) / hbm_s
+        if ends[r] + exposed + opt > step:
+            step, slow, dp_exposed, opt_s = ends[r] + exposed + opt, r, exposed, opt
+
+    # time by part on the slowest rank: its work split in proportion, its idle time = bubble
+    busy = sc.rank_busy_s(slow, v) * m
+    nl = sum(sc.layers[ch * pp + slow] for ch in range(v))
+    parts = {k: sc.layer[k] * nl * m for k in ("compute", "tp", "cp", "zero3")}
+    parts["compute"] += busy - sum(parts.values())  # the output head and p2p-free remainder
+    time_s = {**parts, "bubble": max(0.0, ends[slow] - busy), "dp_sync": dp_exposed, "optimizer": opt_s}
+
+    mem_rank, mem = _memory(d, lay, c, prec, sc, sched_name, m)
+    traffic = _traffic(d, lay, prec, sc, m)
+
+    tokens_step = global_batch * d.seq
+    model_flops = costs.model_flops_per_token(d) * tokens_step
+    # plait's fused attention already recomputes its scores: "selective" adds no work to Llama
+    hw_rc = "none" if (d.arch == "llama" and lay.recompute == "selective") else lay.recompute
+    hw_flops = costs.hardware_flops_per_token(d, hw_rc) * tokens_step
+    peak = c.peak_flops
+    mfu = model_flops / (step * c.n_gpus * peak)
+    hfu = hw_flops / (step * c.n_gpus * peak)
+    explain = _explain(d, lay, c, prec, global_batch, m, sc, mem_rank, sched_name, makespan, bubble,
+                       dp_exposed, opt_s, step, model_flops, mfu, traffic) if exact else ()
+    return Prediction(lay, c.n_gpus, m, tokens_step, mem, mem_rank, c.gpu.hbm_gib * GIB, traffic, time_s,
+                      makespan, bubble, step, model_flops, hw_flops, mfu, hfu, exact, explain)
+
+
+def _explain(d, lay, c, prec, gb, m, sc, mem_rank, sched_name, makespan, bubble, dp_exposed, opt_s,
+             step, model_flops, mfu, traffic) -> tuple[tuple[str, str], ...]:
+    """Each quantity with the formula and the numbers that produced it (`plait plan --explain`)."""
+    pp, v, cp, b, tp = lay.pp, lay.v, lay.cp, lay.micro_batch, lay.tp
+    per_layer = memory.layer_activation_bytes(d, d.seq // cp, b, tp, lay.seq_parallel, lay.recompute,
+                                              prec.act_bytes)
+    units = _peak_units(sched_name, pp, m, v, mem_rank, memory.wgrad_fraction(d))
+    ex = [
+        ("parameters", f"N = {costs.param_count(d):,}; in matmuls N' = {costs.matmul_params(d):,}"),
+        ("model FLOPs/token", f"6N' + 12LHQT = 6 x {costs.matmul_params(d):.4g} + 12 x {d.layers} x {d.heads} x "
+                              f"{d.head_dim} x {d.seq} = {costs.model_flops_per_token(d):.4g}"),
+        ("micro-batches", f"M = B / (dp x b) = {gb} / ({lay.dp} x {b}) = {m}"),
+        ("state bytes/param", f"{prec.name}: param {prec.param_bytes:g} + grad {prec.grad_bytes:g} + K {prec.k:g} "
+                              f"(master {prec.master_bytes:g} + moments {prec.optim_bytes:g}); ZeRO-{lay.zero} over "
+                              f"N_d = {lay.shard_group} -> {memory.bytes_per_param(lay.zero, lay.shard_group, prec):.4g}"
+                              f" B/param x {sc.rank_params[mem_rank]:.4g} params on pipeline rank {mem_rank}"),
+        ("activations", f"{d.arch} per layer (s = {d.seq // cp}, b = {b}, t = {tp}, sp = {lay.seq_parallel}, "
+                        f"recompute = {lay.recompute}) = {per_layer / 2**20:.1f} MiB x "
+                        f"{max(sc.layers[ch * pp + mem_rank] for ch in range(v))} layers x {units:.3g} "
+                        f"micro-batches in flight ({sched_name} schedule, rank {mem_rank})"),
+        ("layer time", f"roofline per micro-batch: math {sc.layer['compute'] * 1e3:.3f} ms + TP "
+                       f"{sc.layer['tp'] * 1e3:.3f} ms + CP {sc.layer['cp'] * 1e3:.3f} ms + ZeRO-3 "
+                       f"{sc.layer['zero3'] * 1e3:.3f} ms (F + B; peak {c.peak_flops / 1e12:.0f} TFLOP/s x "
+                       f"{c.matmul_efficiency:g}, HBM {c.gpu.hbm_gbps:g} GB/s x {c.hbm_efficiency:g})"),
+        ("pipeline", f"{sched_name} pp = {pp}, m = {m}, v = {v}: makespan {makespan * 1e3:.2f} ms, bubble "
+                     f"{bubble:.2%} (even stages, free P2P: (p-1)/(v m + p-1) = "
+                     f"{(pp - 1) / (v * m + pp - 1):.2%})"),
+        ("step time", f"makespan + exposed gradient sync {dp_exposed * 1e3:.2f} ms + optimizer "
+                      f"{opt_s * 1e3:.2f} ms = {step * 1e3:.2f} ms"),
+        ("MFU", f"{model_flops:.4g} FLOP / ({step:.4g} s x {c.n_gpus} GPUs x {c.peak_flops:.4g} FLOP/s) "
+                f"= {mfu:.2%}"),
+    ]
+    for name, t in traffic.items():
+        ex.append((f"traffic {name}", "; ".join(
+            f"{x.count:g} x {x.op}({x.size_bytes / 2**20:.1f} MiB over {x.n}) = {x.bytes_per_device / 1e9:.3f} GB"
+            for x in t.collectives) + f" per device on {t.link.name} ({t.link.gbps:g} GB/s): "
+            f"{t.time_s * 1e3:.2f} ms if nothing overlapped"))
+    return tuple(ex)

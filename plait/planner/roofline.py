@@ -1,0 +1,85 @@
+"""Roofline compute time: a kernel runs at min(peak, bandwidth x arithmetic intensity).
+
+Equivalently its time is max(FLOPs / peak, bytes / bandwidth): whichever of the two roofs it hits.
+Peaks are scaled by the cluster's matmul and HBM efficiencies (what well-tuned kernels reach).
+
+A transformer block is costed kernel by kernel on one GPU of a layout: each weight matmul with its
+tensor-parallel shard (m = tokens on this GPU, k x n = the shard of the weight), the attention core
+(causal: half the square), and the memory-bound rest (norms, residual adds, RoPE, the gated
+activation) by the bytes it reads and writes. Backward costs twice the forward matmuls (input and
+weight gradients, one matmul each) and 2.5 times the attention core (fused attention recomputes
+the scores and does five products to the forward's two).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from plait.planner.costs import ModelDims
+from plait.planner.hardware import Cluster
+
+
+def attainable_flops(peak_flops: float, bandwidth_bytes_s: float, intensity: float) -> float:
+    """The roofline: min(peak, bandwidth x FLOPs-per-byte)."""
+    return min(peak_flops, bandwidth_bytes_s * intensity)
+
+
+def ridge_intensity(c: Cluster) -> float:
+    """FLOPs per byte where the two roofs meet: below it a kernel is memory-bound."""
+    return c.peak_flops * c.matmul_efficiency / (c.gpu.hbm_gbps * 1e9 * c.hbm_efficiency)
+
+
+def kernel_time_s(flops: float, bytes_moved: float, c: Cluster) -> float:
+    return max(flops / (c.peak_flops * c.matmul_efficiency),
+               bytes_moved / (c.gpu.hbm_gbps * 1e9 * c.hbm_efficiency))
+
+
+def gemm_time_s(m: float, k: float, n: float, c: Cluster, elem_bytes: float = 2.0) -> float:
+    """(m x k) @ (k x n): 2 m k n FLOPs over reading A and B and writing C once."""
+    return kernel_time_s(2 * m * k * n, elem_bytes * (m * k + k * n + m * n), c)
+
+
+@dataclass(frozen=True)
+class LayerTimes:
+    """Seconds for one block on one GPU for one micro-batch."""
+
+    forward_s: float
+    backward_input_s: float
+    backward_weight_s: float
+    attention_forward_s: float
+    """The attention core's share of forward_s (context parallelism overlaps its ring with it)."""
+
+    @property
+    def backward_s(self) -> float:
+        return self.backward_input_s + self.backward_weight_s
+
+
+def layer_times(d: ModelDims, tokens: float, c: Cluster, tp: int = 1) -> LayerTimes:
+    """Cost one block for `tokens` tokens of a micro-batch on one GPU (tokens already / cp).
+
+    With tensor parallelism every matmul runs on all the micro-batch's tokens with 1/tp of the
+    weight; attention on 1/tp of the heads; pointwise work on 1/tp of the elements (sequence
+    parallelism splits what TP alone would replicate)."""
+    h, f, kv, e = d.hidden, d.ffn, d.kv_dim, 2.0
+    m = tokens
+    if d.arch == "llama":
+        shapes = [(h, (h + 2 * kv) / tp), (h / tp, h), (h, 2 * f / tp), (f / tp, h)]
+    else:
+        shapes = [(h, 3 * h / tp), (h / tp, h), (h, f / tp), (f / tp, h)]
+    mm = sum(gemm_time_s(m, k, n, c) for k, n in shapes)
+    # causal: a query meets s/2 keys on average (with CP too: the ring brings the rest); 4 FLOPs
+    # per (query, key, head-dim element) for QK^T and AV
+    attn_flops = m * 4 * (d.seq / 2) * d.heads * d.head_dim / tp
+    attn_bytes = e * m * (h + 2 * kv + h) / tp
+    attn = kernel_time_s(attn_flops, attn_bytes, c)
+    # pointwise: 2 norms, 2 residual adds, RoPE on q and k, gated activation; read + write
+    pw_bytes = e * m * (8 * h + 4 * (h + kv) + 3 * f) / tp
+    pw = kernel_time_s(0.0, pw_bytes, c)
+    return LayerTimes(forward_s=mm + attn + pw, backward_input_s=mm + 2.5 * attn + 2 * pw,
+                      backward_weight_s=mm, attention_forward_s=attn)
+
+
+def head_times(d: ModelDims, tokens: float, c: Cluster, tp: int = 1) -> tuple[float, float]:
+    """Forward and backward seconds of the output projection + loss on the last stage."""
+    fwd = gemm_time_s(tokens, d.hidden, d.vocab / tp, c)
+    return fwd, 2 * fwd

@@ -1,0 +1,167 @@
+"""Search layouts: enumerate (tp, pp, v, cp, dp_replicate x dp_shard, zero, micro-batch, recompute,
+schedule) for a model on a cluster, keep those that fit in memory, rank them by predicted step time,
+and say why the winners win.
+
+Two passes keep it fast: every candidate is costed with the closed-form pipeline estimate
+(`predict(exact=False)`), then the best `refine` are re-costed by simulating their schedules, and
+the final order is by simulated step time.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field, replace
+
+from plait.errors import UserError
+from plait.planner.costs import ModelDims
+from plait.planner.hardware import GIB, Cluster
+from plait.planner.layout import Layout, check_layout
+from plait.planner.memory import Precision
+from plait.planner.predict import Prediction, predict
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+@dataclass(frozen=True)
+class Space:
+    """What to try. None = every sensible value; a tuple pins the choices (e.g. tp=(8,))."""
+
+    tp: tuple[int, ...] | None = None
+    pp: tuple[int, ...] | None = None
+    cp: tuple[int, ...] | None = None
+    dp_replicate: tuple[int, ...] | None = None
+    zero: tuple[int, ...] = (0, 1, 2, 3)
+    v: tuple[int, ...] = (2, 4)
+    micro_batch: tuple[int, ...] = (1, 2, 4, 8)
+    recompute: tuple[str, ...] = ("none", "selective", "full")
+    schedule: tuple[str, ...] = ("1f1b", "interleaved", "zb")
+    sp: bool = True
+    max_cp: int = 8
+
+
+@dataclass
+class SearchResult:
+    ranked: list[Prediction]
+    considered: int
+    rejected: Counter = field(default_factory=Counter)
+    """Reason -> count, for layouts that are impossible or do not fit."""
+    example_oom: Prediction | None = None
+    """The fastest-looking layout that did not fit (to show what memory costs)."""
+
+    @property
+    def best(self) -> Prediction:
+        return self.ranked[0]
+
+
+def candidates(d: ModelDims, c: Cluster, global_batch: int, space: Space = Space()):
+    """Every layout of `space` whose degrees multiply to the cluster's GPU count."""
+    n = c.n_gpus
+    tps = space.tp or tuple(t for t in _divisors(c.gpus_per_node) if d.heads % t == 0 and d.kv_heads % t == 0)
+    cps = space.cp or tuple(k for k in (1, 2, 4, 8, 16, 32) if k <= space.max_cp and d.seq % (2 * k) == 0 or k == 1)
+    for tp in tps:
+        for cp in cps:
+            if n % (tp * cp):
+                continue
+            for pp in space.pp or tuple(p for p in _divisors(n // (tp * cp)) if p <= d.layers):
+                if n % (tp * cp * pp):
+                    continue
+                dp = n // (tp * cp * pp)
+                for zero in space.zero:
+                    if zero > 0 and dp * cp == 1:
+                        continue  # nothing to shard over
+                    reps = space.dp_replicate or ((1,) if zero < 3 else tuple(r for r in _divisors(dp) if r < dp or dp == 1))
+                    for rep in reps:
+                        if dp % rep:
+                            continue
+                        for mb in space.micro_batch:
+                            if global_batch % (dp * mb):
+                                continue
+                            m = global_batch // (dp * mb)
+                            for rc in space.recompute:
+                                if rc == "selective" and d.arch == "llama":
+                                    continue  # identical to "none" with fused attention
+                                scheds = ("1f1b",) if pp == 1 else space.schedule
+                                for sched in scheds:
+                                    vs = space.v if sched == "interleaved" else (1,)
+                                    for v in vs:
+                                        if sched == "interleaved" and (m % pp or pp * v > d.layers):
+                                            continue
+                                        yield Layout(tp=tp, pp=pp, dp_replicate=rep, dp_shard=dp // rep, cp=cp,
+                                                     zero=zero, v=v, schedule=sched, micro_batch=mb,
+                                                     recompute=rc, sp=space.sp)
+
+
+def search(d: ModelDims, c: Cluster, global_batch: int, prec: Precision | str = "mixed",
+           space: Space = Space(), top: int = 10, refine: int = 40) -> SearchResult:
+    """Rank the layouts that fit by predicted step time (simulated for the best `refine`)."""
+    screened: list[Prediction] = []
+    rejected: Counter = Counter()
+    oom: Prediction | None = None
+    considered = 0
+    for lay in candidates(d, c, global_batch, space):
+        considered += 1
+        try:
+            check_layout(d, lay, c, global_batch)
+        except UserError as e:
+            rejected[str(e).split(" = ")[0] + " constraint"] += 1
+            continue
+        p = predict(d, lay, c, global_batch, prec, exact=False)
+        if not p.fits:
+            rejected["does not fit in memory"] += 1
+            if oom is None or p.step_time_s < oom.step_time_s:
+                oom = p
+            continue
+        screened.append(p)
+    if not screened:
+        return SearchResult([], considered, rejected, oom)
+    screened.sort(key=lambda p: p.step_time_s)
+    exact = [predict(d, p.layout, c, global_batch, prec, exact=True) for p in screened[:refine]]
+    exact = [p for p in exact if p.fits]
+    fastest = min(p.step_time_s for p in exact) if exact else 1.0
+    # within 0.1% of each other, prefer the simpler layout: fewer mechanisms to run and debug
+    exact.sort(key=lambda p: (round(p.step_time_s / fastest, 3), _complexity(p.layout), -p.headroom_bytes))
+    return SearchResult(exact[:top], considered, rejected, oom)
+
+
+def _complexity(lay: Layout) -> tuple:
+    return (lay.cp > 1, lay.pp > 1, lay.v > 1, lay.dp_replicate > 1, lay.zero, lay.recompute != "none",
+            lay.schedule != "1f1b", lay.micro_batch)
+
+
+def _share(p: Prediction) -> str:
+    t = p.step_time_s
+    parts = [(k, v) for k, v in p.time_s.items() if v / t >= 0.005]
+    return ", ".join(f"{k} {v / t:.0%}" for k, v in sorted(parts, key=lambda kv: -kv[1]))
+
+
+def explain_ranking(res: SearchResult, n: int = 5) -> list[str]:
+    """Why the winners win: each one's time budget, and for each runner-up the parts that cost it
+    the most relative to the winner."""
+    if not res.ranked:
+        return ["no layout fits: " + ", ".join(f"{k}: {v}" for k, v in res.rejected.items())]
+    best = res.ranked[0]
+    lines = [f"#1 {best.layout.describe()}: {best.step_time_s:.3f} s/step, MFU {best.mfu:.1%}; time = "
+             f"{_share(best)}; {best.headroom_bytes / GIB:.1f} GiB free of {best.capacity_bytes / GIB:.0f}"]
+    for i, p in enumerate(res.ranked[1:n], start=2):
+        noise = 5e-4 * best.step_time_s  # differences below this are rounding, not reasons
+        deltas = {k: p.time_s[k] - best.time_s[k] for k in best.time_s
+                  if abs(p.time_s[k] - best.time_s[k]) > noise}
+        worse = sorted(((k, v) for k, v in deltas.items() if v > 0), key=lambda kv: -kv[1])[:2]
+        better = sorted(((k, v) for k, v in deltas.items() if v < 0), key=lambda kv: kv[1])[:1]
+        why = ", ".join(f"+{v:.3f} s {k}" for k, v in worse) or "same time"
+        gain = f" (saves {-better[0][1]:.3f} s {better[0][0]})" if better else ""
+        lines.append(f"#{i} {p.layout.describe()}: +{p.step_time_s / best.step_time_s - 1:.1%}: {why}{gain}")
+    if res.example_oom is not None:
+        o = res.example_oom
+        lines.append(f"fastest layout that does not fit: {o.layout.describe()} ({o.step_time_s:.3f} s/step) needs "
+                     f"{o.memory_total_bytes / GIB:.1f} GiB per GPU, over by {-o.headroom_bytes / GIB:.1f} GiB")
+    lines.append(f"considered {res.considered} layouts; " + ", ".join(f"{v} rejected: {k}" for k, v in res.rejected.items()))
+    return lines
+
+
+def pin(space: Space, **fixed) -> Space:
+    """`space` with the given dims pinned to one value each (None values ignored)."""
+    kw = {k: (v,) for k, v in fixed.items() if v is not None}
+    return replace(space, **kw)

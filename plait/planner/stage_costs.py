@@ -1,0 +1,131 @@
+"""What one micro-batch costs each pipeline stage of a layout: seconds of F, B and W, and what
+those seconds are made of (math, tensor-parallel collectives, context-parallel ring, ZeRO-3
+gathers), plus the parameters each pipeline rank holds and the links each mesh dim crosses.
+
+Overlap rules (why some communication adds to a stage and some does not):
+  TP collectives sit between dependent matmuls: on the critical path, added in full.
+  CP's ring passes K/V blocks while the attention of the block already held runs: only what
+    exceeds the attention compute is exposed.
+  ZeRO-3 prefetches the next layer's parameters during this layer: only what exceeds the layer's
+    compute is exposed (gather forward; gather + reduce-scatter backward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from plait.planner import costs, roofline
+from plait.planner.costs import ModelDims
+from plait.planner.hardware import Cluster, Link
+from plait.planner.layout import Layout, stage_layers
+from plait.planner.memory import Precision
+from plait.planner.placement import nodes_spanned
+from plait.planner.traffic import Collective
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    layers: tuple[int, ...]
+    """Layers of each stage (pp * v of them)."""
+    durations: tuple[tuple[float, float, float], ...]
+    """(F, B, W) seconds per (rank, chunk), index rank * v + chunk; W = 0 unless split."""
+    layer: dict
+    """Seconds per layer per micro-batch by part: compute, tp, cp, zero3, recompute (F + B)."""
+    rank_params: tuple[float, ...]
+    """Parameters held by each pipeline rank (after TP)."""
+    tp_forward: tuple[Collective, ...]
+    """TP collectives of one layer's forward."""
+    kv_chunk_bytes: float
+    """K and V of one micro-batch's sequence slice on one GPU (what CP's ring passes)."""
+    p2p_bytes: float
+    p2p_s: float
+    links: dict[str, tuple[Link, bool]]
+    """Per group name: (link, crosses nodes)."""
+
+    def rank_busy_s(self, rank: int, v: int) -> float:
+        return sum(sum(self.durations[rank * v + c]) for c in range(v))
+
+
+GROUPS = {"tp": ("tp",), "cp": ("cp",), "pp": ("pp",), "shard": ("dp_shard", "cp"),
+          "grad": ("dp_replicate", "dp_shard", "cp"), "replicate": ("dp_replicate",)}
+
+
+def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision) -> StageCosts:
+    tp, pp, v, cp, b = lay.tp, lay.pp, lay.v, lay.cp, lay.micro_batch
+    sp, e = lay.seq_parallel, prec.act_bytes
+    S = pp * v
+    layers = stage_layers(d.layers, S)
+    tokens = b * d.seq // cp  # tokens of one micro-batch on one GPU
+    sizes = lay.sizes()
+    links = {}
+    for name, dims in GROUPS.items():
+        crosses = nodes_spanned(dims, sizes, c.gpus_per_node) > 1
+        links[name] = (c.inter if crosses else c.intra, crosses)
+
+    # parameters per pipeline rank: layers; the embedding on rank 0; the head on the last rank,
+    # which also keeps its own copy of a tied embedding matrix when the two ends are different ranks
+    lp = costs.layer_params(d)
+    tied_copy = d.vocab * d.hidden if (d.tie_embeddings and pp > 1) else 0
+    rank_params = []
+    for r in range(pp):
+        n = sum(layers[ch * pp + r] for ch in range(v)) * lp
+        n += costs.embedding_params(d) if r == 0 else 0
+        n += (costs.head_params(d) + tied_copy) if r == pp - 1 else 0
+        rank_params.append(n / tp)
+
+    lt = roofline.layer_times(d, tokens, c, tp)
+    head_f, head_b = roofline.head_times(d, tokens, c, tp)
+    act = tokens * d.hidden * e  # one (b, s/cp, h) activation, bytes
+    tp_link = links["tp"][0]
+    if tp == 1:
+        tp_fwd: tuple[Collective, ...] = ()
+    elif sp:
+        tp_fwd = (Collective("all_gather", act, tp, 2, "SP all-gather before QKV and w1/w3"),
+                  Collective("reduce_scatter", act, tp, 2, "SP reduce-scatter after wo and w2"))
+    else:
+        tp_fwd = (Collective("all_reduce", act, tp, 2, "all-reduce after wo and w2"),)
+    tp_s = sum(x.time_s(tp_link) for x in tp_fwd)  # forward; the backward mirrors it
+
+    kv_chunk = 2 * tokens * d.kv_dim / tp * e
+    cp_s = Collective("send_recv", kv_chunk, cp, cp - 1, "").time_s(links["cp"][0]) if cp > 1 else 0.0
+    cp_f = max(0.0, cp_s - lt.attention_forward_s)
+    cp_b = max(0.0, 2 * cp_s - 2.5 * lt.attention_forward_s)  # K/V again plus dK/dV
+
+    shard = lay.shard_group
+    z3_f = z3_b = 0.0
+    if lay.zero == 3 and shard > 1:
+        link = links["shard"][0]
+        ag = Collective("all_gather", lp / tp * prec.param_bytes, shard, 1, "").time_s(link)
+        rs = Collective("reduce_scatter", lp / tp * prec.wire_grad_bytes, shard, 1, "").time_s(link)
+        z3_f = max(0.0, ag - lt.forward_s)
+        z3_b = max(0.0, ag + rs - lt.backward_s)
+
+    # recomputation runs inside the backward: full = the whole forward again (with its TP
+    # collectives); selective (GPT) = the attention core; plait's fused attention needs none
+    if lay.recompute == "full":
+        rc = lt.forward_s + tp_s
+    elif lay.recompute == "selective" and d.arch == "gpt":
+        rc = lt.attention_forward_s
+    else:
+        rc = 0.0
+    f1 = lt.forward_s + tp_s + cp_f + z3_f
+    bi1 = lt.backward_input_s + tp_s + cp_b + z3_b + rc
+    bw1 = lt.backward_weight_s
+    split = lay.schedule == "zb" and pp > 1
+    durs = []
+    for r in range(pp):
+        for ch in range(v):
+            st = ch * pp + r
+            n, last = layers[st], st == S - 1
+            f = n * f1 + (head_f if last else 0.0)
+            bi = n * bi1 + (head_b / 2 if last else 0.0)
+            bw = n * bw1 + (head_b / 2 if last else 0.0)
+            durs.append((f, bi, bw) if split else (f, bi + bw, 0.0))
+
+    pp_link = links["pp"][0]
+    msg = act / (tp if sp else 1)  # SP keeps the hidden states sequence-split between stages
+    p2p_s = (pp_link.latency_s + msg / pp_link.bytes_per_s) if pp > 1 else 0.0
+    parts = {"compute": lt.forward_s + lt.backward_s + (rc - tp_s if lay.recompute == "full" else rc),
+             "tp": tp_s * (3 if lay.recompute == "full" else 2), "cp": cp_f + cp_b, "zero3": z3_f + z3_b}
+    return StageCosts(tuple(layers), tuple(durs), parts, tuple(rank_params), tp_fwd, kv_chunk, msg,
+                      p2p_s, links)

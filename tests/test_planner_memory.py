@@ -1,0 +1,194 @@
+"""Memory: model state under every ZeRO stage and precision convention, activations (Korthikanti
+et al. 2022 and plait's Llama), and the seeds' memory figures.
+
+Seed files live in ../shared/seeds/: 000 = Day 10 quick reference, 001 = parallelism one-pager,
+002 = distributed training guide, 003 = lecture 07 transcript, 004 = lecture 11 notes."""
+
+import math
+
+import pytest
+
+from plait.planner.memory import (PRECISIONS, Precision, bytes_per_param, gpt_layer_activation_bytes,
+                                  interleaved_memory_factor, layer_activation_bytes, max_params_that_fit,
+                                  state_bytes, wgrad_fraction)
+
+GB = 1e9
+ZERO = PRECISIONS["mixed"]  # 2 + 2 + K, K = 12
+LECTURE = PRECISIONS["lecture"]  # 2 + 2 + K, K = 8
+
+
+def test_both_conventions_come_out_of_one_model():
+    """Seed 003: "~16 bytes per parameter" (2 + 2 + 4 + 4 + 4, ZeRO's K = 12) and the "will it fit"
+    slide's 12 B/param (K = 8: fp32 master + 16-bit moments, "4 (or 2) bytes" each)."""
+    assert ZERO.k == 12 and ZERO.total == 16
+    assert LECTURE.k == 8 and LECTURE.total == 12
+    assert PRECISIONS["fp32"].total == 16
+
+
+def test_zero_paper_7_5b_on_64_gpus():
+    """Seed 003 (and ZeRO, Rajbhandari et al. 2020, Fig. 1): 7.5B parameters, N_d = 64, K = 12:
+    baseline 120 GB, P_os 31.4 GB, P_os+g 16.6 GB, P_os+g+p 1.9 GB."""
+    psi, n = 7.5e9, 64
+    got = [state_bytes(psi, z, n, ZERO).total / GB for z in (0, 1, 2, 3)]
+    assert got == pytest.approx([120, 31.40625, 16.640625, 1.875])
+    assert [round(x, 1) for x in got] == [120.0, 31.4, 16.6, 1.9]
+
+
+def test_seed_003_zero_formulas_are_wrong():
+    """Seed 003 writes stage 1 as (2 + 2 + K) Psi / N_d and stages 2 and 3 as (2 + K) Psi / N_d.
+    Those give 1.875 / 1.64 / 1.64 GB, not the 31.4 / 16.6 / 1.9 the same slide shows. The right
+    ones: (4 + K/N_d) Psi, (2 + (2 + K)/N_d) Psi, (2 + 2 + K) Psi / N_d -- pinned here."""
+    psi, n, k = 7.5e9, 64, 12
+    seed = [(2 + 2 + k) * psi / n, (2 + k) * psi / n, (2 + k) * psi / n]
+    right = [(4 + k / n) * psi, (2 + (2 + k) / n) * psi, (2 + 2 + k) * psi / n]
+    ours = [state_bytes(psi, z, n, ZERO).total for z in (1, 2, 3)]
+    assert ours == pytest.approx(right)
+    assert ours[0] != pytest.approx(seed[0]) and ours[2] != pytest.approx(seed[2])
+    # seed 003's DDP comparison is right: (4 + K) Psi vs (4 + K / N_gpu) Psi
+    assert bytes_per_param(0, n, ZERO) == 4 + k and bytes_per_param(1, n, ZERO) == 4 + k / n
+
+
+def test_zero_stage_reductions_4x_8x_nx():
+    """Seed 001: stage 1 "4x", stage 2 "8x", stage 3 "Nx" less memory: the large-N_d limits of
+    16 / (4 + 12/N), 16 / (2 + 14/N), and exactly N for stage 3 (K = 12)."""
+    n = 10**6
+    base = bytes_per_param(0, 1, ZERO)
+    assert base / bytes_per_param(1, n, ZERO) == pytest.approx(4, rel=1e-4)
+    assert base / bytes_per_param(2, n, ZERO) == pytest.approx(8, rel=1e-4)
+    for n in (4, 64, 1024):
+        assert base / bytes_per_param(3, n, ZERO) == pytest.approx(n)
+
+
+def test_10b_on_8_gpus_table():
+    """Seed 002's ZeRO table, 10B parameters on 8 GPUs, params/grads/optimizer/total in GB:
+    DP 20/20/80/120, stage 1 20/20/10/50, stage 2 20/2.5/10/32.5, stage 3 2.5/2.5/10/15
+    (optimizer 80 GB = 8 B/param: the lecture convention's K = 8)."""
+    psi, n = 10e9, 8
+    table = {0: (20, 20, 80, 120), 1: (20, 20, 10, 50), 2: (20, 2.5, 10, 32.5), 3: (2.5, 2.5, 10, 15)}
+    for z, row in table.items():
+        s = state_bytes(psi, z, n, LECTURE)
+        assert (s.params / GB, s.grads / GB, (s.master + s.optimizer) / GB, s.total / GB) == pytest.approx(row)
+
+
+def test_will_it_fit_on_8x_a100_80gb():
+    """Seed 003: on 8 x A100 80GB, model state alone: naive DP 12 B/param -> 6.66B; ZeRO-1 5 B/param
+    -> 16B; ZeRO-2 2 + 10/8 -> 24.62B; ZeRO-3 12/8 -> 53.33B (80 GB read as 80e9 bytes)."""
+    cap = 80 * GB
+    assert [bytes_per_param(z, 8, LECTURE) for z in (0, 1, 2, 3)] == [12, 5, 2 + 10 / 8, 12 / 8]
+    got = [max_params_that_fit(cap, z, 8, LECTURE) / 1e9 for z in (0, 1, 2, 3)]
+    assert [math.floor(x * 100) / 100 for x in got] == [6.66, 16.0, 24.61, 53.33]
+    assert round(got[2], 2) == 24.62
+
+
+def test_70b_training_memory():
+    """Seed 002: 70B in fp16 with Adam: model 140 GB, gradients 140 GB, "Adam states 560 GB (FP32
+    copy + momentum + variance = 4 x 140)", total ~1 TB, 8-16 GPUs. 560 GB is K = 8 (fp32 master +
+    16-bit moments, the lecture convention); with fp32 moments (ZeRO paper, plait) it is 840 GB and
+    the total 1120 GB = 14 x 80 GB GPUs for model state alone."""
+    s = state_bytes(70e9, 0, 1, LECTURE)
+    assert (s.params / GB, s.grads / GB, (s.master + s.optimizer) / GB) == (140, 140, 560)
+    assert s.total / GB == 840
+    z = state_bytes(70e9, 0, 1, ZERO)
+    assert (z.master + z.optimizer) / GB == 840 and z.total / GB == 1120
+    assert math.ceil(z.total / (80 * GB)) == 14
+
+
+def test_model_sizes_and_gpus_needed():
+    """Seed 002: fp16 weights: GPT-2 1.5B 3 GB (1 GPU), LLaMA 7B 14 GB (1), 70B 140 GB (2), GPT-3 175B
+    350 GB (5), ~1.8T ~3.6 TB (45+) on 80 GB GPUs; seed 001: 175B x 2 bytes = 350 GB."""
+    for params, gb, gpus in ((1.5e9, 3, 1), (7e9, 14, 1), (70e9, 140, 2), (175e9, 350, 5), (1.8e12, 3600, 45)):
+        w = state_bytes(params, 0, 1, ZERO).params
+        assert w / GB == pytest.approx(gb)
+        assert math.ceil(w / (80 * GB)) == gpus
+
+
+def test_175b_state_totals():
+    """175B: 2.8 TB of model state at 16 B/param (ZeRO / plait), 2.1 TB at the lecture's 12."""
+    assert state_bytes(175e9, 0, 1, ZERO).total / 1e12 == pytest.approx(2.8)
+    assert state_bytes(175e9, 0, 1, LECTURE).total / 1e12 == pytest.approx(2.1)
+
+
+def test_seed_004_fsdp_4w_example():
+    """Seed 004: weights W + gradients W + Adam 2W = 4W per GPU; on 4 GPUs 16W in total; FSDP
+    shards everything: W per GPU, 4W in total (every role the same dtype)."""
+    same = Precision("same", 1, 1, 0, 2)
+    assert state_bytes(1.0, 0, 4, same).total == 4 and 4 * state_bytes(1.0, 0, 4, same).total == 16
+    assert state_bytes(1.0, 3, 4, same).total == 1 and 4 * state_bytes(1.0, 3, 4, same).total == 4
+
+
+# ---- activations -------------------------------------------------------------------------------
+
+S, B, H, A = 2048, 1, 12288, 96  # GPT-3
+
+
+def sbh(x):
+    return S * B * H * x
+
+
+def test_korthikanti_table_2():
+    """Korthikanti et al. 2022, Table 2 (per layer, bytes): sbh(34 + 5as/h); TP: sbh(10 + 24/t +
+    5as/(ht)); TP + SP: sbh(34/t + 5as/(ht)); TP + selective: sbh(10 + 24/t); TP + SP + selective:
+    sbh 34/t; full recomputation: 2 sbh."""
+    t = 8
+    q = 5 * A * S / H
+    assert gpt_layer_activation_bytes(S, B, H, A) == pytest.approx(sbh(34 + q))
+    assert gpt_layer_activation_bytes(S, B, H, A, t) == pytest.approx(sbh(10 + 24 / t + q / t))
+    assert gpt_layer_activation_bytes(S, B, H, A, t, sp=True) == pytest.approx(sbh(34 / t + q / t))
+    assert gpt_layer_activation_bytes(S, B, H, A, t, recompute="selective") == pytest.approx(sbh(10 + 24 / t))
+    assert gpt_layer_activation_bytes(S, B, H, A, t, True, "selective") == pytest.approx(sbh(34 / t))
+    assert gpt_layer_activation_bytes(S, B, H, A, recompute="full") == pytest.approx(sbh(2))
+
+
+def test_seed_003_activation_formula_typo():
+    """Seed 003 writes sbh(34 + as/h + 5/h) (and sbh(10 + 24/t + 5/(ht)) under TP) while its text
+    explains a 5as/h term. The paper's term is 5as/h: for GPT-3 that is 5 x 96 x 2048 / 12288 = 80,
+    against the seed's 16.0004. Pinned: 5as/h."""
+    ours = gpt_layer_activation_bytes(S, B, H, A) / sbh(1)
+    assert ours == pytest.approx(34 + 80)
+    assert ours != pytest.approx(34 + A * S / H + 5 / H)
+
+
+def test_seed_003_ten_sbh_that_tp_does_not_split():
+    """Seed 003: with TP alone 10 sbh stays whole -- LayerNorm inputs 4, dropout masks 2, inputs of
+    attention and MLP 4 -- and only selective recomputation plus SP brings everything to 34/t."""
+    for t in (2, 8, 64, 10**6):
+        whole = gpt_layer_activation_bytes(S, B, H, A, t, recompute="selective") - sbh(24 / t)
+        assert whole == pytest.approx(sbh(4 + 2 + 4))
+
+
+def test_korthikanti_5x_reduction():
+    """Korthikanti et al. 2022: sequence parallelism + selective recomputation "reduce activation
+    memory by 5x" against TP alone: 4.94x for the 530B (a=128, h=20480) and 1T (a=160, h=25600)
+    configurations at t = 8, s = 2048 (5.41x for 175B, 6.2x for 22B)."""
+    def ratio(a, h):
+        return gpt_layer_activation_bytes(2048, 1, h, a, 8) / gpt_layer_activation_bytes(2048, 1, h, a, 8, True, "selective")
+    assert ratio(128, 20480) == pytest.approx(21 / 4.25) == pytest.approx(4.94, abs=0.005)
+    assert ratio(160, 25600) == pytest.approx(4.94, abs=0.005)
+    assert ratio(96, 12288) == pytest.approx(5.41, abs=0.005)
+    assert ratio(64, 6144) == pytest.approx(6.2, abs=0.005)
+
+
+def test_interleaving_memory_factor():
+    """Korthikanti et al. 2022 sec. 4.2.3: interleaved 1F1B keeps 1 + (p-1)/(p v) times 1F1B's
+    activations on the first stage (the schedule tests derive the same from the action lists)."""
+    assert interleaved_memory_factor(4, 2) == pytest.approx(1.375)
+    assert interleaved_memory_factor(4, 1) == 1.0
+
+
+def test_llama_activations():
+    """plait's Llama with fused attention: no s x s term; TP splits all but the 4 s b h kept whole
+    (norm inputs and the QKV / w1-w3 inputs); SP splits that too; full recomputation keeps 2 s b h."""
+    from plait.config import PRESETS, ModelConfig
+    from plait.planner.costs import ModelDims
+
+    d = ModelDims.from_config(ModelConfig(**PRESETS["8b"]))
+    s, b, h = 8192, 1, d.hidden
+    none = layer_activation_bytes(d, s, b)
+    assert none == pytest.approx(2 * s * b * (6 * h + 2 * d.kv_dim + 3 * d.ffn) + 4 * s * b * d.heads)
+    t8 = layer_activation_bytes(d, s, b, 8)
+    assert t8 - (none - 2 * 4 * s * b * h) / 8 == pytest.approx(2 * 4 * s * b * h)
+    assert layer_activation_bytes(d, s, b, 8, sp=True) == pytest.approx(none / 8)
+    assert layer_activation_bytes(d, s, b, 1, recompute="selective") == none
+    assert layer_activation_bytes(d, s, b, 1, recompute="full") == 2 * s * b * h
+    assert layer_activation_bytes(d, s, 4) == pytest.approx(4 * none)  # linear in the micro-batch
+    assert 0 < wgrad_fraction(d) <= 1
