@@ -118,6 +118,8 @@ class FleetReport:
     unplaceable: list[str] = field(default_factory=list)
     split_groups: int = 0
     """TP groups placed across two nodes (first-fit only)."""
+    split_jobs: list[str] = field(default_factory=list)
+    """Jobs with at least one such group: placed, but with TP traffic on the network."""
     fragmentation: list[float] = field(default_factory=list)
     """Fragmentation for full-node groups, sampled after every arrival."""
     final: str = ""
@@ -146,7 +148,10 @@ def run(jobs: list[Job], nodes: int, gpus_per_node: int, policy: str) -> FleetRe
         else:
             rep.placed.append(job.name)
             nodes_of = [n for n, _ in slots]
-            rep.split_groups += sum(len(set(nodes_of[i:i + job.tp])) > 1 for i in range(0, len(slots), job.tp))
+            cut = sum(len(set(nodes_of[i:i + job.tp])) > 1 for i in range(0, len(slots), job.tp))
+            rep.split_groups += cut
+            if cut:
+                rep.split_jobs.append(job.name)
         rep.fragmentation.append(fleet.fragmentation(gpus_per_node))
     rep.final = fleet.render()
     return rep

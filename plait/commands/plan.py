@@ -1,0 +1,93 @@
+"""`plait plan`: predict memory, traffic, step time and MFU of a layout, or search for the best one."""
+
+from __future__ import annotations
+
+NAME = "plan"
+HELP = ("Predict memory per GPU, traffic per mesh dim, step time and MFU of a parallel layout, or "
+        "search for the fastest layout that fits")
+TAKES_OVERRIDES = True  # --link.<kind>-gbps / --gpu.<field> hardware overrides
+
+
+def add_arguments(p) -> None:
+    m = p.add_argument_group("model (a preset, or the shape; explicit values override the preset)")
+    m.add_argument("--model", help="preset: tiny, small, 125m, 1b, 8b, 70b, 405b")
+    m.add_argument("--arch", default="llama", choices=("llama", "gpt"),
+                   help="llama (plait's model) or gpt (GPT-2/3, Megatron's benchmarks)")
+    for flag in ("layers", "hidden", "heads", "kv-heads", "ffn", "vocab", "seq"):
+        m.add_argument(f"--{flag}", type=int)
+    h = p.add_argument_group("cluster (override the catalog with --link.<kind>-gbps X, --link.<kind>-latency-us X, "
+                             "--link.intra/inter KIND, --gpu.tflops X, --gpu.hbm-gib X, --gpu.efficiency X, ...)")
+    h.add_argument("--gpu", default="h100", help="v100, a100-40gb, a100-80gb, h100, h100-pcie, h200, b200")
+    h.add_argument("--nodes", type=int, default=1)
+    h.add_argument("--gpus-per-node", type=int, default=8)
+    t = p.add_argument_group("training step")
+    t.add_argument("--global-batch", type=int, default=512, help="sequences per optimizer step")
+    t.add_argument("--micro-batch", type=int, help="sequences per micro-batch per data-parallel rank")
+    t.add_argument("--precision", default="mixed", choices=("mixed", "lecture", "fp32"),
+                   help="bytes per parameter: mixed = ZeRO paper and plait (2+2+12), lecture = 2+2+8, fp32")
+    lay = p.add_argument_group("layout (giving any of --tp --pp --dp --cp predicts that layout; dp defaults "
+                               "to what the others leave; without them, or with --search, plan searches)")
+    for flag in ("tp", "pp", "dp", "cp", "dp-replicate", "v"):
+        lay.add_argument(f"--{flag}", type=int)
+    lay.add_argument("--zero", type=int, choices=(0, 1, 2, 3))
+    lay.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved", "zb"))
+    lay.add_argument("--recompute", choices=("none", "selective", "full"))
+    lay.add_argument("--no-sp", action="store_true", help="tensor parallelism without sequence parallelism")
+    o = p.add_argument_group("output")
+    o.add_argument("--search", action="store_true", help="search even when layout flags are given (they pin it)")
+    o.add_argument("--top", type=int, default=10, help="layouts to list when searching")
+    o.add_argument("--json", action="store_true", help="machine-readable output (stable keys, schema plait.plan/1)")
+    o.add_argument("--explain", action="store_true", help="show every formula with its numbers")
+    o.add_argument("--placement", action="store_true", help="also print which node and GPU each rank gets")
+    o.add_argument("--fleet-jobs", type=int, default=0,
+                   help="instead: place N random jobs on the cluster with each placement policy and compare")
+    o.add_argument("--seed", type=int, default=0, help="seed of the --fleet-jobs trace")
+
+
+def run(args, extra) -> int:
+    from plait.planner import fleet, inputs, report
+    from plait.planner.placement import place
+    from plait.planner.predict import predict
+    from plait.planner.search import search
+
+    c = inputs.make_cluster(args.gpu, args.nodes, args.gpus_per_node, inputs.parse_overrides(extra))
+    if args.fleet_jobs:
+        jobs = fleet.random_jobs(args.fleet_jobs, c.nodes, c.gpus_per_node, args.seed)
+        for policy in fleet.POLICIES:
+            r = fleet.run(jobs, c.nodes, c.gpus_per_node, policy)
+            print(f"{policy:>9}: placed {len(r.placed)}, refused {len(r.unplaceable)}, placed with a TP group "
+                  f"cut across nodes {len(r.split_jobs)}, mean fragmentation {r.mean_fragmentation:.1%}")
+        return 0
+    d = inputs.model_dims(args.model, args.arch, None, layers=args.layers, hidden=args.hidden,
+                          heads=args.heads, kv_heads=args.kv_heads, ffn=args.ffn, vocab=args.vocab, seq=args.seq)
+    knobs = dict(zero=args.zero, v=args.v, schedule=args.schedule, micro_batch=args.micro_batch,
+                 recompute=args.recompute, sp=not args.no_sp)
+    head = report.header_dict(d, c, args.global_batch, args.precision)
+    given = any(getattr(args, k) is not None for k in ("tp", "pp", "dp", "cp"))
+    if given and not args.search:
+        lay = inputs.make_layout(c, tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp,
+                                 dp_replicate=args.dp_replicate, **knobs)
+        p = predict(d, lay, c, args.global_batch, args.precision)
+        if args.json:
+            print(report.to_json({**head, "mode": "breakdown", "prediction": report.prediction_dict(p)}))
+            return 0
+        print(report.title(d, c, args.global_batch, args.precision))
+        print(report.breakdown_text(p, args.explain))
+        if args.placement:
+            print("\n" + place(lay.sizes(), c.nodes, c.gpus_per_node).table())
+        return 0
+    if args.dp is not None:
+        from plait.errors import UserError
+        raise UserError("--dp is implied by the other degrees when searching; drop it or leave out --search")
+    space = inputs.make_space(tp=args.tp, pp=args.pp, cp=args.cp, dp_replicate=args.dp_replicate, **knobs)
+    res = search(d, c, args.global_batch, args.precision, space, top=args.top)
+    if args.json:
+        print(report.to_json({**head, "mode": "search", "considered": res.considered,
+                              "rejected": dict(res.rejected),
+                              "ranked": [report.prediction_dict(p) for p in res.ranked]}))
+        return 0 if res.ranked else 1
+    print(report.title(d, c, args.global_batch, args.precision))
+    print(report.ranking_text(res))
+    if args.explain and res.ranked:
+        print("\nbest layout in detail:\n" + report.breakdown_text(res.best, explain=True))
+    return 0 if res.ranked else 1

@@ -1,0 +1,95 @@
+"""`plait plan`: the breakdown, the search table, stable JSON, and one-line errors with exit code 2."""
+
+import json
+
+import pytest
+
+from plait.cli import main
+
+
+def run(capsys, *argv):
+    rc = main(["plan", *argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+BASE = ["--model", "70b", "--gpu", "h100", "--nodes", "8", "--global-batch", "1024"]
+
+
+def test_breakdown(capsys):
+    rc, out, _ = run(capsys, *BASE, "--tp", "8", "--pp", "4", "--zero", "1", "--explain")
+    assert rc == 0
+    assert "layout: tp8+sp pp4 dp2 zero1 1f1b" in out
+    assert "-> fits" in out and "optimizer_states" in out and "MFU" in out
+    assert "tp " in out and "InfiniBand NDR" in out
+    assert "6N' + 12LHQT" in out  # --explain shows the formulas with their numbers
+
+
+def test_does_not_fit_says_by_how_much(capsys):
+    rc, out, _ = run(capsys, "--model", "70b", "--gpu", "a100-80gb", "--tp", "8", "--global-batch", "8")
+    assert rc == 0 and "does not fit by" in out
+
+
+def test_link_override_changes_the_prediction(capsys):
+    _, base, _ = run(capsys, *BASE, "--tp", "8", "--pp", "4", "--json")
+    _, slow, _ = run(capsys, *BASE, "--tp", "8", "--pp", "4", "--json", "--link.nvlink-gbps", "370")
+    b, s = json.loads(base)["prediction"], json.loads(slow)["prediction"]
+    assert s["traffic"]["tp"]["link"]["gbps"] == 370 and s["step_time_s"] > b["step_time_s"]
+
+
+def test_json_is_stable_and_documented(capsys):
+    args = [*BASE, "--tp", "8", "--pp", "4", "--zero", "1", "--json"]
+    _, first, _ = run(capsys, *args)
+    _, second, _ = run(capsys, *args)
+    assert first == second
+    doc = json.loads(first)
+    assert json.dumps(doc, sort_keys=True, indent=2) == first.strip()
+    assert doc["schema"] == "plait.plan/1" and doc["mode"] == "breakdown"
+    p = doc["prediction"]
+    for key in ("memory_bytes", "memory_total_bytes", "capacity_bytes", "fits", "traffic", "step_time_s",
+                "bubble", "mfu", "time_s", "layout"):
+        assert key in p
+    assert p["memory_total_bytes"] == pytest.approx(sum(p["memory_bytes"].values()))
+
+
+def test_search_table_and_json(capsys):
+    args = ["--model", "8b", "--seq", "4096", "--nodes", "1", "--global-batch", "64", "--tp", "2", "--search",
+            "--micro-batch", "1", "--recompute", "none", "--top", "3"]
+    rc, out, _ = run(capsys, *args)
+    assert rc == 0 and "  1  tp2" in out and "why:" in out
+    rc, out, _ = run(capsys, *args, "--json")
+    doc = json.loads(out)
+    assert doc["mode"] == "search" and 1 <= len(doc["ranked"]) <= 3
+    assert all(r["layout"]["tp"] == 2 and r["fits"] for r in doc["ranked"])
+
+
+def test_explicit_gpt_shape(capsys):
+    rc, out, _ = run(capsys, "--arch", "gpt", "--layers", "96", "--hidden", "12288", "--heads", "96",
+                     "--vocab", "51200", "--seq", "2048", "--gpu", "a100-80gb", "--nodes", "128",
+                     "--global-batch", "1536", "--tp", "8", "--pp", "16", "--no-sp", "--json")
+    doc = json.loads(out)
+    assert rc == 0 and doc["model"]["params"] == 174_615_846_912
+    assert doc["prediction"]["traffic"]["tp"]["collectives"][0]["op"] == "all_reduce"
+
+
+def test_fleet_comparison(capsys):
+    rc, out, _ = run(capsys, "--nodes", "8", "--fleet-jobs", "60")
+    assert rc == 0 and "first-fit" in out and "pack" in out
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--model", "70b", "--gpu", "tpu9"], "--gpu"),
+    (["--layers", "4", "--hidden", "100", "--heads", "3", "--vocab", "10", "--seq", "8", "--tp", "1"], "--heads"),
+    (["--layers", "-4", "--hidden", "128", "--heads", "4", "--vocab", "10", "--seq", "8"], "--layers"),
+    (["--model", "70b", "--nodes", "2", "--tp", "8", "--pp", "4", "--dp", "4"], "GPUs"),
+    (["--model", "70b", "--tp", "3"], "tp"),
+    (["--model", "70b", "--tp", "8", "--link.warp-gbps", "9"], "link"),
+    (["--model", "70b", "--tp", "8", "--link.nvlink-gbps"], "needs a value"),
+    (["--model", "huge"], "--model"),
+    (["--hidden", "128"], "--model is not set"),
+    (["--model", "70b", "--nodes", "0"], "--nodes"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, needle):
+    rc, out, err = run(capsys, *argv)
+    assert rc == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("plait plan: error:") and needle in err

@@ -1,0 +1,161 @@
+"""`predict`: one layout -> memory by component, traffic per mesh dim, step time, MFU. The traffic
+counts are the seeds' formulas applied to a whole layout (seed files in ../shared/seeds/)."""
+
+import pytest
+
+from plait.config import PRESETS, ModelConfig
+from plait.errors import UserError
+from plait.planner import costs, memory
+from plait.planner.costs import ModelDims
+from plait.planner.hardware import GIB, cluster
+from plait.planner.layout import Layout, stage_layers
+from plait.planner.predict import MEMORY_PARTS, TIME_PARTS, predict
+
+GPT3 = ModelDims.gpt(96, 12288, 96)
+L8B = ModelDims.from_config(ModelConfig(**PRESETS["8b"]), seq=4096)
+
+
+def test_param_count_matches_plaits_model():
+    """The planner counts exactly the parameters plait's Llama module holds (tied and untied)."""
+    import torch  # noqa: F401 - the model needs it
+
+    from plait.model import Transformer
+
+    for name in ("tiny", "small"):
+        cfg = ModelConfig(**PRESETS[name])
+        for tie in (True, False):
+            cfg.tie_embeddings = tie
+            model = Transformer(cfg)
+            assert sum(p.numel() for p in model.parameters()) == costs.param_count(ModelDims.from_config(cfg))
+
+
+def test_tp_collectives_per_layer():
+    """Seed 000: TP all-reduces 4 times per layer (2 forward, 2 backward): 4L = 384 for GPT-3 per
+    micro-batch, each of b s h activations. With SP each all-reduce becomes an all-gather plus a
+    reduce-scatter: twice the count, the same bytes. Full recomputation repeats the forward's 2."""
+    c = cluster("a100-80gb", 1, 8)
+    ar = predict(GPT3, Layout(tp=8, sp=False), c, 1).traffic["tp"]
+    assert ar.count == 4 * 96 == 384
+    act = 2048 * 12288 * 2
+    assert ar.collectives[0].size_bytes == act
+    assert ar.bytes_per_device == pytest.approx(384 * 2 * 7 / 8 * act)
+    sp = predict(GPT3, Layout(tp=8, sp=True), c, 1).traffic["tp"]
+    assert sp.count == 768 and sp.bytes_per_device == pytest.approx(ar.bytes_per_device)
+    rc = predict(GPT3, Layout(tp=8, sp=False, recompute="full"), c, 1).traffic["tp"]
+    assert rc.count == 6 * 96
+    four = predict(GPT3, Layout(tp=8, sp=False), c, 4).traffic["tp"]
+    assert four.count == 4 * 384  # per micro-batch
+
+
+def test_dp_traffic_ddp_zero1_zero2_zero3():
+    """Seeds 000/003: DDP all-reduce 2P(N-1)/N; ZeRO-1 and -2 reduce-scatter + all-gather, the same
+    2P ("free"); ZeRO-3 3P(N-1)/N (1.5x), paid again for every micro-batch."""
+    c = cluster("h100", 1, 8)
+    psi = costs.param_count(L8B)
+    vol = {z: predict(L8B, Layout(dp_shard=8, zero=z), c, 8).traffic for z in (0, 1, 2, 3)}
+    assert vol[0]["dp"].bytes_per_device == pytest.approx(2 * 7 / 8 * psi * 2)
+    assert vol[1]["dp_shard"].bytes_per_device == pytest.approx(2 * 7 / 8 * psi * 2)
+    assert vol[2]["dp_shard"].bytes_per_device == pytest.approx(2 * 7 / 8 * psi * 2)
+    assert vol[3]["dp_shard"].bytes_per_device == pytest.approx(3 * 7 / 8 * psi * 2)
+    z3_m4 = predict(L8B, Layout(dp_shard=8, zero=3), c, 32).traffic["dp_shard"]
+    assert z3_m4.bytes_per_device == pytest.approx(4 * 3 * 7 / 8 * psi * 2)
+    z2_m4 = predict(L8B, Layout(dp_shard=8, zero=2), c, 32).traffic["dp_shard"]
+    assert z2_m4.bytes_per_device == pytest.approx((4 + 1) * 7 / 8 * psi * 2)  # RS per micro-batch
+    hsdp = predict(L8B, Layout(dp_replicate=2, dp_shard=4, zero=3), c, 8).traffic
+    assert hsdp["dp_replicate"].bytes_per_device == pytest.approx(2 * 1 / 2 * psi / 4 * 2)
+
+
+def test_pp_traffic():
+    """Seeds 000/001: PP sends (B/M) s h per micro-batch each way; a middle stage sends 2M of them."""
+    c = cluster("h100", 1, 8)
+    p = predict(L8B, Layout(pp=4, dp_shard=2), c, 16)
+    t = p.traffic["pp"]
+    assert p.microbatches == 8 and t.count == 16
+    assert t.bytes_per_device == pytest.approx(16 * 4096 * 4096 * 2)
+
+
+def test_memory_by_zero_stage():
+    """The breakdown is state_bytes of the rank's parameters; ZeRO-3's gather buffer is two blocks
+    and one block of gradients -- not the whole model that seed 001 lists as "Temp (AllGather): M"."""
+    c = cluster("h100", 1, 8)
+    psi = costs.param_count(L8B)
+    for z in (0, 1, 2, 3):
+        p = predict(L8B, Layout(dp_shard=8, zero=z), c, 8)
+        st = memory.state_bytes(psi, z, 8, memory.PRECISIONS["mixed"])
+        assert p.memory_bytes["parameters"] == pytest.approx(st.params)
+        assert p.memory_bytes["optimizer_states"] == pytest.approx(st.optimizer)
+        assert set(p.memory_bytes) == set(MEMORY_PARTS)
+    z3 = predict(L8B, Layout(dp_shard=8, zero=3), c, 8).memory_bytes["zero3_gather"]
+    assert z3 == pytest.approx(3 * costs.layer_params(L8B) * 2)
+    assert z3 < psi * 2 / 10
+
+
+def test_first_stage_holds_l_layers_of_activations():
+    """Korthikanti et al. 2022: under 1F1B the first stage keeps p micro-batches of its L/p layers,
+    i.e. L layers' worth; interleaving multiplies that by 1 + (p-1)/(p v); GPipe keeps all m."""
+    c = cluster("h100", 1, 8)
+    per_layer = memory.layer_activation_bytes(L8B, 4096, 1)
+    p = predict(L8B, Layout(pp=4, dp_shard=2), c, 16)
+    assert p.memory_rank == 0
+    assert p.memory_bytes["activations"] == pytest.approx(L8B.layers * per_layer)
+    il = predict(L8B, Layout(pp=4, dp_shard=2, schedule="interleaved", v=2), c, 16)
+    assert il.memory_bytes["activations"] == pytest.approx(L8B.layers * per_layer * (1 + 3 / 8))
+    gp = predict(L8B, Layout(pp=4, dp_shard=2, schedule="gpipe"), c, 16)
+    assert gp.memory_bytes["activations"] == pytest.approx(8 * L8B.layers / 4 * per_layer)
+    rc = predict(L8B, Layout(pp=4, dp_shard=2, recompute="full"), c, 16)
+    assert rc.memory_bytes["activations"] < p.memory_bytes["activations"] / 10
+
+
+def test_fits_verdict_and_time_parts():
+    c = cluster("h100", 1, 8)
+    p = predict(L8B, Layout(tp=2, pp=2, dp_shard=2, zero=1), c, 32)
+    assert p.fits == (p.memory_total_bytes <= p.capacity_bytes) and p.capacity_bytes == 80 * GIB
+    assert set(p.time_s) == set(TIME_PARTS)
+    assert sum(p.time_s.values()) == pytest.approx(p.step_time_s)
+    assert p.mfu == pytest.approx(p.model_flops_per_step / (p.step_time_s * 8 * 989e12))
+    assert p.model_flops_per_step == pytest.approx(costs.model_flops_per_token(L8B) * 32 * 4096)
+    big = predict(ModelDims.from_config(ModelConfig(**PRESETS["405b"])), Layout(dp_shard=8), c, 8)
+    assert not big.fits and big.headroom_bytes < 0
+
+
+def test_links_follow_placement():
+    """TP inside a node rides NVLink; pp across nodes rides InfiniBand (seeds 000/002: TP within
+    the node, PP across)."""
+    c = cluster("h100", 4, 8)
+    p = predict(L8B, Layout(tp=8, pp=4), c, 32)
+    assert not p.traffic["tp"].crosses_nodes and p.traffic["tp"].link.name.startswith("NVLink")
+    assert p.traffic["pp"].crosses_nodes and p.traffic["pp"].link.name.startswith("InfiniBand")
+
+
+def test_faster_hardware_is_faster_and_simulation_matches_estimate_when_even():
+    c = cluster("h100", 1, 8)
+    lay = Layout(tp=2, pp=4, dp_shard=1, zero=0)
+    slow = predict(L8B, lay, cluster("a100-80gb", 1, 8), 32)
+    fast = predict(L8B, lay, c, 32)
+    assert fast.step_time_s < slow.step_time_s
+    est = predict(L8B, lay, c, 32, exact=False)
+    assert est.step_time_s == pytest.approx(fast.step_time_s, rel=0.05)
+
+
+def test_layout_errors_are_one_line():
+    c = cluster("h100", 1, 8)
+    bad = [(Layout(tp=4), 8), (Layout(tp=3, dp_shard=1), 8), (Layout(dp_shard=8, micro_batch=3), 8),
+           (Layout(dp_shard=4, cp=2), 8), (Layout(pp=8, schedule="interleaved", v=8), 64),
+           (Layout(dp_shard=8), 0)]
+    d = ModelDims.from_config(ModelConfig(**PRESETS["8b"]), seq=4094)
+    for lay, gb in bad:
+        with pytest.raises(UserError) as e:
+            predict(d, lay, c, gb)
+        assert "\n" not in str(e.value)
+    with pytest.raises(UserError):
+        Layout(zero=4)
+    with pytest.raises(UserError):
+        ModelDims(4, 100, 3, 3, 10, 10, 10)  # heads do not divide hidden
+    with pytest.raises(UserError):
+        ModelDims(-1, 128, 4, 4, 10, 10, 10)
+
+
+def test_stage_layers_even_and_uneven():
+    assert stage_layers(80, 4) == [20] * 4
+    assert sum(stage_layers(126, 16)) == 126 and max(stage_layers(126, 16)) - min(stage_layers(126, 16)) == 1
+    assert stage_layers(10, 4)[0] == 2 and stage_layers(10, 4)[-1] == 2  # extras go to the middle

@@ -1,0 +1,63 @@
+"""The layout search: only layouts that fit, ranked by predicted step time, pinned dims respected,
+and a reason for every rejection."""
+
+import pytest
+
+from plait.config import PRESETS, ModelConfig
+from plait.planner.costs import ModelDims
+from plait.planner.hardware import cluster
+from plait.planner.layout import check_layout
+from plait.planner.predict import predict
+from plait.planner.search import Space, candidates, explain_ranking, pin, search
+
+L8B = ModelDims.from_config(ModelConfig(**PRESETS["8b"]), seq=4096)
+SMALL = Space(micro_batch=(1, 2), recompute=("none", "full"), zero=(0, 1, 3), v=(2,))
+
+
+@pytest.fixture(scope="module")
+def result():
+    return search(L8B, cluster("h100", 2, 8), 64, space=SMALL, top=8, refine=12)
+
+
+def test_ranked_by_simulated_step_time_and_all_fit(result):
+    assert result.ranked
+    times = [p.step_time_s for p in result.ranked]
+    assert times == sorted(times) or max(times) / min(times) < 1.002  # ties broken toward simpler layouts
+    for p in result.ranked:
+        assert p.fits and p.exact
+        again = predict(L8B, p.layout, cluster("h100", 2, 8), 64)
+        assert again.step_time_s == pytest.approx(p.step_time_s)
+
+
+def test_every_candidate_is_counted(result):
+    n = sum(1 for _ in candidates(L8B, cluster("h100", 2, 8), 64, SMALL))
+    fitting = n - sum(result.rejected.values())
+    assert result.considered == n and fitting >= len(result.ranked)
+
+
+def test_the_winner_beats_what_it_is_compared_with(result):
+    best = result.best
+    for lay in (p.layout for p in result.ranked[1:]):
+        assert predict(L8B, lay, cluster("h100", 2, 8), 64).step_time_s >= best.step_time_s * 0.999
+    lines = explain_ranking(result)
+    assert lines[0].startswith("#1 ") and "MFU" in lines[0]
+    assert any(line.startswith("considered") for line in lines)
+
+
+def test_pins_are_respected():
+    res = search(L8B, cluster("h100", 2, 8), 64, space=pin(SMALL, tp=4, pp=2), top=5, refine=5)
+    assert res.ranked and all(p.layout.tp == 4 and p.layout.pp == 2 for p in res.ranked)
+
+
+def test_candidates_are_valid_layouts():
+    c = cluster("h100", 2, 8)
+    for lay in candidates(L8B, c, 64, SMALL):
+        assert lay.n_gpus == 16
+        check_layout(L8B, lay, c, 64)
+
+
+def test_nothing_fits():
+    big = ModelDims.from_config(ModelConfig(**PRESETS["405b"]))
+    res = search(big, cluster("h100", 1, 1), 8, space=Space(micro_batch=(1,), recompute=("full",)))
+    assert res.ranked == [] and res.rejected["does not fit in memory"] >= 1
+    assert explain_ranking(res)[0].startswith("no layout fits")
