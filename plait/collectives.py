@@ -180,11 +180,11 @@ def ring_reduce_scatter(x: torch.Tensor, group=None, op: str = "sum", pipeline: 
     return out
 
 
-def ring_all_gather(x: torch.Tensor, group=None, pipeline: int = 1):
-    """Concatenate every rank's `x` (same shape on all ranks) along dim 0."""
+def ring_all_gather(x: torch.Tensor, group=None, pipeline: int = 1, out: torch.Tensor | None = None):
+    """Concatenate every rank's `x` (same shape on all ranks) along dim 0 (into contiguous `out`)."""
     ring = _Ring(group)
     m = x.numel()
-    out = x.new_empty(ring.n * m)
+    out = x.new_empty(ring.n * m) if out is None else out.view(-1)
     out[ring.r * m: (ring.r + 1) * m].copy_(x.reshape(-1))
     if ring.n > 1 and m:
         _ring_all_gather(out, ring, [(i * m, (i + 1) * m) for i in range(ring.n)], 0, max(1, min(pipeline, m)), None)

@@ -166,10 +166,13 @@ def init_distributed(parallel, device_type: str = "cpu", env=None):
             raise bad_value("parallel.nproc", parallel.nproc, "this process was not started by a launcher; "
                             "use plait.launch.run/spawn (plait train --nproc N), torchrun or srun")
         le = LaunchEnv(0, 1, 0, 1, "127.0.0.1", free_port(), "single")
-    os.environ.update(RANK=str(le.rank), WORLD_SIZE=str(le.world_size), LOCAL_RANK=str(le.local_rank),
-                      MASTER_ADDR=le.master_addr, MASTER_PORT=str(le.master_port))
-    if le.master_addr in ("127.0.0.1", "localhost"):
-        _loopback_env(os.environ)
+    elif le.launcher == "slurm":
+        # srun sets only SLURM_*: publish the torchrun names too, for env:// and for code that reads them
+        os.environ.update(RANK=str(le.rank), WORLD_SIZE=str(le.world_size), LOCAL_RANK=str(le.local_rank),
+                          LOCAL_WORLD_SIZE=str(le.local_world_size), MASTER_ADDR=le.master_addr,
+                          MASTER_PORT=str(le.master_port))
+    if le.master_addr in ("127.0.0.1", "localhost") and sys.platform.startswith("linux"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dims = ParallelDims.from_config(parallel, le.world_size)
     warning = dims.check_placement(le.local_world_size, parallel.allow_cross_node_tp)
     if warning and le.rank == 0:
@@ -188,9 +191,14 @@ def init_distributed(parallel, device_type: str = "cpu", env=None):
     else:
         device = torch.device(device_type)
         backend = "gloo"
+    if le.launcher == "single":
+        # a world of one gets its own store, leaving this process's environment untouched: a test or
+        # notebook that trains in-process must not look "launched" to a later spawn
+        kwargs.update(init_method=f"tcp://127.0.0.1:{le.master_port}", rank=0, world_size=1)
+    else:
+        kwargs.update(init_method="env://")  # under torchelastic this joins the agent's store
     if not dist.is_initialized():
-        dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=parallel.timeout_s),
-                                **kwargs)
+        dist.init_process_group(backend, timeout=timedelta(seconds=parallel.timeout_s), **kwargs)
     dims.build_mesh(device_type, parallel.timeout_s)
     dims.device = device
     return dims

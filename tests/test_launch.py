@@ -1,6 +1,11 @@
 """plait.launch: launcher detection (torchrun, srun), spawning, failures, timeouts, teardown."""
 
+import json
 import os
+import random
+import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -137,7 +142,10 @@ def test_single_process_runs_as_a_world_of_one(monkeypatch):
         monkeypatch.delenv(k, raising=False)
     with pytest.raises(UserError, match="parallel.nproc = 2"):
         launch.init_distributed(ParallelConfig(nproc=2), "cpu", env={})
+    before = dict(os.environ)
     dims = launch.init_distributed(ParallelConfig(), "cpu", env={})
+    assert detect_launch() is None and {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"} == \
+        {k: v for k, v in before.items() if k != "GLOO_SOCKET_IFNAME"}  # no RANK etc. left behind
     try:
         assert dims.world_size == 1 and dims.shape == (1, 1, 1, 1, 1)
         x = torch.ones(3)
@@ -156,3 +164,52 @@ def test_nproc_conflicts_with_an_outer_launcher(monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
     with pytest.raises(UserError, match="torchrun already started 4"):
         launch.run(print, (), nproc=2)
+
+
+def _clean_env(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_",
+                                                                    "SLURM_", "TORCHELASTIC", "PLAIT_"))}
+    return dict(env, TMPDIR=str(tmp_path), OMP_NUM_THREADS="1")
+
+
+def _free_port_between(lo, hi):
+    for port in random.Random().sample(range(lo, hi), 100):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    pytest.skip(f"no free port between {lo} and {hi}")
+
+
+def _bench_cmd(path):
+    return [sys.executable, "-m", "plait.cli", "bench", "comm", "--min-bytes", "1K", "--max-bytes", "1K",
+            "--ops", "all_reduce", "--impl", "torch,ring", "--json", str(path)]
+
+
+def test_the_same_command_runs_under_torchrun(tmp_path):
+    out = tmp_path / "tr.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"] + _bench_cmd(out)[1:]
+    subprocess.run(cmd, env=_clean_env(tmp_path), check=True, timeout=120, capture_output=True)
+    res = json.loads(out.read_text())
+    assert res["nproc"] == 2 and all(r["correct"] for r in res["results"])
+
+
+def test_the_same_command_runs_under_srun(tmp_path):
+    port = _free_port_between(15000, 30000)  # SLURM_JOB_ID picks the port: use a job id that maps to a free one
+    out = tmp_path / "srun.json"
+    procs = []
+    for rank in range(2):  # what `srun --ntasks 2` would start on one node
+        env = dict(_clean_env(tmp_path), SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS="2",
+                   SLURM_STEP_NUM_TASKS="2", SLURM_STEP_ID="0", SLURM_NODEID="0", SLURM_JOB_ID=str(port - 15000),
+                   SLURM_STEP_NODELIST="localhost", SLURM_STEP_TASKS_PER_NODE="2")
+        procs.append(subprocess.Popen(_bench_cmd(out), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    try:
+        logs = [p.communicate(timeout=120)[0].decode() for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], logs
+    res = json.loads(out.read_text())
+    assert res["nproc"] == 2 and all(r["correct"] for r in res["results"])
