@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from plait.errors import UserError, bad_value
+from plait.errors import bad_value
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 COMPUTE = ("F", "B", "W")

@@ -143,11 +143,6 @@ class Cluster:
         return self.nodes * self.gpus_per_node
 
     @property
-    def capacity_bytes(self) -> float:
-        """HBM a training process can fill: the card's memory less the reserve."""
-        return (self.gpu.hbm_gib - self.reserved_gib) * GIB
-
-    @property
     def peak_flops(self) -> float:
         return self.gpu.peak_flops(self.dtype)
 

@@ -51,8 +51,10 @@ def unit_durations(f: float = 1.0, b: float = 2.0, w: float = 1.0) -> Durations:
     Default: B = 2 F for a full backward. In a split schedule B is the input gradient only, and the
     caller passes b = w = f (the two halves of a backward of cost 2 F)."""
 
-    def dur(rank: int, a: Action, _v=[None]) -> float:  # noqa: B006 - plain closure over costs
-        return {"F": f, "B": b, "W": w}[a.kind]
+    costs = {"F": f, "B": b, "W": w}
+
+    def dur(rank: int, a: Action) -> float:
+        return costs[a.kind]
 
     return dur
 
