@@ -48,7 +48,8 @@ class Prediction:
     """The GPU's memory as the driver reports it."""
     traffic: dict[str, DimTraffic]
     time_s: dict[str, float]
-    """Step time of the slowest rank by part (keys: TIME_PARTS); they add up to step_time_s."""
+    """Step time by part (keys: TIME_PARTS), adding up to step_time_s: the busiest rank's work by
+    kind, its idle time within the pipeline (bubble), then gradient sync and optimizer after it."""
     makespan_s: float
     bubble: float
     """Idle share of the pipeline ranks' time during the makespan (simulated)."""
@@ -217,7 +218,7 @@ def predict(d: ModelDims, lay: Layout, c: Cluster, global_batch: int,
 
     # the step ends when the last rank has synchronised its gradients and updated its weights
     hbm_s = c.gpu.hbm_gbps * 1e9 * c.hbm_efficiency
-    step, slow, dp_exposed, opt_s = 0.0, 0, 0.0, 0.0
+    step, dp_exposed, opt_s = 0.0, 0.0, 0.0
     for r in range(pp):
         psi = sc.rank_params[r]
         last_bwd = sum(sc.durations[r * v + ch][1] + sc.durations[r * v + ch][2] for ch in range(v))
@@ -226,14 +227,18 @@ def predict(d: ModelDims, lay: Layout, c: Cluster, global_batch: int,
         # read grad + param, read and write master and moments, write param
         opt = local * (prec.grad_bytes + 2 * prec.k + 2 * prec.param_bytes) / hbm_s
         if ends[r] + exposed + opt > step:
-            step, slow, dp_exposed, opt_s = ends[r] + exposed + opt, r, exposed, opt
+            step, dp_exposed, opt_s = ends[r] + exposed + opt, exposed, opt
 
-    # time by part on the slowest rank: its work split in proportion, its idle time = bubble
-    busy = sc.rank_busy_s(slow, v) * m
-    nl = sum(sc.layers[ch * pp + slow] for ch in range(v))
+    # time by part, on the busiest rank (the pipeline's bottleneck): its work split by kind, its idle
+    # time until the pipeline ends = bubble (fill, drain, imbalance), then the tail after the pipeline
+    b_rank = max(range(pp), key=lambda r: sc.rank_busy_s(r, v))
+    busy = sc.rank_busy_s(b_rank, v) * m
+    nl = sum(sc.layers[ch * pp + b_rank] for ch in range(v))
     parts = {k: sc.layer[k] * nl * m for k in ("compute", "tp", "cp", "zero3")}
-    parts["compute"] += busy - sum(parts.values())  # the output head and p2p-free remainder
-    time_s = {**parts, "bubble": max(0.0, ends[slow] - busy), "dp_sync": dp_exposed, "optimizer": opt_s}
+    parts["compute"] += busy - sum(parts.values())  # the output head, the embedding's share
+    tail = max(0.0, step - makespan)
+    time_s = {**parts, "bubble": max(0.0, makespan - busy), "dp_sync": tail - min(opt_s, tail),
+              "optimizer": min(opt_s, tail)}
 
     mem_rank, mem = _memory(d, lay, c, prec, sc, sched_name, m)
     traffic = _traffic(d, lay, prec, sc, m)

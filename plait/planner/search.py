@@ -120,8 +120,8 @@ def search(d: ModelDims, c: Cluster, global_batch: int, prec: Precision | str = 
     exact = [predict(d, p.layout, c, global_batch, prec, exact=True) for p in screened[:refine]]
     exact = [p for p in exact if p.fits]
     fastest = min(p.step_time_s for p in exact) if exact else 1.0
-    # within 0.1% of each other, prefer the simpler layout: fewer mechanisms to run and debug
-    exact.sort(key=lambda p: (round(p.step_time_s / fastest, 3), _complexity(p.layout), -p.headroom_bytes))
+    # within 0.01% of each other, prefer the simpler layout: fewer mechanisms to run and debug
+    exact.sort(key=lambda p: (round(p.step_time_s / fastest, 4), _complexity(p.layout), -p.headroom_bytes))
     return SearchResult(exact[:top], considered, rejected, oom)
 
 
