@@ -185,6 +185,8 @@ class ParallelConfig:
     """A collective that does not finish within this many seconds ends the run with an error."""
     bucket_mb: float = 25.0
     """Gradient bucket size for data-parallel reduction, in MiB."""
+    reduce_dtype: str = "auto"
+    """dtype in which ZeRO-2/3 reduce gradients: auto (the parameters' dtype), fp32 (bf16 gradients summed without rounding to bf16 at each add, at twice the bytes on the wire and in the gradient shard) or bf16."""
 
 
 @dataclass

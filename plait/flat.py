@@ -26,13 +26,18 @@ class Slot:
     shape: tuple[int, ...]
 
 
+def flat_order(named_params: list[tuple[str, torch.nn.Parameter]]) -> list[tuple[str, torch.nn.Parameter]]:
+    """The flat layout's order: decayed matrices, then the rest, each in reverse registration order."""
+    decayed = [(n, p) for n, p in reversed(named_params) if decays(n, p)]
+    return decayed + [(n, p) for n, p in reversed(named_params) if not decays(n, p)]
+
+
 class FlatParams:
     def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], pad_to: int = 1):
         """`pad_to`: the total length is rounded up to a multiple of this (e.g. the number of ZeRO
         shards), the padding holding zeros that never train."""
-        decayed = [(n, p) for n, p in reversed(named_params) if decays(n, p)]
-        others = [(n, p) for n, p in reversed(named_params) if not decays(n, p)]
-        ordered = decayed + others
+        ordered = flat_order(named_params)
+        decayed = [(n, p) for n, p in ordered if decays(n, p)]
         if not ordered:
             raise ValueError("FlatParams needs at least one parameter")
         dtypes = {p.dtype for _, p in ordered}

@@ -1,0 +1,266 @@
+"""ZeRO-3 / FSDP: parameters sharded too, gathered one transformer block at a time.
+
+Units: each transformer block's matrices is a unit; the root unit is everything else - embedding,
+output, final norm and every block's norm gains (a few thousand numbers per block). Putting the
+gains in the root makes every block unit decay-only and the root the last unit of the owned space,
+so weight decay stays a prefix of it (`plait.parallel.shard_space`).
+
+Each rank keeps only its chunk of every unit (in the compute dtype, e.g. bf16), its gradient chunk
+and the optimizer state of its chunks (fp32 master + moments, or the fp32 chunk itself as master in
+fp32 runs). Per-rank bytes, bf16: (2 + 2 + K) P / N with K = 12.
+
+The schedule around a step (hooks on the model and on every block; `_BeforeBlock` / `_AfterBlock`
+are identities whose backward marks where a block's backward starts and ends):
+  forward   root: gather (it stays until its gradients are reduced: the norms are used by every
+            block, and a block runs right after); block i: wait for its gather, start gathering
+            block i+1 (prefetch, so the transfer hides under block i's compute), run, free.
+  backward  start: bind the root's gradient buffer, start gathering the last block.
+            block i: wait for its gather, bind a gradient buffer, start gathering block i-1, run;
+            when backward has left the block, free its parameters; when all its gradients have
+            accumulated, reduce-scatter them into this rank's shard (async) and drop the buffer.
+            The root is reduce-scattered last (the embedding's gradient completes last) and freed.
+  step      the optimizer updates the owned chunks; nothing is gathered until the next forward.
+Traffic per step: all-gather 2 P_blocks + P_root, reduce-scatter P, i.e. 3P(N-1)/N less the root's
+second gather, which is never needed: nothing in backward reads the embedding or output matrix (the
+fused loss keeps its weight gradient from forward; an embedding's backward needs only the indices).
+
+The block is compiled on its own (`forward` only), so these hooks run eagerly around it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from plait.optim import FlatAdamW
+from plait.parallel.buckets import InFlight, Ready
+from plait.parallel.data_parallel import DPNames
+from plait.parallel.shard_space import OwnedSpace, ShardLayout
+from plait.parallel.zero import _Sharded
+
+FREE, GATHERING, READY = 0, 1, 2
+
+
+class _BeforeBlock(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, engine, i):
+        ctx.engine, ctx.i = engine, i
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.engine._left_block(ctx.i)
+        return g, None, None
+
+
+class _AfterBlock(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, engine, i):
+        ctx.engine, ctx.i = engine, i
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.engine._entering_block(ctx.i)
+        return g, None, None
+
+
+class Zero3(_Sharded):
+    def __init__(self, model, t, comm, names: DPNames, reduce_dtype: torch.dtype, compile: bool):
+        n, r = comm.size(names.shard), comm.rank(names.shard)
+        self.blocks = list(model.layers.values())
+        units, in_block = [], set()
+        for key, block in model.layers.items():
+            mats = [(f"layers.{key}.{name}", p) for name, p in block.named_parameters() if p.ndim >= 2]
+            units.append(mats)
+            in_block.update(id(p) for _, p in mats)
+        rest = [(name, p) for name, p in model.named_parameters() if id(p) not in in_block]
+        units.append([e for e in rest if e[1].ndim >= 2] + [e for e in rest if e[1].ndim < 2])
+        layout = ShardLayout(units, n, r)
+        self.layout, self.reduce_dtype = layout, reduce_dtype
+        self.root = len(layout.units) - 1
+        p0 = rest[0][1]
+        self.dtype, self.device = p0.dtype, p0.device
+        # this rank's chunk of every unit: the only parameter memory kept between uses
+        self.shards = torch.zeros(layout.owned_numel, dtype=self.dtype, device=self.device)
+        self.full = []  # per unit, its gathered buffer; storage resized to 0 while free
+        with torch.no_grad():
+            for u in layout.units:
+                full = torch.zeros(u.padded, dtype=self.dtype, device=self.device)
+                for s, p in zip(u.slots, u.params):
+                    view = u.view(full, s)
+                    view.copy_(p)
+                    p.data, p.grad = view, None  # views stay valid while the storage comes and goes
+                lo, hi = u.chunk_range(r)
+                self.shards[layout.owned_slice(u)].copy_(full[lo:hi])
+                full.untyped_storage().resize_(0)
+                self.full.append(full)
+        self.state = [FREE] * len(layout.units)
+        self.pending: list = [None] * len(layout.units)
+        self.acc = torch.zeros(layout.owned_numel, dtype=reduce_dtype, device=self.device)
+        # bf16: FlatAdamW keeps fp32 masters and writes the bf16 shards; fp32: the shards are the masters
+        opt = FlatAdamW(OwnedSpace(self.shards, self.acc, layout.n_decay), t, compile=compile)
+        super().__init__(model, opt, comm, names, pieces=layout.pieces)
+        self._shard_setup(comm, names)
+        self.grads: list = [None] * len(layout.units)
+        # reduce-scatter order = the order backward completes units: last block first, root last
+        order = list(range(self.root - 1, -1, -1)) + [self.root]
+        self.rs_order = order
+        owners = {id(p): [order.index(u.index)] for u in layout.units for p in u.params}
+        self.ready = Ready([len(layout.units[k].params) for k in order], owners, lambda j: self._reduce(order[j]))
+        self.inflight = InFlight()
+        self.first = True
+        self.gathered_bytes = self.peak_gathered_bytes = 0
+        self.trace: list | None = None  # (event, unit) when a test sets it to []
+        self.hooks = [model.register_forward_pre_hook(self._model_pre), model.register_forward_hook(self._model_post)]
+        for i, block in enumerate(self.blocks):
+            self.hooks += [block.register_forward_pre_hook(functools.partial(self._block_pre, i)),
+                           block.register_forward_hook(functools.partial(self._block_post, i))]
+        self.hooks += [p.register_post_accumulate_grad_hook(lambda p: self.ready.arrived(id(p)))
+                       for u in layout.units for p in u.params]
+
+    # ---- gathering and freeing ---------------------------------------------------------------------
+
+    def _log(self, event: str, i: int) -> None:
+        if self.trace is not None:
+            self.trace.append((event, i))
+
+    def _gather(self, i: int) -> None:
+        """Start gathering unit i (no-op if it is gathered or on its way)."""
+        if i < 0 or i >= len(self.full) or self.state[i] != FREE:
+            return
+        u, full = self.layout.units[i], self.full[i]
+        full.untyped_storage().resize_(u.padded * full.element_size())
+        self.pending[i] = self.comm.all_gather(self.shards[self.layout.owned_slice(u)], self.names.shard,
+                                               out=full, async_op=True)
+        self.state[i] = GATHERING
+        self.gathered_bytes += u.padded * full.element_size()
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
+        self._log("gather", i)
+
+    def _wait(self, i: int) -> None:
+        self._gather(i)
+        if self.state[i] == GATHERING:
+            self.pending[i].wait()
+            self.pending[i], self.state[i] = None, READY
+            self._log("ready", i)
+
+    def _free(self, i: int) -> None:
+        if self.state[i] == FREE:
+            return
+        if self.state[i] == GATHERING:
+            self.pending[i].wait()
+            self.pending[i] = None
+        self.full[i].untyped_storage().resize_(0)
+        self.gathered_bytes -= self.layout.units[i].padded * self.full[i].element_size()
+        self.state[i] = FREE
+        self._log("free", i)
+
+    # ---- forward -----------------------------------------------------------------------------------
+
+    def _model_pre(self, module, args):
+        self._wait(self.root)
+        self._gather(0)
+
+    def _model_post(self, module, args, out):
+        if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(self._backward_begins)
+        else:
+            self._free(self.root)
+
+    def _block_pre(self, i, module, args):
+        self._wait(i)
+        self._gather(i + 1 if i + 1 < self.root else -1)  # prefetch: hides under block i's compute
+        if torch.is_grad_enabled() and args[0].requires_grad:
+            return (_BeforeBlock.apply(args[0], self, i),) + tuple(args[1:])
+
+    def _block_post(self, i, module, args, out):
+        self._free(i)
+        if torch.is_grad_enabled() and out.requires_grad:
+            return _AfterBlock.apply(out, self, i)
+
+    # ---- backward ----------------------------------------------------------------------------------
+
+    def _backward_begins(self, grad):
+        self._bind_grads(self.root)
+        self._gather(self.root - 1)
+
+    def _entering_block(self, i: int) -> None:
+        self._wait(i)
+        self._bind_grads(i)
+        self._gather(i - 1)
+
+    def _left_block(self, i: int) -> None:
+        self._free(i)  # every backward op reading block i's weights has run
+
+    def _bind_grads(self, i: int) -> None:
+        """A zeroed gradient buffer for unit i, its parameters' .grad as views: autograd accumulates
+        in place, and the buffer is reduce-scattered as it is (padding included)."""
+        if self.grads[i] is not None:
+            return
+        u = self.layout.units[i]
+        buf = torch.zeros(u.padded, dtype=self.dtype, device=self.device)
+        for s, p in zip(u.slots, u.params):
+            p.grad = u.view(buf, s)
+        self.grads[i] = buf
+
+    def _reduce(self, i: int) -> None:
+        u, buf = self.layout.units[i], self.grads[i]
+        if buf is None:  # no parameter of the unit got a gradient
+            buf = torch.zeros(u.padded, dtype=self.dtype, device=self.device)
+        src = buf if buf.dtype == self.reduce_dtype else buf.to(self.reduce_dtype)
+        for p in u.params:
+            p.grad = None
+        self.grads[i] = None
+        out = self.acc[self.layout.owned_slice(u)]
+        if self.first:
+            self.inflight.add(self.comm.reduce_scatter(src, self.names.shard, op="avg", out=out, async_op=True),
+                              keep=(src,))
+        else:
+            part = torch.empty_like(out)
+            h = self.comm.reduce_scatter(src, self.names.shard, op="avg", out=part, async_op=True)
+            self.inflight.add(h, lambda out=out, part=part: out.add_(part), keep=(src,))
+        self._log("reduce", i)
+        if i == self.root:
+            self._free(self.root)
+        self.inflight.wait_all(keep_last=2)
+
+    # ---- the step ----------------------------------------------------------------------------------
+
+    def begin_micro(self, index, count):
+        if index > 0:  # every micro-batch is reduced: finish the last one's buckets, count afresh
+            self.ready.flush()
+            self.ready.reset()
+        self.first = index == 0
+
+    def step(self, lr, loss_sum):
+        self.ready.flush()
+        self.inflight.wait_all()
+        self.ready.reset()
+        if self.replicas > 1:
+            self.comm.all_reduce(self.acc, self.names.replicate, op="avg")
+        self._loss = loss_sum
+        grad_norm = self.opt.step(lr, grad=self.acc, sum_sq_reduce=self._reduce_stats)
+        self.first = True
+        return self._loss_mean, grad_norm
+
+    def sync_params(self):
+        if self.opt.separate:
+            self.shards.copy_(self.opt.master)
+        for i in range(len(self.full)):
+            self._free(i)
+
+    def memory(self):
+        o = self.opt
+        gathered = [f for f in self.full if f.untyped_storage().nbytes()]
+        return {"params": [self.shards] + gathered, "grads": [self.acc] + [g for g in self.grads if g is not None],
+                "optimizer": ([o.master] if o.separate else []) + [o.exp_avg, o.exp_avg_sq]}
+
+    def gather_for_inference(self) -> None:
+        """Gather every unit and remove the hooks: the model is whole on every rank from now on."""
+        for i in range(len(self.full)):
+            self._wait(i)
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []

@@ -1,0 +1,129 @@
+"""Units of parameters split into N equal chunks: the layout ZeRO-2 and ZeRO-3 shard.
+
+A unit is a list of whole parameters laid out contiguously (a gradient bucket under ZeRO-2, a
+transformer block under ZeRO-3), padded with zeros to a multiple of N, so that one reduce-scatter
+hands rank r the r-th chunk of the unit's gradient and one all-gather rebuilds the unit from the
+chunks. Rank r's *owned space* is its chunks of every unit, concatenated: the fp32 masters, both Adam
+moments and the reduced gradients live there, contiguous, so the optimizer update stays one fused
+pass (`plait.optim.FlatAdamW`, given an `OwnedSpace`).
+
+Why per-unit chunks rather than one contiguous 1/N of the whole flat space (ZeRO-1): a reduce-scatter
+splits its input into N equal pieces, so gradients can be reduced while backward runs only if each
+ready unit is split N ways on its own. Padding is at most N-1 elements per unit.
+
+Units list decayed parameters (matrices) before the others, and units holding no-decay parameters
+come last, so weight decay applies to a prefix of the owned space, as FlatAdamW expects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from plait.optim import decays
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part of one parameter this rank owns: elements [start, start + numel) of the flattened
+    parameter, stored at `offset` of the owned space."""
+
+    name: str
+    start: int
+    numel: int
+    shape: tuple[int, ...]
+    offset: int
+
+
+@dataclass(frozen=True)
+class Slot:
+    name: str
+    offset: int  # inside the unit
+    numel: int
+    shape: tuple[int, ...]
+
+
+class Unit:
+    """Whole parameters laid out back to back, padded to `padded` = chunk * N elements."""
+
+    def __init__(self, index: int, named_params: list[tuple[str, torch.nn.Parameter]], n: int):
+        self.index = index
+        self.params = [p for _, p in named_params]
+        self.slots: list[Slot] = []
+        offset = 0
+        for name, p in named_params:
+            self.slots.append(Slot(name, offset, p.numel(), tuple(p.shape)))
+            offset += p.numel()
+        self.numel = offset
+        self.chunk = -(-offset // n)
+        self.padded = self.chunk * n
+        self.owned = 0  # offset of this rank's chunk in the owned space (set by ShardLayout)
+        self.base = 0  # offset of the unit in the padded space of all units back to back (ditto)
+
+    def chunk_range(self, rank: int) -> tuple[int, int]:
+        return rank * self.chunk, (rank + 1) * self.chunk
+
+    def view(self, full: torch.Tensor, slot: Slot) -> torch.Tensor:
+        return full[slot.offset:slot.offset + slot.numel].view(slot.shape)
+
+
+class ShardLayout:
+    """`units` (lists of (name, parameter)) over `n` ranks, seen from `rank`."""
+
+    def __init__(self, units: list[list[tuple[str, torch.nn.Parameter]]], n: int, rank: int):
+        self.n, self.rank = n, rank
+        self.units = [Unit(i, u, n) for i, u in enumerate(units) if u]
+        self.pieces: list[Piece] = []
+        owned = base = 0
+        decay_end, first_plain = 0, None  # owned offsets: end of the last decayed element, first plain one
+        for u in self.units:
+            u.owned, u.base = owned, base
+            base += u.padded
+            lo, hi = u.chunk_range(rank)
+            for s, p in zip(u.slots, u.params):
+                a, b = max(s.offset, lo), min(s.offset + s.numel, hi)
+                if a >= b:
+                    continue
+                piece = Piece(s.name, a - s.offset, b - a, s.shape, owned + a - lo)
+                self.pieces.append(piece)
+                if decays(s.name, p):
+                    decay_end = piece.offset + piece.numel
+                elif first_plain is None:
+                    first_plain = piece.offset
+            owned += u.chunk
+        self.owned_numel = owned
+        if first_plain is not None and first_plain < decay_end:
+            raise ValueError("units must list decayed parameters before the others (weight decay is a prefix)")
+        self.n_decay = decay_end
+        self.padded_numel = sum(u.padded for u in self.units)
+        self.numel = sum(u.numel for u in self.units)
+
+    def owned_slice(self, u: Unit) -> slice:
+        return slice(u.owned, u.owned + u.chunk)
+
+    def by_name(self, owned: torch.Tensor) -> dict[str, tuple[int, torch.Tensor]]:
+        """{name: (start in the flattened parameter, 1-D view of `owned`)} for this rank's pieces."""
+        return {p.name: (p.start, owned[p.offset:p.offset + p.numel]) for p in self.pieces}
+
+
+@dataclass
+class OwnedSpace:
+    """The part of `plait.flat.FlatParams`' interface that FlatAdamW uses, over a rank's owned space:
+    `data` is what the update reads as parameters (fp32: the masters themselves; bf16: the compute
+    copy it writes after each step), `grad` the reduced gradient shard."""
+
+    data: torch.Tensor
+    grad: torch.Tensor
+    n_decay: int
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    @property
+    def padded(self) -> int:
+        return self.data.numel()
+
+    def zero_grad(self) -> None:
+        pass  # the engine overwrites the shard on the first micro-batch of every step

@@ -1,0 +1,174 @@
+"""ZeRO stages 1 and 2: optimizer state (and, at stage 2, gradients) sharded over `dp_shard`.
+
+Per-rank bytes with bf16 parameters and gradients and K = 12 bytes of optimizer state per element
+(fp32 master + two fp32 Adam moments), P parameters, N shards:
+  ZeRO-1  (2 + 2) P + K P / N       full parameters and gradient buffer, 1/N of the state
+  ZeRO-2  2 P + (2 + K) P / N       full parameters; gradient and state shards only
+Traffic per step (ring): reduce-scatter of the gradients P(N-1)/N + all-gather of the updated
+parameters P(N-1)/N = 2P(N-1)/N, the same as DDP's all-reduce. Under HSDP the shard is then
+all-reduced over `dp_replicate` (2 (P/N)(R-1)/R).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from plait.flat import FlatParams, flat_order
+from plait.optim import FlatAdamW
+from plait.parallel.buckets import InFlight, Ready, group_by_size
+from plait.parallel.data_parallel import DPNames, Engine
+from plait.parallel.shard_space import OwnedSpace, ShardLayout
+
+
+class _Sharded(Engine):
+    """Shard and replica coordinates shared by the ZeRO engines."""
+
+    def _shard_setup(self, comm, names: DPNames) -> None:
+        self.n, self.r = comm.size(names.shard), comm.rank(names.shard)
+        self.replicas = comm.size(names.replicate)
+        # replicas hold the same shard after their all-reduce: only the first adds its norm
+        self.norm_owner = comm.rank(names.replicate) == 0
+
+    @property
+    def shard(self):
+        return (self.r, self.n)
+
+    @property
+    def writes_state(self):
+        return self.norm_owner  # one replica writes each shard
+
+
+class Zero1(_Sharded):
+    """FlatAdamW over this rank's contiguous 1/N of the padded flat space.
+
+    Gradients accumulate in the full flat buffer as on one device (no communication on any
+    micro-batch); the step reduce-scatters the whole buffer in place - rank r's averaged shard lands
+    in its own slice - updates that slice, and all-gathers the parameters in place. One collective
+    each way keeps the shard contiguous, so memory is exactly the formula; the price is that the
+    reduce-scatter does not overlap backward (ZeRO-2 does).
+    """
+
+    def __init__(self, model, named, t, comm, names: DPNames, compile: bool):
+        n = comm.size(names.shard)
+        flat = FlatParams(named, pad_to=n)
+        per = flat.padded // n
+        r = comm.rank(names.shard)
+        super().__init__(model, FlatAdamW(flat, t, lo=r * per, hi=(r + 1) * per, compile=compile), comm, names)
+        self._shard_setup(comm, names)
+        self.flat = flat
+
+    def step(self, lr, loss_sum):
+        o, flat, nm = self.opt, self.flat, self.names
+        shard = flat.grad[o.lo:o.hi]
+        self.comm.reduce_scatter(flat.grad, nm.shard, op="avg", out=shard)
+        if self.replicas > 1:
+            self.comm.all_reduce(shard, nm.replicate, op="avg")
+        self._loss = loss_sum
+        grad_norm = o.step(lr, grad=shard, sum_sq_reduce=self._reduce_stats)
+        self.sync_params()
+        flat.zero_grad()
+        return self._loss_mean, grad_norm
+
+    def sync_params(self):
+        super().sync_params()  # masters -> own slice (bf16); fp32 masters are the slice
+        o = self.opt
+        self.comm.all_gather(self.flat.data[o.lo:o.hi], self.names.shard, out=self.flat.data)
+
+
+class Zero2(_Sharded):
+    """Gradients reduce-scattered bucket by bucket while backward runs, then freed.
+
+    Buckets are units of a `ShardLayout`: whole parameters in flat order, about `cap` elements, each
+    padded to a multiple of N. Parameters are views of one buffer of all buckets back to back; their
+    .grad is left to autograd. When a bucket's last gradient has accumulated, its gradients are
+    copied into a staging buffer, .grad is dropped, and the staging buffer is reduce-scattered
+    asynchronously into this rank's gradient shard - so a full gradient buffer never exists, only
+    the buckets in flight (at most three staging buffers). With accumulation every micro-batch is
+    reduced and added into the shard, which is the only gradient memory kept between micro-batches.
+    """
+
+    def __init__(self, model, named, t, comm, names: DPNames, cap: int, reduce_dtype: torch.dtype, compile: bool):
+        n, r = comm.size(names.shard), comm.rank(names.shard)
+        ordered = flat_order(named)
+        buckets = group_by_size([p.numel() for _, p in ordered], cap)
+        layout = ShardLayout([[ordered[i] for i in b] for b in buckets], n, r)
+        p0 = ordered[0][1]
+        self.layout, self.reduce_dtype = layout, reduce_dtype
+        self.data = torch.zeros(layout.padded_numel, dtype=p0.dtype, device=p0.device)
+        with torch.no_grad():
+            for u in layout.units:
+                for s, p in zip(u.slots, u.params):
+                    view = u.view(self.data[u.base:u.base + u.padded], s)
+                    view.copy_(p)
+                    p.data, p.grad = view, None
+        # fp32 masters of the owned chunks, contiguous; the full buffer is written back after each step
+        master = torch.cat([self._chunk(u).float() for u in layout.units]) if layout.units else None
+        self.acc = torch.zeros(layout.owned_numel, dtype=reduce_dtype, device=p0.device)
+        opt = FlatAdamW(OwnedSpace(master, self.acc, layout.n_decay), t, compile=compile)
+        super().__init__(model, opt, comm, names, pieces=layout.pieces)
+        self._shard_setup(comm, names)
+        owners = {id(p): [i] for i, u in enumerate(layout.units) for p in u.params}
+        self.ready = Ready([len(u.params) for u in layout.units], owners, self._launch)
+        self.inflight = InFlight()
+        self.first = True  # the first micro-batch writes the shard, later ones add to it
+        self.hooks = [p.register_post_accumulate_grad_hook(lambda p: self.ready.arrived(id(p)))
+                      for u in layout.units for p in u.params]
+        self.peak_staged = 0  # most staging elements alive at once (tests check the bound)
+
+    def _chunk(self, u) -> torch.Tensor:
+        lo, hi = u.chunk_range(self.layout.rank)
+        return self.data[u.base + lo:u.base + hi]
+
+    def begin_micro(self, index, count):
+        if index > 0:  # every micro-batch is reduced: finish the last one's buckets, count afresh
+            self.ready.flush()
+            self.ready.reset()
+        self.first = index == 0
+
+    def _launch(self, i: int) -> None:
+        u = self.layout.units[i]
+        staging = torch.empty(u.padded, dtype=self.reduce_dtype, device=self.data.device)
+        for s, p in zip(u.slots, u.params):
+            dst = staging[s.offset:s.offset + s.numel]
+            if p.grad is None:
+                dst.zero_()
+            else:
+                dst.copy_(p.grad.reshape(-1))
+                p.grad = None  # the gradient's only copy now is in flight
+        staging[u.numel:].zero_()
+        out = self.acc[self.layout.owned_slice(u)]
+        if self.first:
+            h = self.comm.reduce_scatter(staging, self.names.shard, op="avg", out=out, async_op=True)
+            self.inflight.add(h, keep=(staging,))
+        else:
+            part = torch.empty_like(out)
+            h = self.comm.reduce_scatter(staging, self.names.shard, op="avg", out=part, async_op=True)
+            self.inflight.add(h, lambda out=out, part=part: out.add_(part), keep=(staging,))
+        self.peak_staged = max(self.peak_staged, sum(k[0].numel() for _, _, k in self.inflight.items))
+        self.inflight.wait_all(keep_last=2)
+
+    def step(self, lr, loss_sum):
+        self.ready.flush()
+        self.inflight.wait_all()
+        self.ready.reset()
+        if self.replicas > 1:
+            self.comm.all_reduce(self.acc, self.names.replicate, op="avg")
+        self._loss = loss_sum
+        grad_norm = self.opt.step(lr, grad=self.acc, sum_sq_reduce=self._reduce_stats)
+        self.sync_params()
+        self.first = True
+        return self._loss_mean, grad_norm
+
+    @torch.no_grad()
+    def sync_params(self):
+        """Masters into this rank's chunks of the full buffer, then one in-place all-gather per bucket."""
+        units, master = self.layout.units, self.opt.master
+        torch._foreach_copy_([self._chunk(u) for u in units], [master[self.layout.owned_slice(u)] for u in units])
+        for u in units:
+            full = self.data[u.base:u.base + u.padded]
+            self.inflight.add(self.comm.all_gather(self._chunk(u), self.names.shard, out=full, async_op=True))
+        self.inflight.wait_all()
+
+    def memory(self):
+        o = self.opt
+        return {"params": [self.data], "grads": [self.acc], "optimizer": [o.master, o.exp_avg, o.exp_avg_sq]}
