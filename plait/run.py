@@ -1,12 +1,34 @@
-"""From a checked config to running workers: one process here, or N processes via the launcher."""
+"""From a checked config to running workers: this process alone, or N processes via the launcher.
+
+Everything a user can get wrong is checked here, in the launching process (`preflight`), so a bad
+layout costs one line and exit code 2 before any worker starts. Then:
+  - one process, no launcher, no sharding: train right here, without a process group (the default
+    job pays nothing for distribution);
+  - otherwise `plait.launch.run` starts `parallel.nproc` workers (or joins the ones torchrun/srun
+    started); each joins the process group, builds the mesh and trains its part.
+"""
 
 from __future__ import annotations
 
 from plait.config import Config
-from plait.train import preflight, train
+from plait.train import preflight, resolve_device, train
 
 
 def launch_training(cfg: Config) -> dict | None:
-    """Preflight once, then train in this process (nproc 1)."""
+    """Preflight once, then train; returns rank 0's summary (None on other ranks under torchrun)."""
+    from plait.launch import detect_launch, run
+
     cfg = preflight(cfg)
-    return train(cfg)
+    p = cfg.parallel
+    device_type = resolve_device(cfg).type
+    if detect_launch() is None and p.nproc == 1 and p.zero == 0:
+        return train(cfg)
+    results = run(_worker, (cfg, device_type), nproc=p.nproc, device_type=device_type)
+    main = [r for r in results if r and r.get("main")]
+    return main[0] if main else None
+
+
+def _worker(cfg: Config, device_type: str) -> dict:
+    from plait.launch import init_distributed
+
+    return train(cfg, init_distributed(cfg.parallel, device_type))

@@ -1,7 +1,9 @@
 """The training loop: build -> (resume) -> step -> evaluate -> checkpoint -> sample.
 
 `preflight` runs once in the launching process and checks everything a user can get wrong (config,
-data, output folder, checkpoints) before any worker starts; `train` is what each worker runs.
+layout, data, output folder, checkpoints) before any worker starts; `train` is what each worker runs.
+Data parallelism (DDP, ZeRO-1/2/3, HSDP) is an engine from `plait.parallel.data_parallel`: the loop
+below is the same for every layout; the engine decides when and how gradients travel.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,8 +24,9 @@ from plait.errors import bad_value
 from plait.generate import sample
 from plait.metrics import MetricsLog, Progress, flops_per_token, peak_flops, peak_memory_bytes
 from plait.model import Transformer, build_model
-from plait.flat import FlatParams
 from plait.optim import FlatAdamW, lr_at
+from plait.parallel import sharded_state
+from plait.parallel.data_parallel import Engine, Local, apply_data_parallel, check_layout
 
 SAMPLE_PROMPT = "def "
 
@@ -52,6 +54,7 @@ def preflight(cfg: Config) -> Config:
     if t.init_from:  # the model's shape comes from the weights being continued
         cfg.model = init_model_config(t.init_from)
     cfg.validate()
+    check_layout(cfg)
     if not t.out:
         t.out = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
     out = Path(t.out).expanduser()
@@ -85,44 +88,42 @@ def init_weights_from(path: str, model_cfg) -> dict[str, torch.Tensor]:
 
     if hf.is_hf_dir(path):
         return {k: v.float() for k, v in hf.load_hf_weights(path, model_cfg, field="train.init_from").items()}
-    return ckpt.torch_load(ckpt.resolve_for_reading(path, field="train.init_from") / "model.pt")
+    return sharded_state.full_weights(ckpt.resolve_for_reading(path, field="train.init_from"))
 
 
 def _warn(msg: str) -> None:
     print(f"plait: {msg}", file=sys.stderr)
 
 
-@dataclass
-class DataParallel:
-    """Where this process sits among the data-parallel ranks (1 of 1 on a single device)."""
-
-    rank: int = 0
-    size: int = 1
-
-
-def apply_compile(model: Transformer) -> None:
+def apply_compile(model: Transformer, hooks_outside: bool = False) -> None:
     """Compile each block on its own: identical blocks share one compiled graph, so compile time
-    does not grow with depth, and the fused loss gets its softmax/one-hot arithmetic fused."""
+    does not grow with depth, and the fused loss gets its softmax/one-hot arithmetic fused.
+    `hooks_outside`: compile only `forward`, so module hooks (ZeRO-3's gather/free) run eagerly."""
     from plait.loss import ce_chunk
 
     for block in model.layers.values():
-        block.compile()
+        if hooks_outside:
+            block.forward = torch.compile(block.forward)
+        else:
+            block.compile()
     model.ce_chunk_fn = torch.compile(ce_chunk)
 
 
-def train_step(model, opt: FlatAdamW, micro_batches, lr: float, autocast, sum_sq_reduce=None):
-    """One optimizer step over `micro_batches` [(x, y), ...] already on the device.
-    Returns (mean loss, pre-clip grad norm) as device tensors: no host sync here."""
+def train_step(model, engine, micro_batches, lr: float, autocast):
+    """One optimizer step over `micro_batches` [(x, y), ...] already on the device. `engine` is a
+    data-parallel engine (or a FlatAdamW, for one device). Returns (mean loss over all data-parallel
+    ranks, pre-clip global grad norm) as device tensors: no host sync here."""
+    if isinstance(engine, FlatAdamW):
+        engine = Local(model, engine)
     n = len(micro_batches)
     loss_sum = None
-    for x, y in micro_batches:
+    for i, (x, y) in enumerate(micro_batches):
+        engine.begin_micro(i, n)
         with autocast():
             loss = model(x, y) / n
         loss.backward()
         loss_sum = loss.detach().float() if loss_sum is None else loss_sum + loss.detach().float()
-    grad_norm = opt.step(lr, sum_sq_reduce)
-    opt.zero_grad()
-    return loss_sum, grad_norm
+    return engine.step(lr, loss_sum)
 
 
 def autocast_for(dtype: torch.dtype, device: torch.device):
@@ -131,17 +132,18 @@ def autocast_for(dtype: torch.dtype, device: torch.device):
     return contextlib.nullcontext
 
 
-def evaluate(model, data: TokenData, cfg: Config, dp: DataParallel, device, autocast) -> float:
+def evaluate(model, data: TokenData, cfg: Config, engine: Engine, device, autocast) -> float:
+    """Mean validation loss: each data-parallel rank takes its slice of the held-out windows."""
     model.eval()
     losses = []
     with torch.no_grad():
         for x, y in data.val_batches(cfg.train.eval_batches, micro_batch=cfg.train.micro_batch,
-                                     dp_rank=dp.rank, dp_size=dp.size, seq_len=cfg.train.seq_len,
+                                     dp_rank=engine.rank, dp_size=engine.size, seq_len=cfg.train.seq_len,
                                      seed=cfg.train.seed):
             with autocast():
                 losses.append(model(x.to(device), y.to(device)).float())
     model.train()
-    return torch.stack(losses).mean().item()
+    return engine.all_mean(torch.stack(losses).mean().item())
 
 
 def _rng_state(device: torch.device) -> dict:
@@ -151,43 +153,44 @@ def _rng_state(device: torch.device) -> dict:
     return state
 
 
-def save_checkpoint(saver: ckpt.Saver, step: int, cfg: Config, opt: FlatAdamW, tokenizer,
+def save_checkpoint(saver: ckpt.Saver, step: int, cfg: Config, engine: Engine, tokenizer,
                     device: torch.device, val_loss: float | None) -> Path:
+    """Every rank writes its state files (the engine decides which); rank 0 adds the rest."""
     def write(folder: Path) -> None:
-        torch.save({n: t.float() for n, t in opt.master_weights().items()}, folder / "model.pt")
-        torch.save(opt.state_dict(), folder / "optim.pt")
+        engine.save(folder)
+        if saver.rank != 0:
+            return
         torch.save(_rng_state(device), folder / "rng.pt")
         (folder / "train_state.json").write_text(json.dumps(
-            {"step": step, "config": cfg.to_dict(), "tokenizer": tokenizer.spec, "val_loss": val_loss}, indent=1))
+            {"step": step, "config": cfg.to_dict(), "tokenizer": tokenizer.spec, "val_loss": val_loss,
+             "layout": {"nproc": cfg.parallel.nproc, "dp_replicate": cfg.parallel.dp_replicate,
+                        "dp_shard": engine.size // max(1, cfg.parallel.dp_replicate), "zero": cfg.parallel.zero}},
+            indent=1))
         if tokenizer.spec.get("kind") == "hf":
             tokenizer.save_to(folder)
 
-    return saver.save(step, write, {"format": 1})
+    return saver.save(step, write, {"format": 2})
 
 
-def load_checkpoint(folder: Path, opt: FlatAdamW | None, model: Transformer | None, device) -> dict:
+def resume_from(folder: Path, engine: Engine, device) -> int:
+    """Load a checkpoint of any layout into this engine; returns its step."""
     state = json.loads((folder / "train_state.json").read_text())
-    weights = ckpt.torch_load(folder / "model.pt")
-    if opt is not None:
-        opt.load_weights(weights)
-        opt.load_state_dict(ckpt.torch_load(folder / "optim.pt"))
-        rng = ckpt.torch_load(folder / "rng.pt")
-        torch.set_rng_state(rng["cpu"])
-        if "cuda" in rng and device.type == "cuda":
-            torch.cuda.set_rng_state(rng["cuda"], device)
-    elif model is not None:
-        missing = model.load_state_dict({k: v for k, v in weights.items()}, strict=False).missing_keys
-        missing = [k for k in missing if not (k == "output.weight" and model.cfg.tie_embeddings)]
-        if missing:
-            raise bad_value("--checkpoint", str(folder), f"lacks weights {missing[:3]}; it is not a plait checkpoint")
-    return state
+    engine.load(folder)
+    rng = ckpt.torch_load(folder / "rng.pt")
+    torch.set_rng_state(rng["cpu"])
+    if "cuda" in rng and device.type == "cuda":
+        torch.cuda.set_rng_state(rng["cuda"], device)
+    return int(state["step"])
 
 
-def train(cfg: Config, dp: DataParallel | None = None) -> dict:
-    """Run the training loop in this process; returns a summary (losses, paths, throughput)."""
-    dp = dp or DataParallel()
-    t, is_main = cfg.train, dp.rank == 0
-    device = resolve_device(cfg)
+def train(cfg: Config, dims=None) -> dict:
+    """Run the training loop in this process; returns a summary (losses, paths, throughput).
+
+    dims: this worker's `ParallelDims` (mesh built by `plait.launch.init_distributed`), or None for
+    a single process without a process group (the default job).
+    """
+    t = cfg.train
+    device = dims.device if dims is not None and dims.device is not None else resolve_device(cfg)
     dtype = resolve_dtype(cfg, device)
     torch.manual_seed(t.seed)
     out = Path(t.out).expanduser()
@@ -197,33 +200,40 @@ def train(cfg: Config, dp: DataParallel | None = None) -> dict:
     model = build_model(cfg.model, t.seed, device)
     model.to(dtype)  # bf16 compute weights; the optimizer keeps the fp32 masters
     use_compile = t.compile == "on" or (t.compile == "auto" and device.type == "cuda")
-    flat = FlatParams(list(model.named_parameters()))
-    opt = FlatAdamW(flat, t, compile=use_compile)
-    saver = ckpt.Saver(out / "checkpoints", cfg.checkpoint.keep_last, rank=dp.rank)
+    if use_compile:  # before the engine: ZeRO-3's module hooks must stay outside the compiled code
+        apply_compile(model, hooks_outside=dims is not None and cfg.parallel.zero == 3)
+    comm = None
+    if dims is not None:
+        from plait.comm import Comm, Ledger
+
+        comm = Comm(dims, Ledger())
+    engine = apply_data_parallel(model, cfg, comm, compile=use_compile)
+    is_main = engine.rank == 0 and (dims is None or dims.rank == 0)
+    barrier = (lambda: comm.barrier("world")) if comm is not None else (lambda: None)
+    saver = ckpt.Saver(out / "checkpoints", cfg.checkpoint.keep_last, rank=dims.rank if dims else 0, barrier=barrier)
     start = 0
     if cfg.checkpoint.resume:
         folder = ckpt.latest_valid(out / "checkpoints", log=_warn if is_main else (lambda m: None))
         if folder is not None:
-            start = load_checkpoint(folder, opt, model, device)["step"]
+            start = resume_from(folder, engine, device)
             if is_main:
                 _warn(f"resumed from {folder} (step {start})")
     if start == 0 and t.init_from:
-        opt.load_weights(init_weights_from(t.init_from, cfg.model))
-    if use_compile:
-        apply_compile(model)
+        engine.load_weights(init_weights_from(t.init_from, cfg.model), "train.init_from", t.init_from)
     autocast = autocast_for(dtype, device)
 
     if is_main:
         (out / "config.toml").write_text(cfg.to_toml())
     log = MetricsLog(out if is_main else None, t.tensorboard)
-    tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum * dp.size
+    tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum * engine.size
     fpt = flops_per_token(cfg.model, t.seq_len)
     peak = peak_flops(device, dtype)
     end = t.steps if not t.max_steps_this_run else min(t.steps, start + t.max_steps_this_run)
     bar = Progress(end, start, enabled=is_main and t.progress)
     if is_main:
+        layout = "" if comm is None else f", {engine.size} data-parallel ranks (zero {cfg.parallel.zero})"
         bar.message(f"plait: {cfg.model.preset} model, {model.num_params() / 1e6:.2f}M parameters, "
-                    f"{device.type} {str(dtype).replace('torch.', '')}, {tokens_per_step:,} tokens/step, "
+                    f"{device.type} {str(dtype).replace('torch.', '')}{layout}, {tokens_per_step:,} tokens/step, "
                     f"steps {start}->{end}, out {out}")
     val_loss, losses = None, []
     if device.type == "cuda":
@@ -234,40 +244,44 @@ def train(cfg: Config, dp: DataParallel | None = None) -> dict:
         lr = lr_at(step, t)
         batches = [tuple(a.to(device, non_blocking=True) for a in
                          data.batch(step, micro, micro_batch=t.micro_batch, grad_accum=t.grad_accum,
-                                    dp_rank=dp.rank, dp_size=dp.size, seq_len=t.seq_len, seed=t.seed))
+                                    dp_rank=engine.rank, dp_size=engine.size, seq_len=t.seq_len, seed=t.seed))
                    for micro in range(t.grad_accum)]
-        loss_sum, grad_norm = train_step(model, opt, batches, lr, autocast)
-        loss_val = loss_sum.item()  # one host sync per step: the loss is logged every step
+        loss, grad_norm = train_step(model, engine, batches, lr, autocast)
+        loss_val = loss.item()  # one host sync per step: the loss is logged every step
         dt = time.perf_counter() - t0
         tok_s = tokens_per_step / dt
         losses.append(loss_val)
         record = {"step": step + 1, "loss": loss_val, "lr": lr, "grad_norm": grad_norm.item(),
                   "tokens_per_s": tok_s, "mfu": tok_s * fpt / peak if peak else "n/a",
                   "peak_mem_bytes": peak_memory_bytes(device), "step_time_s": dt}
+        if comm is not None:  # bytes this device sent this step, all mesh dims and ops together
+            record["comm_sent_bytes"] = sum(d["sent_bytes"] for d in comm.ledger.step().values())
         done = step + 1
         if (t.eval_every and done % t.eval_every == 0) or done == end:
-            val_loss = evaluate(model, data, cfg, dp, device, autocast)
+            val_loss = evaluate(model, data, cfg, engine, device, autocast)
             record["val_loss"] = val_loss
             bar.message(f"step {done}: val loss {val_loss:.4f} (train {loss_val:.4f})")
         log.log(record)
         bar.update(done, loss_val, tok_s)
         if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == end:
-            folder = save_checkpoint(saver, done, cfg, opt, tokenizer, device, val_loss)
+            folder = save_checkpoint(saver, done, cfg, engine, tokenizer, device, val_loss)
             bar.message(f"saved checkpoint {folder}")
     bar.close()
     log.close()
     summary = {"out": str(out), "steps": end, "losses": losses, "val_loss": val_loss,
-               "seconds": time.perf_counter() - t_run}
-    if is_main and t.sample_tokens and end > start:
-        ids = sample(model, [int(i) for i in tokenizer.encode(SAMPLE_PROMPT)], t.sample_tokens,
-                     temperature=0.8, top_k=40, seed=t.seed)
-        summary["sample"] = SAMPLE_PROMPT + tokenizer.decode(ids)
-        print(f"--- sample ---\n{summary['sample']}\n--------------", file=sys.stderr)
+               "seconds": time.perf_counter() - t_run, "main": is_main}
+    if t.sample_tokens and end > start:
+        engine.gather_for_inference()  # ZeRO-3: every rank takes part in gathering the model
+        if is_main:
+            ids = sample(model, [int(i) for i in tokenizer.encode(SAMPLE_PROMPT)], t.sample_tokens,
+                         temperature=0.8, top_k=40, seed=t.seed)
+            summary["sample"] = SAMPLE_PROMPT + tokenizer.decode(ids)
+            print(f"--- sample ---\n{summary['sample']}\n--------------", file=sys.stderr)
     return summary
 
 
 def model_from_checkpoint(path: str, device: str = "cpu") -> tuple[Transformer, object, Config]:
-    """Load a checkpoint (folder or run folder) for inference: model, tokenizer, config."""
+    """Load a checkpoint (folder or run folder, any layout) for inference: model, tokenizer, config."""
     from plait import hf
     from plait.tokenizer import ByteTokenizer, HFTokenizer, from_spec
 
@@ -282,5 +296,9 @@ def model_from_checkpoint(path: str, device: str = "cpu") -> tuple[Transformer, 
     state = json.loads((folder / "train_state.json").read_text())
     cfg = config_from_dict(state["config"])
     model = build_model(cfg.model, cfg.train.seed, device)
-    load_checkpoint(folder, None, model, device)
+    weights = sharded_state.full_weights(folder)
+    missing = model.load_state_dict(weights, strict=False).missing_keys
+    missing = [k for k in missing if not (k == "output.weight" and model.cfg.tie_embeddings)]
+    if missing:
+        raise bad_value("--checkpoint", str(folder), f"lacks weights {missing[:3]}; it is not a plait checkpoint")
     return model, from_spec(state["tokenizer"], folder), cfg
