@@ -284,7 +284,8 @@ def spawn(entry, args=(), nproc: int = 2, *, device_type: str = "cpu", timeout_s
                 local_addr="127.0.0.1")
             try:
                 with _quiet_elastic(), _own_signals(), _tempdir(workdir):
-                    out = elastic_launch(config, _worker)(entry, tuple(args), child_env, timeout_s, workdir)
+                    out = elastic_launch(config, _worker)(entry, tuple(args), child_env, timeout_s, workdir,
+                                                          _ParentFd(1), _ParentFd(2))
                 return [out[r] for r in range(nproc)]
             except ChildFailedError as e:
                 raise _failure(e, workdir) from None
@@ -295,9 +296,14 @@ def spawn(entry, args=(), nproc: int = 2, *, device_type: str = "cpu", timeout_s
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _worker(entry, args, env, timeout_s, workdir):
+def _worker(entry, args, env, timeout_s, workdir, stdout_fd=None, stderr_fd=None):
     for k, v in env.items():  # the fork server's environment is from when it started, not from now
         os.environ.setdefault(k, v)
+    # ... and so are its stdout/stderr: write where the caller's go now (a terminal, a log, pytest's capture)
+    for fd, target in ((stdout_fd, 1), (stderr_fd, 2)):
+        if fd is not None:
+            os.dup2(fd, target)
+            os.close(fd)
     rank = int(os.environ.get("RANK", 0))
     if os.environ.get("OMP_NUM_THREADS"):
         import torch
@@ -314,6 +320,29 @@ def _worker(entry, args, env, timeout_s, workdir):
     finally:
         done.set()
         shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+class _ParentFd:
+    """Pickles as a duplicate of the caller's file descriptor `fd`, handed to the new process by
+    multiprocessing itself (fork server and spawn alike); unpickles to the child's copy of it."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        try:
+            os.fstat(self.fd)
+        except OSError:  # closed in the caller: nothing to inherit
+            return (type(None), ())
+        return (_detach, (reduction.DupFd(self.fd),))
+
+
+def _detach(dup) -> int:
+    return dup.detach()
 
 
 def _watchdog(done: threading.Event, timeout_s: float, rank: int, workdir: str) -> None:

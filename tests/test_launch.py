@@ -213,3 +213,18 @@ def test_the_same_command_runs_under_srun(tmp_path):
     assert [p.returncode for p in procs] == [0, 0], logs
     res = json.loads(out.read_text())
     assert res["nproc"] == 2 and all(r["correct"] for r in res["results"])
+
+
+def _talk(tag):
+    print(f"stdout of rank {os.environ['RANK']} {tag}", flush=True)
+    print(f"stderr of rank {os.environ['RANK']} {tag}", file=sys.stderr, flush=True)
+
+
+def test_worker_output_goes_where_the_callers_output_goes_now(capfd):
+    # the fork server was started by an earlier spawn, with whatever stdout existed then; workers must
+    # still write to the caller's current stdout/stderr (here: this test's capture)
+    launch.spawn(_talk, ("first",), 2)
+    launch.spawn(_talk, ("second",), 2)
+    out, err = capfd.readouterr()
+    assert "stdout of rank 0 first" in out and "stdout of rank 1 second" in out
+    assert "stderr of rank 1 first" in err and "stderr of rank 0 second" in err
