@@ -1,0 +1,151 @@
+"""Per-rank memory of every data-parallel stage against the ZeRO formulas, to the byte, and the same
+run under torch's DistributedDataParallel. One spawn of 4 ranks.
+
+Bytes per element (P parameters, N shards, S = this rank's share of the padded units = padded / N):
+  parameters: the compute dtype, 2 (bf16) or 4 (fp32); gradients: the same, or the reduce dtype
+  under ZeRO-2/3; optimizer: K = 12 with bf16 parameters (fp32 master 4 + two fp32 moments 8),
+  K = 8 with fp32 parameters, which are their own masters - except ZeRO-2, whose master shard is kept
+  apart from the full parameters (its chunks are not contiguous there), so K = 12 for it always.
+  DDP     params 2P      grads 2P         optimizer K P
+  ZeRO-1  params 2P'     grads 2P'        optimizer K P'/N       P' = P rounded up to a multiple of N
+  ZeRO-2  params 2P''    grads 2 P''/N    optimizer K P''/N      P'' = every bucket padded to N
+  ZeRO-3  params 2P''/N  grads 2 P''/N    optimizer K P''/N      P'' = every block (and the root) padded
+Padding is named and bounded: fewer than N elements per unit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist import run_dist
+from dp_runs import MICRO, STEPS, Groups, config, rel, train
+
+CASES = [(0, "bf16"), (1, "bf16"), (2, "bf16"), (3, "bf16"), (0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32")]
+
+
+def _nbytes(tensors) -> int:
+    storages = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        storages[st.data_ptr()] = st.nbytes()
+    return sum(storages.values())
+
+
+def _measure(engine) -> dict:
+    m = engine.memory()
+    out = {k: _nbytes(v) for k, v in m.items()}
+    # independently: every storage reachable from the model's parameters, their grads and the optimizer
+    params = list(engine.model.parameters())
+    o = engine.opt
+    reach = params + [p.grad for p in params if p.grad is not None] + [o.master, o.exp_avg, o.exp_avg_sq]
+    out["reachable"] = _nbytes(reach + [t for v in m.values() for t in v])
+    out["listed"] = _nbytes([t for v in m.values() for t in v])
+    out["P"] = sum(p.numel() for p in params)
+    lay = getattr(engine, "layout", None)
+    out["padded"] = lay.padded_numel if lay else engine.opt.flat.padded
+    out["units"] = len(lay.units) if lay else 1
+    out["owned"] = engine.opt.hi - engine.opt.lo
+    out["dtype"] = str(params[0].dtype)
+    return out
+
+
+def _torch_ddp(corpus, group) -> dict:
+    from torch.nn.parallel import DistributedDataParallel
+
+    from plait.data import TokenData
+    from plait.model import build_model
+    from plait.optim import lr_at
+
+    cfg = config(corpus)
+    t = cfg.train
+    model = DistributedDataParallel(build_model(cfg.model, 0, "cpu"), process_group=group, bucket_cap_mb=0.02)
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    rest = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+                            lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+    data, r, n = TokenData(cfg.data.path), dist.get_rank(group), dist.get_world_size(group)
+    losses = []
+    for step in range(t.steps):
+        x, y = data.batch(step, 0, micro_batch=MICRO, grad_accum=1, dp_rank=r, dp_size=n, seq_len=32, seed=0)
+        loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, t)
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean, group=group)
+        losses.append(mean.item() / n)
+    return {"losses": losses}
+
+
+def _body(dims, corpus):
+    groups = Groups()
+    out = {}
+    for zero, dtype in CASES:
+        got = {}
+        train(config(corpus, zero=zero, dtype=dtype, steps=1), groups.comm("world"), engine_hook=lambda e: got.update(_measure(e)))
+        out[(zero, dtype, "world")] = got
+    for zero in (2, 3):
+        got = {}
+        train(config(corpus, zero=zero, dtype="bf16", steps=1, reduce_dtype="fp32"), groups.comm("world"),
+              engine_hook=lambda e: got.update(_measure(e)))
+        out[(zero, "bf16-reduce-fp32", "world")] = got
+    got = {}
+    train(config(corpus, zero=3, dtype="bf16", steps=1), groups.comm("hsdp"), engine_hook=lambda e: got.update(_measure(e)))
+    out[(3, "bf16", "hsdp")] = got
+    out["torch_ddp"] = _torch_ddp(corpus, groups.pair[dims.rank // 2])
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(corpus):
+    per_rank = run_dist(_body, 4, corpus, timeout=300)
+    return per_rank, train(config(corpus, micro_batch=2 * MICRO))
+
+
+def _formula(zero, m, shards, param_b, grad_b) -> dict:
+    P, Pp = m["P"], m["padded"]
+    K = 8 if param_b == 4 and zero != 2 else 12
+    return {0: {"params": param_b * P, "grads": param_b * P, "optimizer": K * P},
+            1: {"params": param_b * Pp, "grads": param_b * Pp, "optimizer": K * Pp // shards},
+            2: {"params": param_b * Pp, "grads": grad_b * Pp // shards, "optimizer": K * Pp // shards},
+            3: {"params": param_b * Pp // shards, "grads": grad_b * Pp // shards, "optimizer": K * Pp // shards}}[zero]
+
+
+@pytest.mark.parametrize("case", CASES + [(2, "bf16-reduce-fp32"), (3, "bf16-reduce-fp32")])
+def test_memory_equals_the_formula(runs, case):
+    zero, prec = case
+    for rank, res in enumerate(runs[0]):
+        m = res[(zero, prec, "world")]
+        param_b = 4 if prec == "fp32" else 2
+        grad_b = 4 if prec != "bf16" else 2
+        want = _formula(zero, m, 4, param_b, grad_b)
+        got = {k: m[k] for k in want}
+        if rank == 0:
+            print(f"zero {zero} {prec}: P={m['P']} padded={m['padded']} {got}")
+        assert got == want, (rank, got, want)
+        assert m["reachable"] == m["listed"] == sum(want.values())  # nothing else held
+        assert m["P"] <= m["padded"] < m["P"] + 4 * m["units"]  # padding: < N elements per unit
+        if zero >= 1:
+            assert m["owned"] * 4 == m["padded"]
+
+
+def test_hsdp_shards_over_dp_shard_only(runs):
+    for res in runs[0]:
+        m = res[(3, "bf16", "hsdp")]
+        assert m["owned"] * 2 == m["padded"]  # 2 shards (the replicas hold copies)
+        assert {k: m[k] for k in ("params", "grads", "optimizer")} == _formula(3, m, 2, 2, 2)
+
+
+def test_same_losses_as_torch_ddp(runs):
+    per_rank, ref = runs
+    for r in (0, 2):
+        losses = per_rank[r]["torch_ddp"]["losses"]
+        assert len(losses) == STEPS
+        worst = max(rel(a, b) for a, b in zip(losses, ref["losses"]))
+        print(f"torch DDP vs single process: max loss rel diff {worst:.2e}")
+        assert worst <= 1e-5
