@@ -1,0 +1,320 @@
+"""Data-parallel training throughput: plait DDP and ZeRO-1/2/3 against torch DDP and FSDP2.
+
+    python bench/data_parallel.py                      # every visible GPU, the 1b preset, seq 2048
+
+Same model code (plait's Transformer with its fused loss), same batch (seeded random tokens, a
+different slice per rank), same run: one set of G worker processes runs every variant in turn, each
+from a fresh model and with the same compile treatment, so the figures compare directly. plait on
+one GPU runs first in a process of its own and gives the weak-scaling efficiency: tokens/s/GPU at G
+GPUs over tokens/s on one (same micro-batch per GPU).
+
+  plait-1gpu    plait's single-device step: bf16 parameters, fp32 masters, compiled blocks, fused AdamW
+  plait-ddp     plait.parallel DDP: bucketed all-reduce from backward hooks, bf16 gradients
+  plait-zero1   optimizer state sharded; reduce-scatter + all-gather after backward
+  plait-zero2   + gradients: buckets reduce-scattered during backward
+  plait-zero3   + parameters, per block, prefetched; bf16 on the wire both ways
+  torch-ddp     DistributedDataParallel: fp32 parameters, bf16 autocast, fp32 gradient all-reduce,
+                fused AdamW (the standard recipe; its gradients are twice plait's bytes)
+  fsdp2         fully_shard per block and root, MixedPrecisionPolicy(bf16 params, bf16 reduce), fp32
+                sharded parameters as masters, AdamW (foreach)
+Every variant clips at 1.0 and logs its loss each step (one host sync), as the trainer does.
+
+Writes bench/results/dp-<card>-<G>gpu.json (card, torch and NCCL versions, date, config, one row per
+variant: tokens/s/GPU, MFU at 989 TFLOP/s bf16 (plait.metrics), peak memory per GPU, bytes sent per
+GPU per step for plait), then prints a table. Budget on 2 GPUs: under 8 minutes (compile included).
+`--device cpu --preset tiny --no-compile` runs the same code over gloo on a CPU as a smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PLAIT = ["plait-ddp", "plait-zero1", "plait-zero2", "plait-zero3"]
+ALL = PLAIT + ["fsdp2", "torch-ddp"]  # torch DDP (fp32 params + grads) needs the most memory: last
+
+
+def card_slug(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'h100'; anything unknown -> its words joined by dashes."""
+    m = re.search(r"\b([A-Z]+\d{2,4}[A-Z]?)\b", name.replace("NVIDIA", ""))
+    return (m.group(1) if m else re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")).lower()
+
+
+def _model_cfg(a):
+    from plait.config import build_config
+
+    return build_config({"model": {"preset": a.preset, "max_seq_len": max(a.seq, 64)}}).model
+
+
+def _batch(a, vocab, rank, device):
+    import torch
+
+    g = torch.Generator().manual_seed(1000 + rank)
+    rows = torch.randint(0, vocab, (a.micro_batch, a.seq + 1), generator=g)
+    return rows[:, :-1].to(device), rows[:, 1:].to(device)
+
+
+def _adamw(model, fused: bool):
+    import torch
+
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    rest = [p for p in model.parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+    kw = {"fused": True} if fused else {}
+    return torch.optim.AdamW(groups, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, **kw)
+
+
+def _plait_step(a, variant, device, comm):
+    """A step function for plait on one device (comm None) or under a data-parallel engine."""
+    import torch
+
+    from plait.config import build_config
+    from plait.model import build_model
+    from plait.parallel.data_parallel import apply_data_parallel
+    from plait.train import apply_compile, autocast_for, train_step
+
+    zero = {"plait-1gpu": 0, "plait-ddp": 0, "plait-zero1": 1, "plait-zero2": 2, "plait-zero3": 3}[variant]
+    cfg = build_config({"model": {"preset": a.preset, "max_seq_len": max(a.seq, 64)},
+                        "train": {"lr": 1e-4, "warmup_steps": 0},
+                        "parallel": {"zero": zero, "bucket_mb": a.bucket_mb}})
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build_model(cfg.model, 0, device).to(dtype)
+    if a.compile:
+        apply_compile(model, hooks_outside=zero == 3)
+    engine = apply_data_parallel(model, cfg, comm, compile=a.compile)
+    autocast = autocast_for(dtype, device)
+    x, y = _batch(a, cfg.model.vocab_size, engine.rank, device)
+
+    def step():
+        return train_step(model, engine, [(x, y)], 1e-4, autocast)[0]
+
+    return step, (model, engine)
+
+
+def _torch_step(a, variant, device, dims):
+    import torch
+    import torch.distributed as dist
+
+    from plait.model import build_model
+    from plait.train import apply_compile
+
+    mcfg = _model_cfg(a)
+    model = build_model(mcfg, 0, device)  # fp32: torch's recipes keep fp32 parameters
+    if a.compile:  # blocks compiled on their own, module hooks (FSDP2's) left outside, as for plait
+        apply_compile(model, hooks_outside=True)
+    cuda = device.type == "cuda"
+    if variant == "torch-ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped = DistributedDataParallel(model, device_ids=[device] if cuda else None, bucket_cap_mb=a.bucket_mb,
+                                          gradient_as_bucket_view=True)
+        opt = _adamw(model, fused=cuda)
+    else:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = dims.submesh("dp_shard")
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cuda else torch.float32,
+                                  reduce_dtype=torch.bfloat16 if cuda else torch.float32)
+        for block in model.layers.values():
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        wrapped, opt = model, _adamw(model, fused=False)
+    x, y = _batch(a, mcfg.vocab_size, dist.get_rank(), device)
+
+    def step():
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            loss = wrapped(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss = loss.detach().float()
+        dist.all_reduce(loss)  # the global mean loss, as plait's engines log it (same small all-reduce)
+        return loss / dist.get_world_size()
+
+    return step, (wrapped, opt)
+
+
+def _measure(a, variant, step, device, ledger=None) -> dict:
+    import torch
+
+    from plait.metrics import flops_per_token, peak_flops, peak_memory_bytes
+
+    cuda = device.type == "cuda"
+    t0 = time.perf_counter()
+    for _ in range(a.warmup):
+        step().item()
+    warm = time.perf_counter() - t0
+    if ledger is not None:
+        ledger.reset()
+    times = []
+    for _ in range(a.steps):
+        t = time.perf_counter()
+        loss = step().item()  # the host sync a training loop that logs every step pays too
+        times.append(time.perf_counter() - t)
+        if ledger is not None:
+            ledger.step()
+    med = statistics.median(times)
+    tok_s = a.micro_batch * a.seq / med
+    peak = peak_flops(device, torch.bfloat16) if cuda else None
+    row = {"variant": variant, "step_s_median": med, "step_s_min": min(times), "tokens_per_s_per_gpu": tok_s,
+           "mfu": tok_s * flops_per_token(_model_cfg(a), a.seq) / peak if peak else None,
+           "peak_mem_gb": (torch.cuda.max_memory_allocated(device) if cuda else peak_memory_bytes(device)) / 1e9,
+           "warmup_and_compile_s": warm, "loss": loss}
+    if ledger is not None and ledger.steps:
+        row["comm_gb_per_step"] = sum(d["sent_bytes"] for d in ledger.summary().values()) / 1e9
+    return row
+
+
+def _cleanup(device) -> None:
+    """Drop the last variant: compiled code (so no variant inherits another's graphs or holds its
+    tensors), garbage (engines and their hooks form cycles), cached GPU memory, the peak counter."""
+    import torch
+
+    torch._dynamo.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def single(a) -> dict:
+    """plait on one device, no process group (what `plait train` does with one GPU)."""
+    import torch
+
+    device = torch.device(a.device, 0) if a.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    step, _ = _plait_step(a, "plait-1gpu", device, None)
+    return _measure(a, "plait-1gpu", step, device)
+
+
+def worker(a) -> list[dict]:
+    """Every variant in turn on this rank; rows as measured here (rank 0's are reported)."""
+    import torch
+    import torch.distributed as dist
+
+    from plait.comm import Comm, Ledger
+    from plait.config import ParallelConfig
+    from plait.launch import init_distributed
+
+    dims = init_distributed(ParallelConfig(nproc=a.gpus, timeout_s=300), a.device)
+    device = dims.device
+    rows = []
+    for variant in a.variants:
+        ledger = Ledger() if variant in PLAIT else None
+        try:  # a failure every rank meets alike (compile, OOM at build) costs one row, not the run
+            if variant in PLAIT:
+                step, keep = _plait_step(a, variant, device, Comm(dims, ledger))
+            else:
+                step, keep = _torch_step(a, variant, device, dims)
+            row = _measure(a, variant, step, device, ledger)
+            del step, keep
+        except Exception as e:  # noqa: BLE001 (reported in the row)
+            row = {"variant": variant, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
+            row["peak_mem_gb"] = 0.0
+        peak = torch.tensor([row["peak_mem_gb"]], dtype=torch.float64, device=device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        row["peak_mem_gb_max_rank"] = peak.item()
+        rows.append(row)
+        if dims.rank == 0:
+            print(json.dumps(row), flush=True)
+        _cleanup(device)
+        dist.barrier()
+    return rows
+
+
+def _table(result) -> str:
+    base = next((r for r in result["rows"] if r["variant"] == "plait-1gpu" and "error" not in r), None)
+    fsdp2 = next((r for r in result["rows"] if r["variant"] == "fsdp2" and "error" not in r), None)
+    lines = [f"{result['card']}, {result['gpus']} GPU(s), torch {result['torch']}, NCCL {result['nccl']}, "
+             f"preset {result['config']['preset']}, seq {result['config']['seq']}, micro-batch "
+             f"{result['config']['micro_batch']} per GPU",
+             f"{'variant':12} {'tok/s/GPU':>10} {'MFU':>6} {'peak GB':>8} {'comm GB':>8} {'scaling':>8} {'vs FSDP2':>9}"]
+    for r in result["rows"]:
+        if "error" in r:
+            lines.append(f"{r['variant']:12} ERROR {r['error']}")
+            continue
+        tok = r["tokens_per_s_per_gpu"]
+        mfu = f"{100 * r['mfu']:5.1f}%" if r.get("mfu") else "   n/a"
+        comm = f"{r['comm_gb_per_step']:8.2f}" if "comm_gb_per_step" in r else f"{'':8}"
+        scale = f"{100 * tok / base['tokens_per_s_per_gpu']:7.1f}%" if base and r is not base else f"{'':8}"
+        vs = f"{tok / fsdp2['tokens_per_s_per_gpu']:8.2f}x" if fsdp2 else ""
+        lines.append(f"{r['variant']:12} {tok:10.0f} {mfu} {r.get('peak_mem_gb_max_rank', r['peak_mem_gb']):8.1f} "
+                     f"{comm} {scale} {vs}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gpus", type=int, default=0, help="processes (default: every visible GPU)")
+    ap.add_argument("--preset", default="1b")
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--micro-batch", type=int, default=8, help="sequences per GPU per step")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per variant (median reported)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile happens here)")
+    ap.add_argument("--bucket-mb", type=float, default=25.0)
+    ap.add_argument("--variants", default=",".join(ALL))
+    ap.add_argument("--no-compile", dest="compile", action="store_false")
+    ap.add_argument("--no-single", dest="single", action="store_false", help="skip the 1-GPU baseline")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--out", help="result file (default bench/results/dp-<card>-<G>gpu.json)")
+    ap.add_argument("--child-single", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    a.variants = [v for v in a.variants.split(",") if v]
+    unknown = set(a.variants) - set(ALL)
+    if unknown:
+        ap.error(f"unknown variants {sorted(unknown)}; choose from {','.join(ALL)}")
+    if a.child_single:
+        print("RESULT " + json.dumps(single(a)), flush=True)
+        return 0
+
+    import torch
+
+    from plait.launch import spawn
+
+    if a.device == "cuda" and not torch.cuda.is_available():
+        ap.error("no GPU visible; use --device cpu --preset tiny --no-compile for a smoke test")
+    a.gpus = a.gpus or (torch.cuda.device_count() if a.device == "cuda" else 2)
+    card = torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu"
+    nccl = ".".join(map(str, torch.cuda.nccl.version())) if a.device == "cuda" else None
+    out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"dp-{card_slug(card)}-{a.gpus}gpu.json"
+    result = {"benchmark": "data_parallel", "card": card, "gpus": a.gpus, "torch": torch.__version__, "nccl": nccl,
+              "date": time.strftime("%Y-%m-%d"), "config": {"preset": a.preset, "seq": a.seq, "micro_batch": a.micro_batch,
+              "steps": a.steps, "warmup": a.warmup, "bucket_mb": a.bucket_mb, "compile": a.compile}, "rows": []}
+    t0 = time.perf_counter()
+    if a.single:  # its own process: nothing of it stays on GPU 0 while the workers run
+        cmd = [sys.executable, __file__, "--child-single"] + [x for x in (argv or sys.argv[1:]) if x != "--child-single"]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+        row = json.loads(line[-1][7:]) if line else {"variant": "plait-1gpu",
+                                                     "error": (r.stderr.strip().splitlines() or ["?"])[-1][:300]}
+        print(json.dumps(row), flush=True)
+        result["rows"].append(row)
+    if a.variants:
+        try:
+            rows = spawn(worker, (a,), a.gpus, device_type=a.device)[0]
+        except Exception as e:  # keep what was measured; say what failed
+            rows = [{"variant": "workers", "error": str(e).splitlines()[0][:300]}]
+        result["rows"] += rows
+    result["wall_s"] = time.perf_counter() - t0
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"\nwrote {out} in {result['wall_s']:.0f} s\n" + _table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
