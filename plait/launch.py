@@ -272,6 +272,7 @@ def spawn(entry, args=(), nproc: int = 2, *, device_type: str = "cpu", timeout_s
 
         multiprocessing.set_forkserver_preload(list(dict.fromkeys(PRELOAD + list(preload))))
         forkserver.ensure_running()
+        _reap_forkserver_at_exit()
     workdir = tempfile.mkdtemp(prefix="plait-launch-")
     try:
         for attempt in range(3):
@@ -294,6 +295,31 @@ def spawn(entry, args=(), nproc: int = 2, *, device_type: str = "cpu", timeout_s
                     raise
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+_REAP_REGISTERED = False
+
+
+def _reap_forkserver_at_exit() -> None:
+    """Stop and wait for the fork server when this process exits, so that it does not outlive us as
+    a zombie waiting for an init process that may never reap it."""
+    global _REAP_REGISTERED
+    if _REAP_REGISTERED:
+        return
+    import atexit
+    from multiprocessing import forkserver
+
+    stop = getattr(getattr(forkserver, "_forkserver", None), "_stop", None)
+    if stop is not None:
+        atexit.register(lambda: _quietly(stop))
+        _REAP_REGISTERED = True
+
+
+def _quietly(fn) -> None:
+    try:
+        fn()
+    except Exception:  # already stopped, or a Python whose private API differs: nothing to reap
+        pass
 
 
 def _worker(entry, args, env, timeout_s, workdir, stdout_fd=None, stderr_fd=None):
