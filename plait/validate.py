@@ -71,7 +71,7 @@ def validate_config(cfg: Config) -> None:
 
 def validate_parallel(cfg: Config) -> None:
     """Degrees, world size and placement, as the launcher will see them, before any process starts."""
-    from plait.launch import planned_world
+    from plait.launch_env import planned_world
     from plait.parallel.dims import ParallelDims
 
     p = cfg.parallel

@@ -84,7 +84,6 @@ def run(args) -> int:
 def bench_rank(opts: dict) -> dict | None:
     """One rank of the benchmark; rank 0 prints the table and writes the JSON."""
     import torch
-    import torch.distributed as dist
 
     from plait.config import ParallelConfig
     from plait.launch import init_distributed
@@ -127,7 +126,6 @@ def bench_rank(opts: dict) -> dict | None:
             json.dump(dict(header, config={k: v for k, v in opts.items() if k != "json"}, results=rows,
                            summary=summary["ratios"]), f, indent=1)
         print(f"# wrote {path}")
-    del dist
     return {"ok": ok}
 
 
@@ -229,12 +227,20 @@ def _header(opts, n, dev) -> dict:
         nccl = ".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else None
         backend = f"NCCL {nccl}"
     else:
-        name, nccl, backend = platform.processor() or platform.machine() or "cpu", None, "gloo"
+        name, nccl, backend = _cpu_name() or platform.machine() or "cpu", None, "gloo"
     title = (f"# plait bench comm: {n} x {name}, torch {torch.__version__}, {backend}, {opts['dtype']}, "
              f"busbw per nccl-tests (all-reduce x 2(N-1)/N, all-gather / reduce-scatter x (N-1)/N)")
     return dict(bench="comm", title=title, device=name, device_type=dev.type, nproc=n, torch=torch.__version__,
                 nccl=nccl, date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
                 dtype=opts["dtype"], nvls=os.environ.get("NCCL_NVLS_ENABLE"))
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        return ""
 
 
 def _auto_path(header, n) -> str:
