@@ -56,6 +56,13 @@ def preflight(cfg: Config) -> Config:
     cfg.validate()
     check_layout(cfg)
     if not t.out:
+        from plait.launch import detect_launch
+
+        le = detect_launch()
+        if le is not None and le.world_size > 1 and le.launcher != "plait":
+            # each process runs this: a timestamp could differ between them by a second
+            raise bad_value("train.out", t.out, f"must be given when {le.launcher} starts the processes, so that "
+                            "all of them write to one run folder; pass --out runs/NAME")
         t.out = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
     out = Path(t.out).expanduser()
     ckpt.check_writable(out, "train.out")

@@ -71,3 +71,12 @@ def test_bad_layout_is_one_line_before_any_process(corpus, tmp_path, capfd, extr
     assert len(err) == 1 and needle in err[0], err
     assert time.perf_counter() - t0 < 5  # refused in this process: no worker was started
     assert not (tmp_path / "r" / "metrics.jsonl").exists()
+
+
+def test_torchrun_needs_an_explicit_run_folder(corpus, monkeypatch, capfd):
+    for k, v in dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29999",
+                     TORCHELASTIC_RUN_ID="t").items():
+        monkeypatch.setenv(k, v)
+    args = [a for a in _args(corpus, "x") if a not in ("--out", "x")]
+    assert main(args) == 2
+    assert "train.out = '': must be given when torchrun starts the processes" in capfd.readouterr().err
