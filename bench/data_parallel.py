@@ -3,9 +3,9 @@
     python bench/data_parallel.py                      # every visible GPU, the 1b preset, seq 2048
 
 Same model code (plait's Transformer with its fused loss), same batch (seeded random tokens, a
-different slice per rank), same run: one set of G worker processes runs every variant in turn, each
-from a fresh model and with the same compile treatment, so the figures compare directly. plait on
-one GPU runs first in a process of its own and gives the weak-scaling efficiency: tokens/s/GPU at G
+different slice per rank), same run: each variant runs in its own set of G worker processes, from a
+fresh model and with the same compile treatment, so the figures (memory included) compare directly.
+plait on one GPU runs first in a process of its own and gives the weak-scaling efficiency: tokens/s/GPU at G
 GPUs over tokens/s on one (same micro-batch per GPU).
 
   plait-1gpu    plait's single-device step: bf16 parameters, fp32 masters, compiled blocks, fused AdamW
@@ -156,6 +156,9 @@ def _measure(a, variant, step, device, ledger=None) -> dict:
     for _ in range(a.warmup):
         step().item()
     warm = time.perf_counter() - t0
+    if cuda:  # steady-state peak: compile-time scratch (autotuning, graph capture) is not training memory
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
     if ledger is not None:
         ledger.reset()
     times = []
@@ -196,6 +199,7 @@ def single(a) -> dict:
 
     device = torch.device(a.device, 0) if a.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
+        torch.cuda.set_device(device)  # memory statistics need an initialised device
         torch.cuda.reset_peak_memory_stats(device)
     step, _ = _plait_step(a, "plait-1gpu", device, None)
     return _measure(a, "plait-1gpu", step, device)
@@ -215,6 +219,8 @@ def worker(a) -> list[dict]:
     rows = []
     for variant in a.variants:
         ledger = Ledger() if variant in PLAIT else None
+        # what an earlier variant left allocated would inflate this one's peak: record it
+        leftover = torch.cuda.memory_allocated(device) / 1e9 if device.type == "cuda" else 0.0
         try:  # a failure every rank meets alike (compile, OOM at build) costs one row, not the run
             if variant in PLAIT:
                 step, keep = _plait_step(a, variant, device, Comm(dims, ledger))
@@ -225,6 +231,7 @@ def worker(a) -> list[dict]:
         except Exception as e:  # noqa: BLE001 (reported in the row)
             row = {"variant": variant, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
             row["peak_mem_gb"] = 0.0
+        row["leftover_gb_at_start"] = leftover
         peak = torch.tensor([row["peak_mem_gb"]], dtype=torch.float64, device=device)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         row["peak_mem_gb_max_rank"] = peak.item()
@@ -303,11 +310,14 @@ def main(argv=None) -> int:
                                                      "error": (r.stderr.strip().splitlines() or ["?"])[-1][:300]}
         print(json.dumps(row), flush=True)
         result["rows"].append(row)
-    if a.variants:
+    # one set of worker processes per variant: an engine, its hooks and compiled graphs hold GPU
+    # memory until the process ends, which would inflate the next variant's peak
+    for variant in a.variants:
+        one = argparse.Namespace(**{**vars(a), "variants": [variant]})
         try:
-            rows = spawn(worker, (a,), a.gpus, device_type=a.device)[0]
+            rows = spawn(worker, (one,), a.gpus, device_type=a.device)[0]
         except Exception as e:  # keep what was measured; say what failed
-            rows = [{"variant": "workers", "error": str(e).splitlines()[0][:300]}]
+            rows = [{"variant": variant, "error": str(e).splitlines()[0][:300]}]
         result["rows"] += rows
     result["wall_s"] = time.perf_counter() - t0
     out.parent.mkdir(parents=True, exist_ok=True)
