@@ -149,6 +149,8 @@ class TrainConfig:
 class CheckpointConfig:
     every: int = 0
     """Save every this many steps (0 = only at the end)."""
+    at_end: bool = True
+    """Save a checkpoint when the run ends (off for throwaway runs such as `plait plan --validate`)."""
     keep_last: int = 3
     """Keep the newest K valid checkpoints; older ones are deleted after a successful save."""
     resume: bool = False

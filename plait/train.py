@@ -270,13 +270,15 @@ def train(cfg: Config, dims=None) -> dict:
             bar.message(f"step {done}: val loss {val_loss:.4f} (train {loss_val:.4f})")
         log.log(record)
         bar.update(done, loss_val, tok_s)
-        if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == end:
+        if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or (done == end and cfg.checkpoint.at_end):
             folder = save_checkpoint(saver, done, cfg, engine, tokenizer, device, val_loss)
             bar.message(f"saved checkpoint {folder}")
     bar.close()
     log.close()
     summary = {"out": str(out), "steps": end, "losses": losses, "val_loss": val_loss,
-               "seconds": time.perf_counter() - t_run, "main": is_main}
+               "seconds": time.perf_counter() - t_run, "main": is_main,
+               # bytes of parameters, gradients and optimizer state this rank holds (plan --validate)
+               "state_bytes": {k: sum(x.numel() * x.element_size() for x in v) for k, v in engine.memory().items()}}
     if t.sample_tokens and end > start:
         engine.gather_for_inference()  # ZeRO-3: every rank takes part in gathering the model
         if is_main:

@@ -39,6 +39,9 @@ def add_arguments(p) -> None:
     o.add_argument("--json", action="store_true", help="machine-readable output (stable keys, schema plait.plan/1)")
     o.add_argument("--explain", action="store_true", help="show every formula with its numbers")
     o.add_argument("--placement", action="store_true", help="also print which node and GPU each rank gets")
+    o.add_argument("--validate", action="store_true",
+                   help="run the layout here for a few steps and print predicted vs measured (data-parallel layouts)")
+    o.add_argument("--validate-steps", type=int, default=6, help="steps of the --validate run")
     o.add_argument("--fleet-jobs", type=int, default=0,
                    help="instead: place N random jobs on the cluster with each placement policy and compare")
     o.add_argument("--seed", type=int, default=0, help="seed of the --fleet-jobs trace")
@@ -64,6 +67,8 @@ def run(args, extra) -> int:
                  recompute=args.recompute, sp=not args.no_sp)
     head = report.header_dict(d, c, args.global_batch, args.precision)
     given = any(getattr(args, k) is not None for k in ("tp", "pp", "dp", "cp"))
+    if args.validate:
+        return _validate(args, d, c, knobs, head)
     if given and not args.search:
         lay = inputs.make_layout(c, tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp,
                                  dp_replicate=args.dp_replicate, **knobs)
@@ -91,3 +96,33 @@ def run(args, extra) -> int:
     if args.explain and res.ranked:
         print("\nbest layout in detail:\n" + report.breakdown_text(res.best, explain=True))
     return 0 if res.ranked else 1
+
+
+def _validate(args, d, c, knobs, head) -> int:
+    """Predict the given layout, run it with plait's trainer, print both side by side."""
+    import torch
+
+    from plait.errors import UserError, bad_value
+    from plait.planner import inputs, report
+    from plait.planner import validate as v
+    from plait.planner.predict import predict
+
+    if args.arch != "llama":
+        raise bad_value("--arch", args.arch, "--validate runs plait's own (llama) model; use --arch llama")
+    if args.validate_steps < 1:
+        raise bad_value("--validate-steps", args.validate_steps, "must be at least 1")
+    if not any(getattr(args, k) is not None for k in ("tp", "pp", "dp", "cp")):
+        raise UserError("--validate needs a layout to run: give --dp (and --zero, --micro-batch)")
+    lay = inputs.make_layout(c, tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp,
+                             dp_replicate=args.dp_replicate, **knobs)
+    precision = v.cpu_prediction_args(args.precision, torch.cuda.is_available())
+    p = predict(d, lay, c, args.global_batch, precision)
+    measured = v.measure(args.model, d, lay, args.global_batch, args.validate_steps)
+    if args.json:
+        rows = [{"quantity": n, "predicted": a, "measured": b, "comparable": ok} for n, a, b, ok in v.compare(p, measured)]
+        print(report.to_json({**head, "mode": "validate", "prediction": report.prediction_dict(p),
+                              "measured": measured, "comparison": rows}))
+        return 0
+    print(report.title(d, c, args.global_batch, precision))
+    print(v.report(p, measured))
+    return 0
