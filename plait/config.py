@@ -309,24 +309,30 @@ def load_toml(path: str | Path) -> dict[str, dict[str, Any]]:
         raise bad_value("--config", str(path), f"not valid TOML ({e})") from None
 
 
-def parse_overrides(args: list[str]) -> dict[str, dict[str, Any]]:
-    """Parse `--section.key value` (or `--section.key=value`) pairs into a nested dict."""
-    out: dict[str, dict[str, Any]] = {}
+def dotted_pairs(args: list[str], example: str) -> list[tuple[str, str]]:
+    """`--a.b VALUE` / `--a.b=VALUE` arguments as ("a.b", "VALUE") pairs; `example` shows the
+    right form in the error for anything else."""
+    pairs = []
     i = 0
     while i < len(args):
         arg = args[i]
         if not arg.startswith("--") or "." not in arg.split("=")[0]:
-            raise UserError(f"unexpected argument {arg!r}: overrides look like --section.key VALUE "
-                            f"(e.g. --train.steps 20)")
+            raise UserError(f"unexpected argument {arg!r}: overrides look like {example}")
         if "=" in arg:
-            name, value = arg[2:].split("=", 1)
+            pairs.append(tuple(arg[2:].split("=", 1)))
             i += 1
         else:
-            name = arg[2:]
             if i + 1 >= len(args):
                 raise UserError(f"{arg} needs a value: write {arg} VALUE")
-            value = args[i + 1]
+            pairs.append((arg[2:], args[i + 1]))
             i += 2
+    return pairs
+
+
+def parse_overrides(args: list[str]) -> dict[str, dict[str, Any]]:
+    """Parse `--section.key value` (or `--section.key=value`) pairs into a nested dict."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, value in dotted_pairs(args, "--section.key VALUE (e.g. --train.steps 20)"):
         section, key = name.split(".", 1)
         out.setdefault(section, {})[key.replace("-", "_")] = value
     return out

@@ -103,7 +103,6 @@ def prepare(inputs: list[str], out: str | Path, tokenizer, val_fraction: float =
         raise bad_value("--out", str(out), f"cannot write there ({e.strerror}); choose a writable folder") from None
     writers = {s: _ShardWriter(tmp, s, dtype) for s in ("train", "val")}
     skipped = used = 0
-    last_text = None
     for i, f in enumerate(files):
         try:
             text = f.read_text(encoding="utf-8")
@@ -115,7 +114,6 @@ def prepare(inputs: list[str], out: str | Path, tokenizer, val_fraction: float =
         used += 1
         split = "val" if len(files) > 1 and _is_val(f, 0, val_fraction) else "train"
         writers[split].write(tokenizer.encode(text + "\n"))
-        last_text = text
     shards = {s: w.close() for s, w in writers.items()}
     n_train = sum(s["tokens"] for s in shards["train"])
     n_val = sum(s["tokens"] for s in shards["val"])

@@ -95,3 +95,28 @@ def rel(a: float, b: float) -> float:
 def max_weight_diff(a: dict, b: dict) -> float:
     assert a.keys() == b.keys()
     return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def train_torch_peer(model, cfg, group) -> dict:
+    """The reference loop for a torch-wrapped peer (DDP or FSDP2): the same batches, AdamW groups,
+    clipping and LR schedule as plait's trainer, with torch doing the communication."""
+    t = cfg.train
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    rest = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+                            lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+    data, r, n = TokenData(cfg.data.path), dist.get_rank(group), dist.get_world_size(group)
+    losses = []
+    for step in range(t.steps):
+        x, y = data.batch(step, 0, micro_batch=MICRO, grad_accum=1, dp_rank=r, dp_size=n, seq_len=32, seed=0)
+        loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, t)
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean, group=group)
+        losses.append(mean.item() / n)
+    return {"losses": losses}

@@ -16,11 +16,8 @@ Padding is named and bounded: fewer than N elements per unit.
 from __future__ import annotations
 
 import pytest
-import torch
-import torch.distributed as dist
-
 from dist import run_dist
-from dp_runs import MICRO, STEPS, Groups, config, rel, train
+from dp_runs import MICRO, STEPS, Groups, config, rel, train, train_torch_peer
 
 CASES = [(0, "bf16"), (1, "bf16"), (2, "bf16"), (3, "bf16"), (0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32")]
 
@@ -54,32 +51,11 @@ def _measure(engine) -> dict:
 def _torch_ddp(corpus, group) -> dict:
     from torch.nn.parallel import DistributedDataParallel
 
-    from plait.data import TokenData
     from plait.model import build_model
-    from plait.optim import lr_at
 
     cfg = config(corpus)
-    t = cfg.train
     model = DistributedDataParallel(build_model(cfg.model, 0, "cpu"), process_group=group, bucket_cap_mb=0.02)
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    rest = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay}, {"params": rest, "weight_decay": 0.0}],
-                            lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
-    data, r, n = TokenData(cfg.data.path), dist.get_rank(group), dist.get_world_size(group)
-    losses = []
-    for step in range(t.steps):
-        x, y = data.batch(step, 0, micro_batch=MICRO, grad_accum=1, dp_rank=r, dp_size=n, seq_len=32, seed=0)
-        loss = model(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, t)
-        opt.step()
-        opt.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean, group=group)
-        losses.append(mean.item() / n)
-    return {"losses": losses}
+    return train_torch_peer(model, cfg, group)
 
 
 def _body(dims, corpus):

@@ -5,11 +5,8 @@ pair {0,1} runs plait, the pair {2,3} runs FSDP2, side by side."""
 from __future__ import annotations
 
 import pytest
-import torch
-import torch.distributed as dist
-
 from dist import run_dist
-from dp_runs import MICRO, STEPS, UNEVEN, Groups, config, rel, train
+from dp_runs import MICRO, STEPS, UNEVEN, Groups, config, rel, train, train_torch_peer
 
 DEEP = dict(UNEVEN, n_layers=5)  # enough blocks that "at most two gathered" means something
 
@@ -60,36 +57,15 @@ def _fsdp2(corpus, group) -> dict:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
-    from plait.data import TokenData
     from plait.model import build_model
-    from plait.optim import lr_at
 
     cfg = config(corpus)
-    t = cfg.train
     mesh = DeviceMesh.from_group(group, "cpu")
     model = build_model(cfg.model, 0, "cpu")
     for block in model.layers.values():
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    rest = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay}, {"params": rest, "weight_decay": 0.0}],
-                            lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
-    data, r, n = TokenData(cfg.data.path), dist.get_rank(group), dist.get_world_size(group)
-    losses = []
-    for step in range(t.steps):
-        x, y = data.batch(step, 0, micro_batch=MICRO, grad_accum=1, dp_rank=r, dp_size=n, seq_len=32, seed=0)
-        loss = model(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, t)
-        opt.step()
-        opt.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean, group=group)
-        losses.append(mean.item() / n)
-    return {"losses": losses}
+    return train_torch_peer(model, cfg, group)
 
 
 def _body(dims, corpus):

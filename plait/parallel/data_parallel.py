@@ -194,8 +194,8 @@ def check_layout(cfg) -> None:
     if p.reduce_dtype not in ("auto", "fp32", "bf16"):
         raise bad_value("parallel.reduce_dtype", p.reduce_dtype, "choose auto, fp32 or bf16")
     if p.reduce_dtype != "auto" and p.zero < 2:
-        raise bad_value("parallel.reduce_dtype", p.reduce_dtype, f"needs --zero 2 or 3 (DDP and ZeRO-1 reduce "
-                        f"the gradient buffer in place, in the parameters' dtype); use --zero 2 or drop it")
+        raise bad_value("parallel.reduce_dtype", p.reduce_dtype, "needs --zero 2 or 3 (DDP and ZeRO-1 reduce "
+                        "the gradient buffer in place, in the parameters' dtype); use --zero 2 or drop it")
 
 
 def apply_data_parallel(model, cfg, comm=None, names: DPNames = DPNames(), compile: bool = False) -> Engine:

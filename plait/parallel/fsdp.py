@@ -9,8 +9,8 @@ Each rank keeps only its chunk of every unit (in the compute dtype, e.g. bf16), 
 and the optimizer state of its chunks (fp32 master + moments, or the fp32 chunk itself as master in
 fp32 runs). Per-rank bytes, bf16: (2 + 2 + K) P / N with K = 12.
 
-The schedule around a step (hooks on the model and on every block; `_BeforeBlock` / `_AfterBlock`
-are identities whose backward marks where a block's backward starts and ends):
+The schedule around a step (hooks on the model and on every block; `_OnBackward` markers are
+identities whose backward marks where a block's backward starts and ends):
   forward   root: gather (it stays until its gradients are reduced: the norms are used by every
             block, and a block runs right after); block i: wait for its gather, start gathering
             block i+1 (prefetch, so the transfer hides under block i's compute), run, free.
@@ -42,27 +42,18 @@ from plait.parallel.zero import _Sharded
 FREE, GATHERING, READY = 0, 1, 2
 
 
-class _BeforeBlock(torch.autograd.Function):
+class _OnBackward(torch.autograd.Function):
+    """Identity in forward; in backward, calls `callback(i)` when the gradient reaches this point.
+    Placed at a block's input it fires as backward leaves the block, at its output as backward enters."""
+
     @staticmethod
-    def forward(ctx, x, engine, i):
-        ctx.engine, ctx.i = engine, i
+    def forward(ctx, x, callback, i):
+        ctx.callback, ctx.i = callback, i
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
-        ctx.engine._left_block(ctx.i)
-        return g, None, None
-
-
-class _AfterBlock(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, engine, i):
-        ctx.engine, ctx.i = engine, i
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        ctx.engine._entering_block(ctx.i)
+        ctx.callback(ctx.i)
         return g, None, None
 
 
@@ -173,12 +164,12 @@ class Zero3(_Sharded):
         self._wait(i)
         self._gather(i + 1 if i + 1 < self.root else -1)  # prefetch: hides under block i's compute
         if torch.is_grad_enabled() and args[0].requires_grad:
-            return (_BeforeBlock.apply(args[0], self, i),) + tuple(args[1:])
+            return (_OnBackward.apply(args[0], self._left_block, i),) + tuple(args[1:])
 
     def _block_post(self, i, module, args, out):
         self._free(i)
         if torch.is_grad_enabled() and out.requires_grad:
-            return _AfterBlock.apply(out, self, i)
+            return _OnBackward.apply(out, self._entering_block, i)
 
     # ---- backward ----------------------------------------------------------------------------------
 
@@ -235,14 +226,8 @@ class Zero3(_Sharded):
         self.first = index == 0
 
     def step(self, lr, loss_sum):
-        self.ready.flush()
-        self.inflight.wait_all()
-        self.ready.reset()
-        if self.replicas > 1:
-            self.comm.all_reduce(self.acc, self.names.replicate, op="avg")
-        self._loss = loss_sum
-        grad_norm = self.opt.step(lr, grad=self.acc, sum_sq_reduce=self._reduce_stats)
-        self.first = True
+        # no all-gather after the update: each block gathers its new shards when it next runs
+        grad_norm = self._update_from_shards(lr, loss_sum)
         return self._loss_mean, grad_norm
 
     def sync_params(self):

@@ -23,6 +23,19 @@ from plait.parallel.shard_space import OwnedSpace, ShardLayout
 class _Sharded(Engine):
     """Shard and replica coordinates shared by the ZeRO engines."""
 
+    def _update_from_shards(self, lr, loss_sum):
+        """For engines that reduce-scatter during backward into `self.acc` (ZeRO-2, ZeRO-3): finish
+        the in-flight reductions, average across replicas (HSDP), update this rank's shard."""
+        self.ready.flush()
+        self.inflight.wait_all()
+        self.ready.reset()
+        if self.replicas > 1:
+            self.comm.all_reduce(self.acc, self.names.replicate, op="avg")
+        self._loss = loss_sum
+        grad_norm = self.opt.step(lr, grad=self.acc, sum_sq_reduce=self._reduce_stats)
+        self.first = True
+        return grad_norm
+
     def _shard_setup(self, comm, names: DPNames) -> None:
         self.n, self.r = comm.size(names.shard), comm.rank(names.shard)
         self.replicas = comm.size(names.replicate)
@@ -148,15 +161,8 @@ class Zero2(_Sharded):
         self.inflight.wait_all(keep_last=2)
 
     def step(self, lr, loss_sum):
-        self.ready.flush()
-        self.inflight.wait_all()
-        self.ready.reset()
-        if self.replicas > 1:
-            self.comm.all_reduce(self.acc, self.names.replicate, op="avg")
-        self._loss = loss_sum
-        grad_norm = self.opt.step(lr, grad=self.acc, sum_sq_reduce=self._reduce_stats)
+        grad_norm = self._update_from_shards(lr, loss_sum)
         self.sync_params()
-        self.first = True
         return self._loss_mean, grad_norm
 
     @torch.no_grad()

@@ -6,7 +6,7 @@ Kept out of `plait/commands/plan.py` so the command only parses and prints, and 
 
 from __future__ import annotations
 
-from plait.config import PRESETS, ModelConfig
+from plait.config import PRESETS, ModelConfig, dotted_pairs
 from plait.errors import UserError, bad_value
 from plait.planner.costs import ModelDims
 from plait.planner.hardware import Cluster, apply_overrides, cluster
@@ -51,23 +51,7 @@ def _swiglu_ffn(h: int) -> int:
 
 def parse_overrides(extra: list[str]) -> dict[str, str]:
     """`--link.nvlink-gbps 370 --gpu.tflops=900` -> {"link.nvlink-gbps": "370", "gpu.tflops": "900"}."""
-    out: dict[str, str] = {}
-    i = 0
-    while i < len(extra):
-        arg = extra[i]
-        if not arg.startswith("--") or "." not in arg.split("=")[0]:
-            raise UserError(f"unexpected argument {arg!r}: hardware overrides look like --link.nvlink-gbps 370 "
-                            f"or --gpu.tflops 900 (see plait plan --help)")
-        if "=" in arg:
-            key, value = arg[2:].split("=", 1)
-            i += 1
-        else:
-            if i + 1 >= len(extra):
-                raise UserError(f"{arg} needs a value: write {arg} VALUE")
-            key, value = arg[2:], extra[i + 1]
-            i += 2
-        out[key] = value
-    return out
+    return dict(dotted_pairs(extra, "--link.nvlink-gbps 370 or --gpu.tflops 900 (see plait plan --help)"))
 
 
 def make_cluster(gpu: str, nodes: int, gpus_per_node: int, overrides: dict[str, str]) -> Cluster:
