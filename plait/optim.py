@@ -138,9 +138,18 @@ class FlatAdamW:
         self.steps = int(sd["steps"])
 
 
+_NORM_CHUNK = 1 << 26  # elements per partial norm: bounds the fp32 upcast copy torch makes of bf16 (256 MB)
+
+
 def global_norm(grad: torch.Tensor, sum_sq_reduce=None) -> torch.Tensor:
-    """L2 norm of a flat gradient (fp32 accumulation), summed across ranks holding other shards."""
-    sum_sq = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+    """L2 norm of a flat gradient (fp32 accumulation), summed across ranks holding other shards.
+
+    Asking torch for an fp32 norm of a bf16 tensor upcasts a full copy first (16 GB for a 4B-element
+    shard, more than the step's activations): the sum of squares is taken chunk by chunk instead."""
+    acc = torch.promote_types(grad.dtype, torch.float32)
+    parts = [torch.linalg.vector_norm(grad[i:i + _NORM_CHUNK], dtype=acc)
+             for i in range(0, max(grad.numel(), 1), _NORM_CHUNK)]
+    sum_sq = torch.stack(parts).square().sum() if len(parts) > 1 else parts[0].square()
     if sum_sq_reduce is not None:
         sum_sq = sum_sq_reduce(sum_sq)
     return sum_sq.sqrt()

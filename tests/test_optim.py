@@ -81,3 +81,15 @@ def test_gradients_accumulate_into_the_flat_buffer():
     flat.zero_grad()
     model(x).sum().backward()
     assert flat.grad.abs().sum() > 0
+
+
+def test_global_norm_is_exact_across_chunks(monkeypatch):
+    import plait.optim
+    from plait.optim import global_norm
+
+    g = torch.randn(1000, dtype=torch.float64)
+    whole = global_norm(g)
+    monkeypatch.setattr(plait.optim, "_NORM_CHUNK", 64)  # 16 chunks, the last one partial
+    assert torch.allclose(global_norm(g), whole, rtol=1e-12)
+    assert torch.allclose(whole, g.norm(), rtol=1e-12)
+    assert global_norm(torch.zeros(0)).item() == 0.0
