@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from plait.cli import main
-from tests.conftest import MICRO_MODEL
+from conftest import MICRO_MODEL
 
 
 def _micro_args(corpus, out, steps=4):

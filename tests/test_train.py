@@ -8,7 +8,7 @@ import torch
 from plait.config import TrainConfig
 from plait.optim import lr_at
 from plait.train import preflight, train
-from tests.conftest import micro_config
+from conftest import micro_config
 
 
 def _weights(run_dir, step):
