@@ -20,7 +20,7 @@ _CHUNK_ELEMENTS = 1 << 29  # logits per chunk: 1 GiB in bf16; fewer chunks = few
 def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """acc += a @ b with acc in fp32 and a, b in bf16. On CUDA, cuBLAS writes the fp32 sum directly
     (one pass over acc); elsewhere the bf16 product is formed and added."""
-    if acc.is_cuda and a.dtype != acc.dtype and hasattr(torch, "addmm"):
+    if acc.is_cuda and a.dtype != acc.dtype:
         try:
             torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
             return

@@ -24,9 +24,9 @@ from plait.errors import bad_value
 from plait.generate import sample
 from plait.metrics import MetricsLog, Progress, flops_per_token, peak_flops, peak_memory_bytes
 from plait.model import Transformer, build_model
-from plait.optim import FlatAdamW, lr_at
+from plait.optim import lr_at
 from plait.parallel import sharded_state
-from plait.parallel.data_parallel import Engine, Local, apply_data_parallel, check_layout
+from plait.parallel.data_parallel import Engine, apply_data_parallel, check_layout
 
 SAMPLE_PROMPT = "def "
 
@@ -117,11 +117,9 @@ def apply_compile(model: Transformer, hooks_outside: bool = False) -> None:
 
 
 def train_step(model, engine, micro_batches, lr: float, autocast):
-    """One optimizer step over `micro_batches` [(x, y), ...] already on the device. `engine` is a
-    data-parallel engine (or a FlatAdamW, for one device). Returns (mean loss over all data-parallel
-    ranks, pre-clip global grad norm) as device tensors: no host sync here."""
-    if isinstance(engine, FlatAdamW):
-        engine = Local(model, engine)
+    """One optimizer step over `micro_batches` [(x, y), ...] already on the device. `engine` comes from
+    `apply_data_parallel` (`Local` on one device). Returns (mean loss over all data-parallel ranks,
+    pre-clip global grad norm) as device tensors: no host sync here."""
     n = len(micro_batches)
     loss_sum = None
     for i, (x, y) in enumerate(micro_batches):

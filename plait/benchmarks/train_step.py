@@ -54,21 +54,20 @@ def _hf_step_fn(cfg, micro_batch, seq, compiled):
 def _plait_step_fn(cfg, micro_batch, seq, compiled):
     import torch
 
-    from plait.config import TrainConfig
+    from plait.config import Config
     from plait.model import build_model
-    from plait.flat import FlatParams
-    from plait.optim import FlatAdamW
+    from plait.parallel.data_parallel import apply_data_parallel
     from plait.train import apply_compile, autocast_for, train_step
 
     device = torch.device("cuda")
     model = build_model(cfg, seed=0, device=device).to(torch.bfloat16)
-    opt = FlatAdamW(FlatParams(list(model.named_parameters())), TrainConfig(), compile=compiled)
+    engine = apply_data_parallel(model, Config(), compile=compiled)  # one device: the trainer's engine
     if compiled:
         apply_compile(model)
     autocast = autocast_for(torch.bfloat16, device)
 
     def step(x, y):
-        return train_step(model, opt, [(x, y)], 1e-4, autocast)[0]
+        return train_step(model, engine, [(x, y)], 1e-4, autocast)[0]
 
     return step
 
