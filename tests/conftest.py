@@ -1,4 +1,4 @@
-"""Shared fixtures: a small prepared corpus and a micro model config that trains in seconds."""
+"""Shared fixtures: a small fixed corpus and a micro model config that trains in seconds."""
 
 from __future__ import annotations
 
@@ -10,17 +10,42 @@ from plait.config import build_config
 from plait.data import prepare
 from plait.tokenizer import ByteTokenizer
 
-PLAIT_SRC = Path(__file__).resolve().parents[1] / "plait"
-
 MICRO_MODEL = {"preset": "custom", "vocab_size": 256, "dim": 64, "n_layers": 2, "n_heads": 4,
                "n_kv_heads": 2, "ffn_dim": 128, "max_seq_len": 64}
 
 
+WORDS = ("data", "step", "loss", "rank", "grad", "param", "shard", "bucket", "mesh", "layer", "token",
+         "batch", "size", "value", "index", "count", "total", "model", "state", "block")
+
+
+def synthetic_source(seed: int, functions: int) -> str:
+    """Python-looking text from a fixed seed: a corpus that never changes when plait's code does, so
+    tolerances measured on it stay valid (rounding noise depends on the data)."""
+    import random
+
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(functions):
+        name, a, b = rng.sample(WORDS, 3)
+        lines.append(f"def {name}_{rng.randrange(100)}({a}, {b}={rng.randrange(10)}):")
+        for _ in range(rng.randrange(2, 6)):
+            x, y = rng.sample(WORDS, 2)
+            op = rng.choice(["+", "-", "*", "//", "%"])
+            lines.append(f"    {x} = {y} {op} {rng.randrange(1, 64)}")
+        lines.append(f"    return {rng.choice(WORDS)}\n")
+    return "\n".join(lines) + "\n"
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> Path:
-    """plait's own source as a byte-level corpus (a few hundred KB, no downloads)."""
-    out = tmp_path_factory.mktemp("data") / "plait-src"
-    prepare([str(PLAIT_SRC)], out, ByteTokenizer(), val_fraction=0.2, quiet=True)
+    """A byte-level corpus of 40 synthetic source files (~250 KB, no downloads, fixed forever)."""
+    root = tmp_path_factory.mktemp("data")
+    src = root / "src"
+    src.mkdir()
+    for i in range(40):
+        (src / f"module_{i:02d}.py").write_text(synthetic_source(i, 60))
+    out = root / "corpus"
+    prepare([str(src)], out, ByteTokenizer(), val_fraction=0.2, quiet=True)
     return out
 
 
