@@ -75,12 +75,15 @@ class FlatAdamW:
         return self.flat.grad[self.lo:self.hi]
 
     @torch.no_grad()
-    def step(self, lr: float, grad: torch.Tensor | None = None,
+    def step(self, lr: float, grad=None,
              sum_sq_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         """Clip by global norm, update, write the new weights into the flat parameters. Returns the
-        pre-clip global norm. `sum_sq_reduce` sums the squared norm over ranks holding other shards."""
+        pre-clip global norm. `grad`: the flat gradient of this range (default `grad_range()`), or
+        (offset, gradient) segments covering it - ZeRO-3 keeps one per unit, allocated only while a
+        step needs it. `sum_sq_reduce` sums the squared norm over ranks holding other shards."""
         grad = self.grad_range() if grad is None else grad
-        norm = global_norm(grad, sum_sq_reduce)
+        segments = [(0, grad)] if isinstance(grad, torch.Tensor) else list(grad)
+        norm = global_norm([g for _, g in segments], sum_sq_reduce)
         c = self.cfg
         self.steps += 1
         bc1 = 1 - c.beta1 ** self.steps
@@ -90,13 +93,16 @@ class FlatAdamW:
                           dtype=torch.float32)
         hp = hp.to(self.master.device, non_blocking=True)
         hp = torch.cat([hp[:7], clip.reshape(1).to(hp.dtype)])
+        hp_plain = torch.cat([hp[:1], hp[1:2] * 0, hp[2:]])  # no weight decay
         params = self.flat.data[self.lo:self.hi] if self.separate else None
-        for a, b, wd in ((0, self.split, True), (self.split, self.hi - self.lo, False)):
-            if a == b:
-                continue
-            hp_part = hp if wd else torch.cat([hp[:1], hp[1:2] * 0, hp[2:]])
-            self._update(self.master[a:b], self.exp_avg[a:b], self.exp_avg_sq[a:b], grad[a:b],
-                         params[a:b] if params is not None else None, hp_part)
+        for off, g in segments:
+            end = off + g.numel()
+            # weight decay covers the prefix [0, split) of the range: cut each segment there
+            for a, b, h in ((off, min(end, self.split), hp), (max(off, self.split), end, hp_plain)):
+                if a >= b:
+                    continue
+                self._update(self.master[a:b], self.exp_avg[a:b], self.exp_avg_sq[a:b], g[a - off:b - off],
+                             params[a:b] if params is not None else None, h)
         return norm
 
     def zero_grad(self) -> None:
@@ -141,14 +147,15 @@ class FlatAdamW:
 _NORM_CHUNK = 1 << 26  # elements per partial norm: bounds the fp32 upcast copy torch makes of bf16 (256 MB)
 
 
-def global_norm(grad: torch.Tensor, sum_sq_reduce=None) -> torch.Tensor:
-    """L2 norm of a flat gradient (fp32 accumulation), summed across ranks holding other shards.
+def global_norm(grads, sum_sq_reduce=None) -> torch.Tensor:
+    """L2 norm of a flat gradient, or of several together (fp32 accumulation), summed across ranks
+    holding other shards.
 
     Asking torch for an fp32 norm of a bf16 tensor upcasts a full copy first (16 GB for a 4B-element
     shard, more than the step's activations): the sum of squares is taken chunk by chunk instead."""
-    acc = torch.promote_types(grad.dtype, torch.float32)
-    parts = [torch.linalg.vector_norm(grad[i:i + _NORM_CHUNK], dtype=acc)
-             for i in range(0, max(grad.numel(), 1), _NORM_CHUNK)]
+    grads = [grads] if isinstance(grads, torch.Tensor) else list(grads)
+    parts = [torch.linalg.vector_norm(g[i:i + _NORM_CHUNK], dtype=torch.promote_types(g.dtype, torch.float32))
+             for g in grads for i in range(0, max(g.numel(), 1), _NORM_CHUNK)]
     sum_sq = torch.stack(parts).square().sum() if len(parts) > 1 else parts[0].square()
     if sum_sq_reduce is not None:
         sum_sq = sum_sq_reduce(sum_sq)

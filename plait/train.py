@@ -275,8 +275,8 @@ def train(cfg: Config, dims=None) -> dict:
     log.close()
     summary = {"out": str(out), "steps": end, "losses": losses, "val_loss": val_loss,
                "seconds": time.perf_counter() - t_run, "main": is_main,
-               # bytes of parameters, gradients and optimizer state this rank holds (plan --validate)
-               "state_bytes": {k: sum(x.numel() * x.element_size() for x in v) for k, v in engine.memory().items()}}
+               # bytes of parameters, gradients and optimizer state this rank holds at the update (plan --validate)
+               "state_bytes": engine.state_bytes()}
     if t.sample_tokens and end > start:
         engine.gather_for_inference()  # ZeRO-3: every rank takes part in gathering the model
         if is_main:

@@ -38,13 +38,19 @@ def config(corpus, micro_batch=MICRO, zero=0, grad_accum=1, dtype="fp32", steps=
                          "parallel": {"zero": zero, "bucket_mb": 0.02, **parallel}})  # ~5K fp32 elements a bucket
 
 
-def train(cfg, comm=None, out: Path | None = None, engine_hook=None) -> dict:
+def train(cfg, comm=None, out: Path | None = None, engine_hook=None, before_step=None) -> dict:
     """The trainer's step (`plait.train.train_step`) for cfg.train.steps steps on cfg's data; returns
-    losses, grad norms and the ledger of every step. Saves the final state into `out`."""
+    losses, grad norms and the ledger of every step. Saves the final state into `out`.
+    engine_hook(engine) runs after the last step; before_step(engine) before every update, when
+    backward has reduced the gradients and the optimizer has not consumed them yet (the peak of
+    model-state memory: ZeRO-3 frees its gradient chunks in the update)."""
     t = cfg.train
     data = TokenData(cfg.data.path)
     model = build_model(cfg.model, t.seed, "cpu").to({"fp32": torch.float32, "bf16": torch.bfloat16}[t.dtype])
     engine = apply_data_parallel(model, cfg, comm)
+    if before_step is not None:
+        update = engine.step
+        engine.step = lambda lr, loss_sum: (before_step(engine), update(lr, loss_sum))[1]
     if comm is not None:
         comm.ledger.reset()  # count this run only
     losses, norms = [], []

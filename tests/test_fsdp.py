@@ -43,10 +43,10 @@ def _precision(corpus, comm) -> dict:
         seen = {}
 
         def look(e, seen=seen):
-            seen.update(shards=e.shards.dtype, master=e.opt.master.dtype, acc=e.acc.dtype, separate=e.opt.separate,
-                        padded=e.layout.padded_numel, root=e.layout.units[-1].padded)
+            seen.update(shards=e.shards.dtype, master_is_shard=e.opt.master.data_ptr() == e.shards.data_ptr(), gathered=e.full[0].dtype,
+                        acc=e.gshards[0].dtype, padded=e.layout.padded_numel, root=e.layout.units[-1].padded)
 
-        res = train(config(corpus, zero=3, dtype="bf16", steps=5, reduce_dtype=reduce), comm, engine_hook=look)
+        res = train(config(corpus, zero=3, dtype="bf16", steps=5, reduce_dtype=reduce), comm, before_step=look)
         out[reduce] = {"losses": res["losses"], "ledger": res["ledger"][0], **{k: str(v) for k, v in seen.items()},
                        "padded_n": seen["padded"], "root_n": seen["root"]}
     return out
@@ -109,7 +109,8 @@ def test_bf16_compute_from_fp32_masters_with_fp32_or_bf16_reduction(runs):
     p, ref = runs[0]["precision"], runs[3]
     for reduce, bytes_per in (("fp32", 4), ("bf16", 2)):
         r = p[reduce]
-        assert (r["shards"], r["master"], r["separate"]) == ("torch.bfloat16", "torch.float32", "True")
+        # the fp32 shard is the master; what is gathered for compute is bf16
+        assert (r["shards"], r["master_is_shard"], r["gathered"]) == ("torch.float32", "True", "torch.bfloat16")
         assert r["acc"] == f"torch.{'float32' if reduce == 'fp32' else 'bfloat16'}"
         # bf16 rounds each sum differently from one device: close, not equal
         assert max(rel(a, b) for a, b in zip(r["losses"], ref["losses"])) < 2e-2

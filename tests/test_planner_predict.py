@@ -76,15 +76,21 @@ def test_pp_traffic():
 
 def test_memory_by_zero_stage():
     """The breakdown is state_bytes of the rank's parameters; ZeRO-3's gather buffer is two blocks
-    and one block of gradients -- not the whole model that seed 001 lists as "Temp (AllGather): M"."""
+    and one block of gradients -- not the whole model that seed 001 lists as "Temp (AllGather): M".
+    plait's ZeRO-3 keeps the fp32 master as the shard: 2 bytes per parameter over N below the paper's
+    (2 + 2 + K) Psi / N, and the paper's form is still there for the seeds' tables."""
     c = cluster("h100", 1, 8)
     psi = costs.param_count(L8B)
+    mixed = memory.PRECISIONS["mixed"]
     for z in (0, 1, 2, 3):
         p = predict(L8B, Layout(dp_shard=8, zero=z), c, 8)
-        st = memory.state_bytes(psi, z, 8, memory.PRECISIONS["mixed"])
+        st = memory.state_bytes(psi, z, 8, mixed, shard_is_master=True)
         assert p.memory_bytes["parameters"] == pytest.approx(st.params)
         assert p.memory_bytes["optimizer_states"] == pytest.approx(st.optimizer)
         assert set(p.memory_bytes) == set(MEMORY_PARTS)
+    paper, plait = memory.state_bytes(psi, 3, 8, mixed), memory.state_bytes(psi, 3, 8, mixed, shard_is_master=True)
+    assert paper.total == pytest.approx(16 * psi / 8)
+    assert plait.total == pytest.approx(14 * psi / 8) and plait.params == pytest.approx(4 * psi / 8)
     z3 = predict(L8B, Layout(dp_shard=8, zero=3), c, 8).memory_bytes["zero3_gather"]
     assert z3 == pytest.approx(3 * costs.layer_params(L8B) * 2)
     assert z3 < psi * 2 / 10

@@ -39,6 +39,10 @@ from plait.parallel import sharded_state
 from plait.parallel.buckets import InFlight, Ready, bucket_cap, group_by_size
 
 
+def tensor_bytes(groups: dict[str, list[torch.Tensor]]) -> dict[str, int]:
+    return {k: sum(x.numel() * x.element_size() for x in v) for k, v in groups.items()}
+
+
 @dataclass(frozen=True)
 class DPNames:
     """Names of the mesh dims the engines talk on (keys of the Comm's groups)."""
@@ -115,6 +119,11 @@ class Engine:
         """Start from full fp32 weights keyed by name (`field` = `source` names them in errors)."""
         sharded_state.load_weights(weights, self.pieces, self.opt, field, source)
         self.sync_params()
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of parameters, gradients and optimizer state this rank holds where they peak: at
+        the update (`plait plan --validate` compares them with the planner's prediction)."""
+        return tensor_bytes(self.memory())
 
     def sync_params(self) -> None:
         """Make the compute parameters equal the masters again (after a load)."""

@@ -5,21 +5,28 @@ output, final norm and every block's norm gains (a few thousand numbers per bloc
 gains in the root makes every block unit decay-only and the root the last unit of the owned space,
 so weight decay stays a prefix of it (`plait.parallel.shard_space`).
 
-Each rank keeps only its chunk of every unit (in the compute dtype, e.g. bf16), its gradient chunk
-and the optimizer state of its chunks (fp32 master + moments, or the fp32 chunk itself as master in
-fp32 runs). Per-rank bytes, bf16: (2 + 2 + K) P / N with K = 12.
+Each rank keeps only its chunk of every unit, in fp32, and the two Adam moments of it: the chunk is
+the optimizer's master weight (FSDP2's design). A bf16 run casts a unit's chunk to bf16 as it is
+gathered, so no bf16 copy of the shard is kept. Gradient chunks (the reduce dtype) exist only from
+the backward that reduces a unit to the update that consumes them. Per-rank bytes: K P / N between
+steps, (K + 2) P / N at the update with bf16 reduction (K = 12: master 4 + moments 8) - the
+(2 + 2 + K) P / N of the ZeRO paper less the bf16 parameter copy, with the gradients allocated as
+backward frees activations rather than held through the forward pass.
 
 The schedule around a step (hooks on the model and on every block; `_OnBackward` markers are
 identities whose backward marks where a block's backward starts and ends):
   forward   root: gather (it stays until its gradients are reduced: the norms are used by every
             block, and a block runs right after); block i: wait for its gather, start gathering
             block i+1 (prefetch, so the transfer hides under block i's compute), run, free.
-  backward  start: bind the root's gradient buffer, start gathering the last block.
+  backward  start: start gathering the last block.
             block i: wait for its gather, bind a gradient buffer, start gathering block i-1, run;
             when backward has left the block, free its parameters; when all its gradients have
-            accumulated, reduce-scatter them into this rank's shard (async) and drop the buffer.
-            The root is reduce-scattered last (the embedding's gradient completes last) and freed.
-  step      the optimizer updates the owned chunks; nothing is gathered until the next forward.
+            accumulated, reduce-scatter them into a new gradient chunk (async), drop the buffer.
+            The root's gradients are left to autograd (the output's arrives first, the embedding's
+            last: a buffer bound at the start would sit empty through the activation peak); they
+            are packed into one buffer and reduce-scattered last, then the root is freed.
+  step      the optimizer updates the owned chunks and drops the gradient chunks; nothing is
+            gathered until the next forward.
 Traffic per step: all-gather 2 P_blocks + P_root, reduce-scatter P, i.e. 3P(N-1)/N less the root's
 second gather, which is never needed: nothing in backward reads the embedding or output matrix (the
 fused loss keeps its weight gradient from forward; an embedding's backward needs only the indices).
@@ -35,7 +42,7 @@ import torch
 
 from plait.optim import FlatAdamW
 from plait.parallel.buckets import InFlight, Ready
-from plait.parallel.data_parallel import DPNames
+from plait.parallel.data_parallel import DPNames, tensor_bytes
 from plait.parallel.shard_space import OwnedSpace, ShardLayout
 from plait.parallel.zero import _Sharded
 
@@ -73,8 +80,9 @@ class Zero3(_Sharded):
         self.root = len(layout.units) - 1
         p0 = rest[0][1]
         self.dtype, self.device = p0.dtype, p0.device
-        # this rank's chunk of every unit: the only parameter memory kept between uses
-        self.shards = torch.zeros(layout.owned_numel, dtype=self.dtype, device=self.device)
+        # this rank's chunk of every unit, fp32 (the masters): the only parameter memory kept between uses
+        master = torch.promote_types(self.dtype, torch.float32)
+        self.shards = torch.zeros(layout.owned_numel, dtype=master, device=self.device)
         self.full = []  # per unit, its gathered buffer; storage resized to 0 while free
         with torch.no_grad():
             for u in layout.units:
@@ -88,10 +96,10 @@ class Zero3(_Sharded):
                 full.untyped_storage().resize_(0)
                 self.full.append(full)
         self.state = [FREE] * len(layout.units)
-        self.pending: list = [None] * len(layout.units)
-        self.acc = torch.zeros(layout.owned_numel, dtype=reduce_dtype, device=self.device)
-        # bf16: FlatAdamW keeps fp32 masters and writes the bf16 shards; fp32: the shards are the masters
-        opt = FlatAdamW(OwnedSpace(self.shards, self.acc, layout.n_decay), t, compile=compile)
+        self.pending: list = [None] * len(layout.units)  # (all-gather handle, the chunk it sends)
+        self.gshards: list = [None] * len(layout.units)  # per unit, this step's reduced gradient chunk
+        self.at_update: dict | None = None  # state bytes at the last update (they peak there)
+        opt = FlatAdamW(OwnedSpace(self.shards, None, layout.n_decay), t, compile=compile)  # shards = masters
         super().__init__(model, opt, comm, names, pieces=layout.pieces)
         self._shard_setup(comm, names)
         self.grads: list = [None] * len(layout.units)
@@ -101,7 +109,6 @@ class Zero3(_Sharded):
         owners = {id(p): [order.index(u.index)] for u in layout.units for p in u.params}
         self.ready = Ready([len(layout.units[k].params) for k in order], owners, lambda j: self._reduce(order[j]))
         self.inflight = InFlight()
-        self.first = True
         self.gathered_bytes = self.peak_gathered_bytes = 0
         self.trace: list | None = None  # (event, unit) when a test sets it to []
         self.hooks = [model.register_forward_pre_hook(self._model_pre), model.register_forward_hook(self._model_post)]
@@ -123,8 +130,8 @@ class Zero3(_Sharded):
             return
         u, full = self.layout.units[i], self.full[i]
         full.untyped_storage().resize_(u.padded * full.element_size())
-        self.pending[i] = self.comm.all_gather(self.shards[self.layout.owned_slice(u)], self.names.shard,
-                                               out=full, async_op=True)
+        chunk = self.shards[self.layout.owned_slice(u)].to(self.dtype)  # bf16 on the wire; kept until sent
+        self.pending[i] = (self.comm.all_gather(chunk, self.names.shard, out=full, async_op=True), chunk)
         self.state[i] = GATHERING
         self.gathered_bytes += u.padded * full.element_size()
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
@@ -133,7 +140,7 @@ class Zero3(_Sharded):
     def _wait(self, i: int) -> None:
         self._gather(i)
         if self.state[i] == GATHERING:
-            self.pending[i].wait()
+            self.pending[i][0].wait()
             self.pending[i], self.state[i] = None, READY
             self._log("ready", i)
 
@@ -141,7 +148,7 @@ class Zero3(_Sharded):
         if self.state[i] == FREE:
             return
         if self.state[i] == GATHERING:
-            self.pending[i].wait()
+            self.pending[i][0].wait()
             self.pending[i] = None
         self.full[i].untyped_storage().resize_(0)
         self.gathered_bytes -= self.layout.units[i].padded * self.full[i].element_size()
@@ -174,7 +181,6 @@ class Zero3(_Sharded):
     # ---- backward ----------------------------------------------------------------------------------
 
     def _backward_begins(self, grad):
-        self._bind_grads(self.root)
         self._gather(self.root - 1)
 
     def _entering_block(self, i: int) -> None:
@@ -196,19 +202,28 @@ class Zero3(_Sharded):
             p.grad = u.view(buf, s)
         self.grads[i] = buf
 
-    def _reduce(self, i: int) -> None:
+    def _packed_grads(self, i: int) -> torch.Tensor:
+        """Unit i's gradients as one padded buffer in the reduce dtype: its bound buffer, or (the
+        root, or a unit no gradient reached) one packed from whatever .grad autograd left."""
         u, buf = self.layout.units[i], self.grads[i]
-        if buf is None:  # no parameter of the unit got a gradient
-            buf = torch.zeros(u.padded, dtype=self.dtype, device=self.device)
-        src = buf if buf.dtype == self.reduce_dtype else buf.to(self.reduce_dtype)
+        if buf is None:
+            buf = torch.zeros(u.padded, dtype=self.reduce_dtype, device=self.device)
+            for s, p in zip(u.slots, u.params):
+                if p.grad is not None:
+                    u.view(buf, s).copy_(p.grad)
+        return buf if buf.dtype == self.reduce_dtype else buf.to(self.reduce_dtype)
+
+    def _reduce(self, i: int) -> None:
+        u, src = self.layout.units[i], self._packed_grads(i)
         for p in u.params:
             p.grad = None
         self.grads[i] = None
-        out = self.acc[self.layout.owned_slice(u)]
-        if self.first:
+        out = self.gshards[i]
+        if out is None:  # the step's first reduction of this unit writes a new chunk ...
+            self.gshards[i] = out = torch.empty(u.chunk, dtype=self.reduce_dtype, device=self.device)
             self.inflight.add(self.comm.reduce_scatter(src, self.names.shard, op="avg", out=out, async_op=True),
                               keep=(src,))
-        else:
+        else:  # ... later micro-batches add into it
             part = torch.empty_like(out)
             h = self.comm.reduce_scatter(src, self.names.shard, op="avg", out=part, async_op=True)
             self.inflight.add(h, lambda out=out, part=part: out.add_(part), keep=(src,))
@@ -223,24 +238,29 @@ class Zero3(_Sharded):
         if index > 0:  # every micro-batch is reduced: finish the last one's buckets, count afresh
             self.ready.flush()
             self.ready.reset()
-        self.first = index == 0
+
+    def _grad_segments(self):
+        return [(u.owned, self.gshards[u.index]) for u in self.layout.units]
 
     def step(self, lr, loss_sum):
         # no all-gather after the update: each block gathers its new shards when it next runs
         grad_norm = self._update_from_shards(lr, loss_sum)
+        self.at_update = tensor_bytes(self.memory())  # the gradient chunks' last moment
+        self.gshards = [None] * len(self.gshards)
         return self._loss_mean, grad_norm
 
+    def state_bytes(self):
+        return self.at_update if self.at_update is not None else super().state_bytes()
+
     def sync_params(self):
-        if self.opt.separate:
-            self.shards.copy_(self.opt.master)
-        for i in range(len(self.full)):
+        for i in range(len(self.full)):  # the masters are the shards: regather from them when next used
             self._free(i)
 
     def memory(self):
         o = self.opt
         gathered = [f for f in self.full if f.untyped_storage().nbytes()]
-        return {"params": [self.shards] + gathered, "grads": [self.acc] + [g for g in self.grads if g is not None],
-                "optimizer": ([o.master] if o.separate else []) + [o.exp_avg, o.exp_avg_sq]}
+        grads = [g for g in self.gshards + self.grads if g is not None]
+        return {"params": [self.shards] + gathered, "grads": grads, "optimizer": [o.exp_avg, o.exp_avg_sq]}
 
     def gather_for_inference(self) -> None:
         """Gather every unit and remove the hooks: the model is whole on every rank from now on."""

@@ -111,10 +111,11 @@ class ShardLayout:
 class OwnedSpace:
     """The part of `plait.flat.FlatParams`' interface that FlatAdamW uses, over a rank's owned space:
     `data` is what the update reads as parameters (fp32: the masters themselves; bf16: the compute
-    copy it writes after each step), `grad` the reduced gradient shard."""
+    copy it writes after each step), `grad` the reduced gradient shard (None where the engine hands
+    the optimizer its gradient pieces at each step, as ZeRO-3 does)."""
 
     data: torch.Tensor
-    grad: torch.Tensor
+    grad: torch.Tensor | None
     n_decay: int
 
     @property

@@ -24,17 +24,23 @@ class _Sharded(Engine):
     """Shard and replica coordinates shared by the ZeRO engines."""
 
     def _update_from_shards(self, lr, loss_sum):
-        """For engines that reduce-scatter during backward into `self.acc` (ZeRO-2, ZeRO-3): finish
-        the in-flight reductions, average across replicas (HSDP), update this rank's shard."""
+        """For engines that reduce-scatter during backward (ZeRO-2, ZeRO-3): finish the in-flight
+        reductions, average across replicas (HSDP), update this rank's shard."""
         self.ready.flush()
         self.inflight.wait_all()
         self.ready.reset()
+        segments = self._grad_segments()
         if self.replicas > 1:
-            self.comm.all_reduce(self.acc, self.names.replicate, op="avg")
+            for _, g in segments:
+                self.comm.all_reduce(g, self.names.replicate, op="avg")
         self._loss = loss_sum
-        grad_norm = self.opt.step(lr, grad=self.acc, sum_sq_reduce=self._reduce_stats)
+        grad_norm = self.opt.step(lr, grad=segments, sum_sq_reduce=self._reduce_stats)
         self.first = True
         return grad_norm
+
+    def _grad_segments(self) -> list[tuple[int, torch.Tensor]]:
+        """(offset in the owned space, reduced gradient) pieces covering it."""
+        return [(0, self.acc)]
 
     def _shard_setup(self, comm, names: DPNames) -> None:
         self.n, self.r = comm.size(names.shard), comm.rank(names.shard)

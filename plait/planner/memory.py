@@ -76,14 +76,21 @@ class StateBytes:
         return self.params + self.grads + self.master + self.optimizer
 
 
-def state_bytes(n_params: float, zero: int, n_shard: int, prec: Precision) -> StateBytes:
-    """Model-state bytes on one GPU holding `n_params` parameters, ZeRO stage `zero` over `n_shard`."""
+def state_bytes(n_params: float, zero: int, n_shard: int, prec: Precision,
+                shard_is_master: bool = False) -> StateBytes:
+    """Model-state bytes on one GPU holding `n_params` parameters, ZeRO stage `zero` over `n_shard`.
+
+    shard_is_master: ZeRO-3 as plait (and FSDP2) run it - the sharded parameters are the fp32 master
+    weights, cast to the compute dtype as they are gathered, so the paper's separate low-precision
+    copy of the shard (2 bytes per parameter over N) is not kept."""
     if zero not in (0, 1, 2, 3):
         raise bad_value("--zero", zero, "choose 0, 1, 2 or 3")
     if n_shard < 1:
         raise bad_value("dp_shard", n_shard, "must be a positive integer")
     p, g, m, o = prec.param_bytes, prec.grad_bytes, prec.master_bytes, prec.optim_bytes
     n = float(n_shard)
+    if zero == 3 and shard_is_master and m > 0:
+        return StateBytes(params=n_params * m / n, grads=n_params * g / n, master=0.0, optimizer=n_params * o / n)
     return StateBytes(params=n_params * p / (n if zero >= 3 else 1),
                       grads=n_params * g / (n if zero >= 2 else 1),
                       master=n_params * m / (n if zero >= 1 else 1),

@@ -145,7 +145,7 @@ def _memory(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, sc: StageCos
     layer_w = costs.layer_params(d) / tp
     best: tuple[float, int, dict] = (-1.0, 0, {})
     for r in range(pp):
-        st = memory.state_bytes(sc.rank_params[r], lay.zero, shard, prec)
+        st = memory.state_bytes(sc.rank_params[r], lay.zero, shard, prec, shard_is_master=True)  # plait's ZeRO-3
         units = _peak_units(sched_name, pp, m, v, r, wfrac)
         comp = {
             "parameters": st.params, "gradients": st.grads, "master_weights": st.master,
