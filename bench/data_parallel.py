@@ -51,10 +51,15 @@ def card_slug(name: str) -> str:
     return (m.group(1) if m else re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")).lower()
 
 
+def _model_section(a) -> dict:
+    """The preset plus any `--model key=value` overrides (e.g. n_layers=4: an 8b-shaped model that fits one GPU)."""
+    return {"preset": a.preset, "max_seq_len": max(a.seq, 64), **dict(kv.split("=", 1) for kv in a.model)}
+
+
 def _model_cfg(a):
     from plait.config import build_config
 
-    return build_config({"model": {"preset": a.preset, "max_seq_len": max(a.seq, 64)}}).model
+    return build_config({"model": _model_section(a)}).model
 
 
 def _batch(a, vocab, rank, device):
@@ -85,7 +90,7 @@ def _plait_step(a, variant, device, comm):
     from plait.train import apply_compile, autocast_for, train_step
 
     zero = {"plait-1gpu": 0, "plait-ddp": 0, "plait-zero1": 1, "plait-zero2": 2, "plait-zero3": 3}[variant]
-    cfg = build_config({"model": {"preset": a.preset, "max_seq_len": max(a.seq, 64)},
+    cfg = build_config({"model": _model_section(a),
                         "train": {"lr": 1e-4, "warmup_steps": 0},
                         "parallel": {"zero": zero, "bucket_mb": a.bucket_mb}})
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -161,11 +166,12 @@ def _measure(a, variant, step, device, ledger=None) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     if ledger is not None:
         ledger.reset()
-    times = []
+    times, losses = [], []
     for _ in range(a.steps):
         t = time.perf_counter()
         loss = step().item()  # the host sync a training loop that logs every step pays too
         times.append(time.perf_counter() - t)
+        losses.append(loss)
         if ledger is not None:
             ledger.step()
     med = statistics.median(times)
@@ -174,7 +180,8 @@ def _measure(a, variant, step, device, ledger=None) -> dict:
     row = {"variant": variant, "step_s_median": med, "step_s_min": min(times), "tokens_per_s_per_gpu": tok_s,
            "mfu": tok_s * flops_per_token(_model_cfg(a), a.seq) / peak if peak else None,
            "peak_mem_gb": (torch.cuda.max_memory_allocated(device) if cuda else peak_memory_bytes(device)) / 1e9,
-           "warmup_and_compile_s": warm, "loss": loss}
+           "warmup_and_compile_s": warm, "loss": loss,
+           "losses": losses}  # every variant trains the same model on the same tokens: these must agree
     if ledger is not None and ledger.steps:
         row["comm_gb_per_step"] = sum(d["sent_bytes"] for d in ledger.summary().values()) / 1e9
     return row
@@ -268,6 +275,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpus", type=int, default=0, help="processes (default: every visible GPU)")
     ap.add_argument("--preset", default="1b")
+    ap.add_argument("--model", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a model field of the preset (repeatable), e.g. --model n_layers=4")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--micro-batch", type=int, default=8, help="sequences per GPU per step")
     ap.add_argument("--steps", type=int, default=10, help="timed steps per variant (median reported)")
@@ -281,6 +290,9 @@ def main(argv=None) -> int:
     ap.add_argument("--child-single", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     a.variants = [v for v in a.variants.split(",") if v]
+    bad = [kv for kv in a.model if "=" not in kv]
+    if bad:
+        ap.error(f"--model {bad[0]!r}: write KEY=VALUE, e.g. --model n_layers=4")
     unknown = set(a.variants) - set(ALL)
     if unknown:
         ap.error(f"unknown variants {sorted(unknown)}; choose from {','.join(ALL)}")
@@ -299,7 +311,7 @@ def main(argv=None) -> int:
     nccl = ".".join(map(str, torch.cuda.nccl.version())) if a.device == "cuda" else None
     out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"dp-{card_slug(card)}-{a.gpus}gpu.json"
     result = {"benchmark": "data_parallel", "card": card, "gpus": a.gpus, "torch": torch.__version__, "nccl": nccl,
-              "date": time.strftime("%Y-%m-%d"), "config": {"preset": a.preset, "seq": a.seq, "micro_batch": a.micro_batch,
+              "date": time.strftime("%Y-%m-%d"), "config": {"preset": a.preset, "model": a.model, "seq": a.seq, "micro_batch": a.micro_batch,
               "steps": a.steps, "warmup": a.warmup, "bucket_mb": a.bucket_mb, "compile": a.compile}, "rows": []}
     t0 = time.perf_counter()
     if a.single:  # its own process: nothing of it stays on GPU 0 while the workers run
