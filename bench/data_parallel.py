@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import re
 import statistics
 import subprocess

@@ -1,10 +1,22 @@
-"""Sampling text from a trained model: greedy, temperature and top-k."""
+"""Sampling text from a trained model: greedy, temperature and top-k, with a KV cache."""
 
 from __future__ import annotations
 
 import torch
 
+from plait.kv_cache import KVCache
 from plait.model import Transformer
+
+
+def _pick(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Generator) -> torch.Tensor:
+    """The next token (1, 1) from the last position's logits (1, vocab)."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=gen)
 
 
 @torch.no_grad()
@@ -12,25 +24,34 @@ def sample(model: Transformer, prompt_ids: list[int], max_new_tokens: int, tempe
            top_k: int = 0, seed: int = 0) -> list[int]:
     """Extend `prompt_ids` by `max_new_tokens`. temperature 0 = greedy (deterministic).
 
-    Each new token re-runs the model over the last max_seq_len tokens: fine for the short samples
-    plait prints; long-form serving wants a KV cache, which is outside plait's scope.
+    The prompt runs once and fills the cache; each new token then runs one position. While the text
+    fits `max_seq_len` this gives the logits of a full pass over it. Past that, the cache is rebuilt
+    from the last three quarters of the window (positions restart at 0), so a long generation pays
+    a prefill every max_seq_len / 4 tokens instead of a full window per token.
     """
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    ids = torch.tensor([prompt_ids or [0]], dtype=torch.long, device=device)
+    window = model.cfg.max_seq_len
+    keep = max(1, window - max(1, window // 4))
+    ids = list(prompt_ids or [0])
+    n_prompt = len(ids)
     gen = torch.Generator(device=device).manual_seed(seed)
-    for _ in range(max_new_tokens):
-        window = ids[:, -model.cfg.max_seq_len:]
-        logits = model(window)[:, -1, :].float()  # (1, vocab)
-        if temperature <= 0:
-            nxt = logits.argmax(dim=-1, keepdim=True)
+    cache = KVCache.for_model(model, batch=1, max_len=window)
+
+    def prefill(tokens: list[int]) -> torch.Tensor:
+        cache.reset()
+        return model(torch.tensor([tokens], dtype=torch.long, device=device), cache=cache)[:, -1, :].float()
+
+    logits = prefill(ids[-window:])
+    for i in range(max_new_tokens):
+        nxt = _pick(logits, temperature, top_k, gen)
+        ids.append(int(nxt))
+        if i + 1 == max_new_tokens:
+            break
+        if cache.pos == window:  # full: keep the recent part of the window and start over
+            logits = prefill(ids[-keep:])
         else:
-            logits = logits / temperature
-            if top_k > 0:
-                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=gen)
-        ids = torch.cat([ids, nxt], dim=1)
+            logits = model(nxt.view(1, 1), cache=cache)[:, -1, :].float()
     model.train(was_training)
-    return ids[0, len(prompt_ids or [0]):].tolist()
+    return ids[n_prompt:]

@@ -83,7 +83,8 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv=None) -> torch.Tensor:
+        """kv: this layer's `plait.kv_cache.LayerCache` when generating (x holds the new positions only)."""
         B, T, _ = x.shape
         # head counts come from the weights, so a tensor-parallel shard (fewer heads) runs unchanged
         q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, n_heads, head_dim)
@@ -92,7 +93,17 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, head_dim)
         gqa = q.shape[1] != k.shape[1]
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        mask, causal = None, True
+        if kv is not None:
+            k, v = kv.append(k, v)
+            if kv.start > 0:
+                # new query i sits at position start + i and sees keys 0 .. start + i (is_causal would
+                # align the T queries with the first T keys instead); one new token sees every key
+                causal = False
+                if T > 1:
+                    qpos = torch.arange(kv.start, kv.start + T, device=x.device)
+                    mask = qpos[:, None] >= torch.arange(kv.start + T, device=x.device)[None, :]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
         out = out.transpose(1, 2).reshape(B, T, -1)  # (B, T, n_heads * head_dim)
         return self.wo(out)
 
@@ -116,8 +127,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv=None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, kv)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -161,25 +172,32 @@ class Transformer(nn.Module):
         self.rope_sin.copy_(sin)
 
     def hidden(self, tokens: torch.Tensor, h: torch.Tensor | None = None,
-               positions: torch.Tensor | None = None) -> torch.Tensor:
+               positions: torch.Tensor | None = None, cache=None) -> torch.Tensor:
         """Run embedding (first stage) and this module's blocks; returns (B, T, dim)."""
         if self.embed is not None:
             h = self.embed(tokens)  # (B, T, dim)
         T = h.shape[1]
+        if cache is not None:  # the new tokens continue the cached positions
+            positions = torch.arange(cache.pos, cache.pos + T, device=h.device)
         cos = self.rope_cos[:T] if positions is None else self.rope_cos[positions]
         sin = self.rope_sin[:T] if positions is None else self.rope_sin[positions]
-        for block in self.layers.values():
-            h = block(h, cos, sin)
+        for i, block in enumerate(self.layers.values()):
+            # with a cache, `forward` directly: shapes change every token (a compiled block would
+            # recompile), and engines drop their hooks before inference (`gather_for_inference`)
+            h = block(h, cos, sin) if cache is None else block.forward(h, cos, sin, cache.layer(i))
+        if cache is not None:
+            cache.advance(T)
         return h
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
-                h: torch.Tensor | None = None, positions: torch.Tensor | None = None):
+                h: torch.Tensor | None = None, positions: torch.Tensor | None = None, cache=None):
         """Logits (B, T, vocab) without targets; the mean next-token loss with them.
 
         With targets the output projection and cross-entropy run fused in chunks, so the full
-        (B*T, vocab) logits never exist in memory.
+        (B*T, vocab) logits never exist in memory. `cache` (a `plait.kv_cache.KVCache`): `tokens`
+        continue the cached ones, whose keys and values are reused.
         """
-        h = self.hidden(tokens, h, positions)
+        h = self.hidden(tokens, h, positions, cache)
         if self.norm is None:
             return h
         h = self.norm(h)

@@ -1,0 +1,75 @@
+"""Generation with a KV cache gives what a full pass over the text gives: the cached attention sees
+exactly the keys it should, at the right positions, under grouped-query attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plait.config import build_config
+from plait.generate import sample
+from plait.kv_cache import KVCache
+from plait.model import build_model
+
+# 4 query heads over 2 KV heads; RoPE with Llama-3 scaling, so positions matter
+MODEL = {"preset": "custom", "vocab_size": 97, "dim": 32, "n_layers": 3, "n_heads": 4, "n_kv_heads": 2,
+         "ffn_dim": 80, "max_seq_len": 24, "rope_scaling": 8.0}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model(build_config({"model": MODEL}).model, 3, "cpu").eval()
+
+
+def _full_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids]))[0].float()  # (T, vocab)
+
+
+def test_prefill_then_chunks_then_single_tokens_equal_one_full_pass(model):
+    ids = torch.randint(0, 97, (20,), generator=torch.Generator().manual_seed(0)).tolist()
+    ref = _full_logits(model, ids)
+    cache = KVCache.for_model(model)
+    assert cache.k.shape == (3, 1, 2, 24, 8)  # KV heads, not query heads
+    got = []
+    with torch.no_grad():
+        # a 7-token prefill, a 5-token chunk (needs the offset causal mask), then one at a time
+        for a, b in [(0, 7), (7, 12)] + [(i, i + 1) for i in range(12, 20)]:
+            got.append(model(torch.tensor([ids[a:b]]), cache=cache)[0].float())
+    got = torch.cat(got)
+    assert cache.pos == 20
+    assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5), (got - ref).abs().max()
+
+
+def test_greedy_sampling_equals_rerunning_the_window(model):
+    prompt = [5, 17, 42, 8]
+    ids = list(prompt)
+    for _ in range(20 - len(prompt)):  # the old way: a full pass per token (everything fits the window)
+        ids.append(int(_full_logits(model, ids)[-1].argmax()))
+    assert sample(model, prompt, 20 - len(prompt)) == ids[len(prompt):]
+
+
+def test_past_the_window_the_cache_is_rebuilt_from_its_recent_part(model):
+    out = sample(model, [1, 2, 3], 60)  # 63 tokens through a 24-position window
+    assert len(out) == 60 and all(0 <= t < 97 for t in out)
+    # right after a rebuild the logits are those of a full pass over the kept 18 tokens
+    ids = [1, 2, 3] + out
+    keep = 24 - 24 // 4
+    first_rebuild = 24 - 3 + 1  # the prompt fills 3, the cache is full after 21 new tokens
+    ctx = ids[:3 + first_rebuild][-keep:]
+    assert ids[3 + first_rebuild] == int(_full_logits(model, ctx)[-1].argmax())
+
+
+def test_sampling_is_seeded_and_top_k_restricts(model):
+    a = sample(model, [4, 4], 15, temperature=1.0, top_k=3, seed=7)
+    assert a == sample(model, [4, 4], 15, temperature=1.0, top_k=3, seed=7)
+    ids = [4, 4] + a
+    for i, t in enumerate(a[:8]):  # while the window is not full: each token among its step's top 3
+        top = _full_logits(model, ids[:2 + i])[-1].topk(3).indices.tolist()
+        assert t in top
+
+
+def test_a_full_cache_says_so(model):
+    cache = KVCache.for_model(model, max_len=4)
+    with torch.no_grad(), pytest.raises(ValueError, match="holds 4 positions"):
+        model(torch.tensor([[1, 2, 3, 4, 5]]), cache=cache)
