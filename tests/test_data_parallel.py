@@ -17,11 +17,11 @@ from plait.parallel.sharded_state import full_weights
 # name: (layout, zero, grad_accum); "pair" runs go two at a time, one on ranks {0,1}, one on {2,3}
 RUNS = {
     "n2-z0": ("pair", 0, 1), "n2-z1": ("pair", 1, 1), "n2-z2": ("pair", 2, 1), "n2-z3": ("pair", 3, 1),
-    "n2-z0-accum": ("pair", 0, 2), "n2-z2-accum": ("pair", 2, 2),
+    "n2-z0-accum": ("pair", 0, 2), "n2-z2-accum": ("pair", 2, 2), "n2-z1-accum": ("pair", 1, 2), "n2-z3-accum": ("pair", 3, 2),
     "n4-z0": ("world", 0, 1), "n4-z1": ("world", 1, 1), "n4-z2": ("world", 2, 1), "n4-z3": ("world", 3, 1),
     "hsdp-z1": ("hsdp", 1, 1), "hsdp-z3": ("hsdp", 3, 1),
 }
-SCHEDULE = [("n2-z0", "n2-z1"), ("n2-z2", "n2-z3"), ("n2-z0-accum", "n2-z2-accum"),
+SCHEDULE = [("n2-z0", "n2-z1"), ("n2-z2", "n2-z3"), ("n2-z0-accum", "n2-z2-accum"), ("n2-z1-accum", "n2-z3-accum"),
             "n4-z0", "n4-z1", "n4-z2", "n4-z3", "hsdp-z1", "hsdp-z3"]
 
 
