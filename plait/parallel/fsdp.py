@@ -240,7 +240,7 @@ class Zero3(_Sharded):
             self.ready.reset()
 
     def _grad_segments(self):
-        return [(u.owned, self.gshards[u.index]) for u in self.layout.units]
+        return [(u.owned, g) for u, g in zip(self.layout.units, self.gshards)]
 
     def step(self, lr, loss_sum):
         # no all-gather after the update: each block gathers its new shards when it next runs
