@@ -37,7 +37,8 @@ def sample(model: Transformer, prompt_ids: list[int], max_new_tokens: int, tempe
     ids = list(prompt_ids or [0])
     n_prompt = len(ids)
     gen = torch.Generator(device=device).manual_seed(seed)
-    cache = KVCache.for_model(model, batch=1, max_len=window)
+    # no bigger than this generation needs (an 8b model's full window is 1 GB of cache)
+    cache = KVCache.for_model(model, batch=1, max_len=min(window, len(ids) + max_new_tokens))
 
     def prefill(tokens: list[int]) -> torch.Tensor:
         cache.reset()
