@@ -73,3 +73,9 @@ def test_a_full_cache_says_so(model):
     cache = KVCache.for_model(model, max_len=4)
     with torch.no_grad(), pytest.raises(ValueError, match="holds 4 positions"):
         model(torch.tensor([[1, 2, 3, 4, 5]]), cache=cache)
+
+
+def test_a_prompt_longer_than_the_window_keeps_its_end(model):
+    prompt = [i % 97 for i in range(30)]
+    out = sample(model, prompt, 3)
+    assert out[0] == int(_full_logits(model, prompt[-24:])[-1].argmax())
