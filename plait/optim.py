@@ -75,7 +75,7 @@ class FlatAdamW:
         return self.flat.grad[self.lo:self.hi]
 
     @torch.no_grad()
-    def step(self, lr: float, grad=None,
+    def step(self, lr: float, grad: torch.Tensor | list[tuple[int, torch.Tensor]] | None = None,
              sum_sq_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         """Clip by global norm, update, write the new weights into the flat parameters. Returns the
         pre-clip global norm. `grad`: the flat gradient of this range (default `grad_range()`), or

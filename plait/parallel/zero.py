@@ -34,9 +34,7 @@ class _Sharded(Engine):
             for _, g in segments:
                 self.comm.all_reduce(g, self.names.replicate, op="avg")
         self._loss = loss_sum
-        grad_norm = self.opt.step(lr, grad=segments, sum_sq_reduce=self._reduce_stats)
-        self.first = True
-        return grad_norm
+        return self.opt.step(lr, grad=segments, sum_sq_reduce=self._reduce_stats)
 
     def _grad_segments(self) -> list[tuple[int, torch.Tensor]]:
         """(offset in the owned space, reduced gradient) pieces covering it."""
