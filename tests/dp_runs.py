@@ -30,11 +30,14 @@ MICRO = 2  # sequences per rank per micro-batch
 
 def config(corpus, micro_batch=MICRO, zero=0, grad_accum=1, dtype="fp32", steps=STEPS, model=None, **parallel):
     # lr 3e-3 with warmup, clipping at 1.0 and weight decay 0.1: the trainer's defaults at micro scale.
-    # Adam divides by sqrt(v), so where a gradient is ~0 the rounding of a different summation order
-    # moves the update by a fraction of lr; measured here it stays below 1e-6 over 20 steps.
+    # Adam divides by sqrt(v) + eps, so where a gradient is ~eps (rare tokens' output rows) the
+    # rounding of a different summation order moves the update by a large fraction of lr: with
+    # eps 1e-8 the final weights of a correct layout differed by up to 2e-5 on an AVX-512 CPU. With
+    # eps 1e-6 such elements no longer amplify rounding, and correct layouts stay below 1e-6 over
+    # 20 steps while a missing average or reduction still shows in the loss and the grad norm.
     return build_config({"model": dict(model or UNEVEN), "data": {"path": str(corpus)},
                          "train": {"steps": steps, "micro_batch": micro_batch, "grad_accum": grad_accum,
-                                   "seq_len": 32, "lr": 3e-3, "warmup_steps": 2, "dtype": dtype},
+                                   "seq_len": 32, "lr": 3e-3, "warmup_steps": 2, "dtype": dtype, "eps": 1e-6},
                          "parallel": {"zero": zero, "bucket_mb": 0.02, **parallel}})  # ~5K fp32 elements a bucket
 
 
