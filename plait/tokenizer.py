@@ -3,25 +3,44 @@
 A tokenizer is described by a small JSON-able spec ({"kind": "byte"} or {"kind": "hf", "file": ...})
 stored beside prepared data and inside checkpoints, so `plait generate` decodes with exactly the
 tokenizer the model was trained with.
+
+Also here: encoding many documents in worker processes (`DocumentEncoder`), and training a
+byte-level BPE (`train_bpe`, for `plait data tokenizer`).
 """
 
 from __future__ import annotations
 
+import collections
+import multiprocessing
+import os
 import shutil
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import Iterable, Iterator
 
 import numpy as np
 
 from plait.errors import UserError, bad_value
 
 TOKENIZER_FILE = "tokenizer.json"
+# Names of the end-of-document token in common tokenizer.json files, most specific first:
+# GPT-2/Qwen/Phi and plait's own BPE, Llama 3 (base), Llama 2/Mistral/T5, Gemma. Chat-turn ends
+# such as Llama 3's <|eot_id|> are left out on purpose: they end a turn, not a document.
+EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
+BPE_EOS = "<|endoftext|>"
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as tokens: vocab 256, nothing to download, every text representable."""
+    """UTF-8 bytes as tokens: vocab 256, nothing to download, every text representable.
+
+    It has no end-of-document token (eos_id = None): all 256 ids are bytes, and a 257th id would
+    change the vocabulary of every byte-level model and checkpoint. Prepared data records document
+    boundaries in side files instead (see plait.data).
+    """
 
     vocab_size = 256
     spec = {"kind": "byte"}
+    eos_id = None
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
@@ -45,6 +64,7 @@ class HFTokenizer:
             raise bad_value("--tokenizer", str(path), f"not a readable tokenizers JSON file ({e})") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.spec = {"kind": "hf", "file": TOKENIZER_FILE}
+        self.eos_id = next((i for i in map(self._tok.token_to_id, EOS_NAMES) if i is not None), None)
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
@@ -54,6 +74,12 @@ class HFTokenizer:
 
     def save_to(self, folder: Path) -> None:
         shutil.copyfile(self.path, Path(folder) / TOKENIZER_FILE)
+
+    def __getstate__(self):  # worker processes rebuild it from the file rather than pickling Rust state
+        return {"path": str(self.path)}
+
+    def __setstate__(self, state):
+        self.__init__(state["path"])
 
 
 def from_path(path: str | None):
@@ -77,3 +103,85 @@ def from_spec(spec: dict, folder: str | Path):
 def save_spec_files(tokenizer, folder: Path) -> None:
     if isinstance(tokenizer, HFTokenizer):
         tokenizer.save_to(folder)
+
+
+def encode_documents(tokenizer, texts: list[str], dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids of documents laid end to end, and each document's length.
+
+    Each document ends with the tokenizer's EOS id; a tokenizer without one (bytes) ends it with a
+    newline, as plait always has, so old and new byte-level shards hold the same tokens.
+    """
+    eos = getattr(tokenizer, "eos_id", None)
+    if eos is None:
+        parts = [tokenizer.encode(t + "\n") for t in texts]
+    else:
+        parts = [np.append(tokenizer.encode(t), eos) for t in texts]
+    lengths = np.array([len(p) for p in parts], dtype=np.int64)
+    ids = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    return ids.astype(dtype), lengths
+
+
+_worker_tokenizer = None
+
+
+def _worker_init(tokenizer) -> None:
+    global _worker_tokenizer
+    # each worker is one core's worth of encoding; the library's own thread pool would oversubscribe
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _worker_tokenizer = tokenizer
+
+
+def _worker_encode(texts: list[str], dtype) -> tuple[np.ndarray, np.ndarray]:
+    return encode_documents(_worker_tokenizer, texts, dtype)
+
+
+class DocumentEncoder:
+    """`encode_documents` over chunks of documents in `workers` processes, results in input order.
+
+    Results come back in submission order whatever the number of workers, so the shards written
+    from them are byte-identical for any `workers`. At most 2 chunks per worker are in flight, so a
+    corpus larger than memory streams through.
+    """
+
+    def __init__(self, tokenizer, workers: int, dtype):
+        self.tokenizer, self.workers, self.dtype = tokenizer, workers, dtype
+
+    def map(self, chunks: Iterable[list[str]]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        if self.workers <= 1:
+            for texts in chunks:
+                yield encode_documents(self.tokenizer, texts, self.dtype)
+            return
+        # fork where there is one: workers inherit the tokenizer and need not re-import the caller's
+        # main module (spawn would, and fails from a script without a __main__ guard). The parent
+        # has run no encoding yet, so no tokenizer thread pool is copied half-way.
+        method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+        # an executor, not a Pool: a worker that dies raises BrokenProcessPool instead of hanging
+        with ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context(method),
+                                 initializer=_worker_init, initargs=(self.tokenizer,)) as pool:
+            pending: collections.deque = collections.deque()
+            for texts in chunks:
+                pending.append(pool.submit(_worker_encode, texts, self.dtype))
+                if len(pending) >= 2 * self.workers:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, out: str | Path, show_progress: bool = False) -> "HFTokenizer":
+    """Train a byte-level BPE (GPT-2 style) with `tokenizers` and write its tokenizer.json.
+
+    The 256 byte symbols are always in the vocabulary, so any text encodes without unknown tokens;
+    `<|endoftext|>` is added as the end-of-document token that `plait data prepare` appends.
+    """
+    try:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    except ImportError:
+        raise UserError("plait data tokenizer needs the `tokenizers` package: pip install tokenizers") from None
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BPE_EOS], show_progress=show_progress,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer=trainer)
+    tok.save(str(out))
+    return HFTokenizer(out)

@@ -1,0 +1,200 @@
+"""`plait data prepare` on real-data inputs: JSONL, Parquet, datasets folders, parallel workers,
+document boundaries (EOS and side files), old folders, progress and one-line errors."""
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from plait import data as data_mod
+from plait.cli import main
+from plait.data import TokenData, prepare
+from plait.tokenizer import ByteTokenizer, train_bpe
+
+# no newlines inside a document: with the byte tokenizer a newline then marks exactly a document end
+DOCS = [f"doc {i}: " + "lorem ipsum dolor " * (i % 5 + 1) + "x" * (i % 3) for i in range(60)]
+
+
+def _jsonl(path, docs, field="text", extra_rows=()):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for row in extra_rows:
+            f.write(row + "\n")
+        for d in docs:
+            f.write(json.dumps({field: d, "id": 7}) + "\n")
+    return path
+
+
+def _files(folder):
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def _tokens(d: TokenData, split: str) -> np.ndarray:
+    return np.concatenate([np.asarray(s) for s in d.splits[split].shards])
+
+
+def _documents(d: TokenData, split: str) -> list[np.ndarray]:
+    """Split a prepared split at its recorded document starts (one shard each here)."""
+    ids = _tokens(d, split)
+    starts = np.concatenate([np.asarray(s) for s in d.splits[split].doc_starts])
+    return np.split(ids, starts[starts > 0])
+
+
+def test_jsonl_parquet_and_datasets_folder_give_the_same_documents_and_shards(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    datasets = pytest.importorskip("datasets")
+    # hold-out keys name a record by (file stem, folder, row): same names, same split
+    # blank lines, an empty text and a null text are not documents
+    jl = _jsonl(tmp_path / "j" / "c" / "a.jsonl", DOCS, extra_rows=["", '{"text": ""}', '{"text": null}'])
+    (tmp_path / "p" / "c").mkdir(parents=True)
+    pq.write_table(pa.table({"text": ["", None] + DOCS}), tmp_path / "p" / "c" / "a.parquet")
+    datasets.Dataset.from_dict({"text": ["", None] + DOCS}).save_to_disk(str(tmp_path / "h" / "c" / "a"))
+    outs = {}
+    for name, src in (("jsonl", jl), ("parquet", tmp_path / "p" / "c" / "a.parquet"), ("hf", tmp_path / "h" / "c" / "a")):
+        outs[name] = prepare([str(src)], tmp_path / f"out_{name}", ByteTokenizer(), val_fraction=0.2, quiet=True)
+    d = TokenData(outs["jsonl"])
+    assert d.meta["documents"]["count"] == len(DOCS)
+    assert 0 < d.meta["splits"]["val"][0]["documents"] < len(DOCS) // 2  # held out by row
+    # every recorded document is one input document plus its newline end, in input order
+    got = [bytes(doc.astype(np.uint8)).decode() for split in ("train", "val") for doc in _documents(d, split)]
+    assert sorted(got) == sorted(t + "\n" for t in DOCS)
+    train_docs = [bytes(doc.astype(np.uint8)).decode() for doc in _documents(d, "train")]
+    assert train_docs == [t + "\n" for t in DOCS if t + "\n" in train_docs]
+    bins = {k: {n: b for n, b in _files(v).items() if n.endswith(".bin")} for k, v in outs.items()}
+    assert bins["jsonl"] == bins["parquet"] == bins["hf"]
+
+
+def test_shards_are_byte_identical_whatever_the_number_of_workers(tmp_path, monkeypatch):
+    src = tmp_path / "src"
+    for i in range(12):
+        (src / "txt").mkdir(parents=True, exist_ok=True)
+        (src / "txt" / f"f{i:02d}.txt").write_text(f"file {i} " * (10 + i))
+    _jsonl(src / "rows.jsonl", DOCS * 3)
+    # small chunks: many in flight at once, so a worker finishing early would reorder the shards
+    monkeypatch.setattr(data_mod, "_CHUNK_DOCS", 3)
+    one = prepare([str(src)], tmp_path / "w1", ByteTokenizer(), val_fraction=0.1, quiet=True, workers=1)
+    three = prepare([str(src)], tmp_path / "w3", ByteTokenizer(), val_fraction=0.1, quiet=True, workers=3)
+    assert _files(one) == _files(three)
+    assert len(_files(one)) == 5  # meta.json, train/val tokens, train/val document starts
+
+
+def test_documents_end_with_the_tokenizers_eos(tmp_path):
+    pytest.importorskip("tokenizers")
+    tok = train_bpe(DOCS, 300, tmp_path / "tok.json")
+    assert tok.eos_id is not None
+    out = prepare([str(_jsonl(tmp_path / "c" / "a.jsonl", DOCS))], tmp_path / "d", tok, val_fraction=0.2, quiet=True)
+    d = TokenData(out)
+    assert d.meta["documents"] == {"count": len(DOCS), "end": "eos", "eos_id": tok.eos_id}
+    for split in ("train", "val"):
+        docs = _documents(d, split)
+        assert all(doc[-1] == tok.eos_id and (doc[:-1] != tok.eos_id).all() for doc in docs)
+        assert all(tok.decode(doc[:-1]) in DOCS for doc in docs)
+
+
+def test_batch_documents_follow_the_boundaries(tmp_path):
+    out = prepare([str(_jsonl(tmp_path / "c" / "a.jsonl", DOCS))], tmp_path / "d", ByteTokenizer(),
+                  val_fraction=0.1, quiet=True)
+    d = TokenData(out)
+    assert d.has_documents
+    kw = dict(micro_batch=6, grad_accum=2, dp_rank=1, dp_size=2, seq_len=96, seed=3)
+    x, _ = d.batch(4, 1, **kw)
+    ids = d.batch_documents(4, 1, **kw)
+    assert ids.shape == x.shape and (ids[:, 0] == 0).all()
+    # a new document begins right after each newline (the byte tokenizer's document end), nowhere else
+    new_doc = ids[:, 1:] != ids[:, :-1]
+    assert (new_doc == (x[:, :-1] == ord("\n"))).all()
+    assert (ids[:, 1:] - ids[:, :-1]).max() == 1 and new_doc.any()
+
+
+def test_documents_that_cross_a_shard_end_continue_in_the_next_shard(tmp_path, monkeypatch):
+    monkeypatch.setattr(data_mod, "SHARD_TOKENS", 250)  # documents of 30-100 tokens: many cross
+    out = prepare([str(_jsonl(tmp_path / "c" / "a.jsonl", DOCS))], tmp_path / "d", ByteTokenizer(),
+                  val_fraction=0.0, quiet=True)
+    d = TokenData(out)
+    split = d.splits["train"]
+    assert len(split.shards) > 5
+    bases = np.cumsum([0] + [len(s) for s in split.shards[:-1]])
+    starts = np.concatenate([np.asarray(st) + b for st, b in zip(split.doc_starts, bases)])
+    docs = [bytes(doc.astype(np.uint8)).decode() for doc in np.split(_tokens(d, "train"), starts[1:])]
+    assert docs[:-1] == [t + "\n" for t in DOCS[:len(docs) - 1]]
+
+
+def test_single_stream_tail_split_keeps_document_boundaries(tmp_path):
+    # val_fraction 0 holds no row out by name: the tail of the stream becomes the validation split
+    out = prepare([str(_jsonl(tmp_path / "c" / "a.jsonl", DOCS))], tmp_path / "d", ByteTokenizer(),
+                  val_fraction=0.0, quiet=True)
+    d = TokenData(out)
+    train, val = _documents(d, "train"), _documents(d, "val")
+    text = lambda doc: bytes(doc.astype(np.uint8)).decode()  # noqa: E731
+    whole = [t + "\n" for t in DOCS]
+    assert "".join(map(text, train + val)) == "".join(whole)
+    # the document cut by the split has its head in train and its tail (no start) in val
+    assert len(d.splits["val"].doc_starts[0]) == 0  # 1% of the tokens: within the last document
+    assert [text(doc) for doc in train[:-1] + val[1:]] == whole[:len(train) - 1] + whole[len(train):]
+    assert text(train[-1]) + text(val[0]) == whole[len(train) - 1]
+
+
+def test_a_folder_prepared_before_document_files_still_loads(tmp_path):
+    folder = tmp_path / "old"
+    folder.mkdir()
+    ids = np.frombuffer(("hello world\n" * 50).encode(), dtype=np.uint8).astype(np.uint16)
+    ids[:500].tofile(folder / "train_000.bin")
+    ids[500:].tofile(folder / "val_000.bin")
+    (folder / "meta.json").write_text(json.dumps({
+        "format": 1, "vocab_size": 256, "dtype": "uint16", "tokenizer": {"kind": "byte"},
+        "splits": {"train": [{"file": "train_000.bin", "tokens": 500}],
+                   "val": [{"file": "val_000.bin", "tokens": 100}]}, "files_used": 1, "files_skipped": 0}))
+    d = TokenData(folder)
+    kw = dict(micro_batch=2, grad_accum=1, dp_rank=0, dp_size=1, seq_len=16, seed=0)
+    x, y = d.batch(0, 0, **kw)
+    assert x.shape == (2, 16) and not d.has_documents
+    assert (d.batch_documents(0, 0, **kw) == 0).all()  # no boundaries known: one document per window
+    assert len(list(d.val_batches(2, micro_batch=2, dp_rank=0, dp_size=1, seq_len=16, seed=0))) == 2
+
+
+def test_progress_bar_and_summary(tmp_path, capsys):
+    src = _jsonl(tmp_path / "c" / "a.jsonl", DOCS)
+    assert main(["data", "prepare", "--input", str(src), "--out", str(tmp_path / "d"), "--workers", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "tokenizing [" in err and "100%" in err
+    total = sum(len(t) + 1 for t in DOCS)
+    assert f"prepared {tmp_path / 'd'}: {len(DOCS)} documents" in err
+    assert f"{total:,} tokens" in err.split("tokenizing")[-1] and "tokens/s on 2 worker(s)" in err
+
+
+@pytest.mark.parametrize("setup, args, needle", [
+    ("jsonl", ["--text-field", "body"], "--text-field = 'body': is not a field of .*fields: text, id"),
+    ("badline", [], r"a.jsonl:2': is not a JSON object"),
+    ("number", [], "--text-field = 'text': holds a int, not text"),
+    ("jsonl", ["--workers", "0"], "--workers = 0: must be 1 or more"),
+    ("nothing", [], "holds no text files"),
+])
+def test_prepare_errors_are_one_line(tmp_path, capsys, setup, args, needle):
+    src = tmp_path / "c"
+    src.mkdir()
+    if setup == "jsonl":
+        _jsonl(src / "a.jsonl", DOCS[:3])
+    elif setup == "badline":
+        (src / "a.jsonl").write_text('{"text": "fine"}\n{"text": broken\n')
+    elif setup == "number":
+        (src / "a.jsonl").write_text('{"text": 3}\n')
+    elif setup == "nothing":
+        (src / "image.png").write_bytes(b"\x89PNG")
+    assert main(["data", "prepare", "--input", str(src), "--out", str(tmp_path / "d"), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert re.search(needle, err), err
+    assert not (tmp_path / "d").exists() and not list(tmp_path.glob(".tmp-*"))  # nothing half-written
+
+
+def test_a_datasets_folder_without_the_library_is_one_line(tmp_path, capsys, monkeypatch):
+    folder = tmp_path / "ds"
+    folder.mkdir()
+    (folder / "state.json").write_text("{}")
+    (folder / "dataset_info.json").write_text("{}")
+    monkeypatch.setitem(__import__("sys").modules, "datasets", None)  # import datasets -> ImportError
+    assert main(["data", "prepare", "--input", str(folder), "--out", str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is a HuggingFace datasets folder" in err and "pip install datasets" in err

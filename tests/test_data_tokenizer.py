@@ -1,0 +1,98 @@
+"""`plait data tokenizer` trains a byte-level BPE that `prepare --tokenizer` uses; any HF
+tokenizer.json works with prepare (its EOS found by name, a large vocabulary stored as uint32)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from plait.cli import main
+from plait.data import TokenData, prepare
+from plait.tokenizer import HFTokenizer
+
+pytest.importorskip("tokenizers")
+
+WORDS = ["plait", "shard", "token", "mesh", "rank", "batch", "loss", "layer", "über", "naïve", "日本"]
+
+
+def _corpus(tmp_path):
+    rng = np.random.default_rng(0)
+    src = tmp_path / "c"
+    src.mkdir()
+    with open(src / "a.jsonl", "w") as f:
+        for _ in range(200):
+            f.write(json.dumps({"body": " ".join(rng.choice(WORDS, 12))}) + "\n")
+    (src / "notes.txt").write_text("a plain text file: shard the mesh by rank\n" * 20)
+    return src
+
+
+def test_train_a_bpe_then_prepare_with_it(tmp_path, capsys):
+    src = _corpus(tmp_path)
+    tok_file = tmp_path / "tok.json"
+    assert main(["data", "tokenizer", "--input", str(src), "--vocab", "320", "--out", str(tok_file),
+                 "--text-field", "body"]) == 0
+    assert "wrote" in capsys.readouterr().err
+    tok = HFTokenizer(tok_file)
+    assert 256 < tok.vocab_size <= 320 and tok.eos_id is not None
+    # merges were learned from the corpus: its words take fewer tokens than bytes
+    text = "shard the mesh by rank, über naïve 日本"
+    assert tok.decode(tok.encode(text)) == text
+    assert len(tok.encode("shard token batch")) < len("shard token batch") // 2
+    assert main(["data", "prepare", "--input", str(src), "--out", str(tmp_path / "d"), "--tokenizer", str(tok_file),
+                 "--text-field", "body", "--workers", "2"]) == 0
+    d = TokenData(tmp_path / "d")
+    assert d.vocab_size == tok.vocab_size and d.meta["documents"]["eos_id"] == tok.eos_id
+    ids = np.concatenate([np.asarray(s) for split in d.splits.values() for s in split.shards])
+    assert (ids == tok.eos_id).sum() == d.meta["documents"]["count"] == 201
+    assert d.tokenizer().decode(d.tokenizer().encode(text)) == text
+
+
+def test_any_hf_tokenizer_json_works_llama3_shape(tmp_path):
+    """A word-level tokenizer with Llama 3's vocabulary size and its end-of-text token: uint32 shards,
+    `<|end_of_text|>` ends each document."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(WORDS)}}
+    vocab.update({f"w{i}": len(vocab) + i for i in range(128000 - len(vocab))})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    hf = HFTokenizer(tmp_path / "tokenizer.json")
+    assert hf.vocab_size == 128003 and hf.eos_id == tok.token_to_id("<|end_of_text|>")
+    src = tmp_path / "c"
+    src.mkdir()
+    for i in range(4):
+        (src / f"{i}.txt").write_text(" ".join(WORDS[i:i + 5]))
+    out = prepare([str(src)], tmp_path / "d", hf, val_fraction=0.0, quiet=True)
+    d = TokenData(out)
+    assert d.meta["dtype"] == "uint32"
+    ids = np.concatenate([np.asarray(s) for split in d.splits.values() for s in split.shards])
+    assert list(ids[:6]) == [vocab[w] for w in WORDS[0:5]] + [hf.eos_id]
+
+
+def test_a_tokenizer_without_an_eos_ends_documents_with_a_newline(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 2, "\n": 3}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Split("\n", "isolated")
+    tok.save(str(tmp_path / "t.json"))
+    hf = HFTokenizer(tmp_path / "t.json")
+    assert hf.eos_id is None
+    (tmp_path / "x.txt").write_text("a")
+    d = TokenData(prepare([str(tmp_path / "x.txt")], tmp_path / "d", hf, quiet=True))
+    assert d.meta["documents"]["end"] == "newline"
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--vocab", "100"], "--vocab = 100: must be at least 257"),
+    (["--out", "EXISTS"], "exists; choose another file name"),
+])
+def test_tokenizer_errors_are_one_line(tmp_path, capsys, args, needle):
+    src = _corpus(tmp_path)
+    (tmp_path / "EXISTS").write_text("{}")
+    argv = ["data", "tokenizer", "--input", str(src), "--out", str(tmp_path / "new.json"), *args]
+    argv = [str(tmp_path / a) if a == "EXISTS" else a for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err
