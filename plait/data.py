@@ -15,7 +15,8 @@ boundaries, i.e. each window is one document.
 
 Sampling is a pure function of (seed, step): the global batch of step s is the same set of windows
 whatever the layout, and each data-parallel rank takes its slice of it. So a data-parallel run sees
-exactly the tokens of the single-device run, and resuming needs only the step number.
+exactly the tokens of the single-device run, and resuming needs only the step number. `MixedData`
+keeps that contract while drawing rows from several prepared folders by weight.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
+import math
 import os
 import shutil
 import sys
@@ -46,6 +48,7 @@ TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".c", ".h", ".cc", ".cpp", ".js",
 RECORD_SUFFIXES = {".jsonl": "jsonl", ".parquet": "parquet"}
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 _VAL_KEY = 0xFFFF_FFFF  # the rng key that stands for "validation" instead of a step number
+_MIX_KEY = 0x4D49_5844  # an rng key component that keeps mixing draws apart from window draws
 _CHUNK_DOCS, _CHUNK_CHARS = 512, 1 << 20  # documents handed to a worker at once
 
 
@@ -422,7 +425,7 @@ class Split:
 
 
 class _Batches:
-    """The batch contract of prepared data.
+    """The batch contract shared by one prepared folder and a mix of them.
 
     A subclass gives `_plan(split, key, count, seq_len, seed)`: the rows of a global batch as an
     array whose row i says where window i comes from (a pure function of its arguments), and
@@ -518,10 +521,10 @@ class TokenData(_Batches):
         """Window starts per shard: a window of seq_len+1 tokens never crosses a shard's end."""
         return np.array([max(0, len(s) - seq_len) for s in self.splits[split].shards], dtype=np.int64)
 
-    def _plan(self, split: str, key: int, count: int, seq_len: int, seed: int) -> np.ndarray:
-        """Global window start indices over the split's valid starts, drawn from rng(seed, key)."""
+    def _plan(self, split: str, key: int, count: int, seq_len: int, seed: int, stream: tuple = ()) -> np.ndarray:
+        """Global window start indices over the split's valid starts, drawn from rng(seed, key, *stream)."""
         valid = int(self._valid(split, seq_len).sum())
-        return np.random.default_rng([seed, key]).integers(0, valid, size=count)
+        return np.random.default_rng([seed, key, *stream]).integers(0, valid, size=count)
 
     def _locate(self, split: str, starts: np.ndarray, seq_len: int):
         """(shard, offset in shard) of each global window start."""
@@ -554,3 +557,104 @@ class TokenData(_Batches):
         of a shard whose document starts are `shard_starts`. Position 0 always opens the window."""
         lo, hi = np.searchsorted(shard_starts, [offset + 1, offset + length])
         return np.asarray(shard_starts[lo:hi]) - offset
+
+
+# ---------------------------------------------------------------------------------------------
+# Mixing several prepared folders
+
+
+def parse_mix(spec: str, field: str = "data.mix") -> list[tuple[str, float]]:
+    """"dirA:0.7,dirB:0.3" -> [(dirA, 0.7), (dirB, 0.3)]; weights are relative, each > 0."""
+    example = "write DIR:WEIGHT,DIR:WEIGHT, e.g. data/web:0.7,data/code:0.3"
+    items = [s.strip() for s in spec.split(",") if s.strip()]
+    if not items:
+        raise bad_value(field, spec, f"names no folder; {example}")
+    out: list[tuple[str, float]] = []
+    for item in items:
+        path, sep, weight = item.rpartition(":")  # the last colon: a path may hold one
+        if not sep or not path.strip():
+            raise bad_value(field, spec, f"entry {item!r} has no weight; {example}")
+        try:
+            w = float(weight)
+        except ValueError:
+            raise bad_value(field, spec, f"weight {weight!r} of {path} is not a number; {example}") from None
+        if not (w > 0 and math.isfinite(w)):
+            raise bad_value(field, spec, f"weight {weight} of {path} must be a positive number")
+        if any(p == path.strip() for p, _ in out):
+            raise bad_value(field, spec, f"names {path} twice; give each folder once")
+        out.append((path.strip(), w))
+    return out
+
+
+def _tokenizer_identity(data: TokenData) -> tuple:
+    spec = data.tokenizer_spec
+    digest = ""
+    if spec.get("kind") == "hf":
+        digest = hashlib.sha256((data.path / spec.get("file", "tokenizer.json")).read_bytes()).hexdigest()
+    return spec.get("kind"), data.vocab_size, digest
+
+
+class MixedData(_Batches):
+    """Several prepared folders drawn by weight, with `TokenData`'s batch contract.
+
+    Each step's global batch of n rows takes its sources by systematic sampling: with cumulative
+    weights c_k (normalized to sum 1) and one u ~ U[0, 1) drawn from (seed, step), row i comes
+    from the folder k whose interval [c_{k-1}, c_k) holds (i + u) / n. So folder k gives floor or
+    ceil of w_k * n rows of every step (w_k * n on average, even where w_k * n < 1), and each window
+    is drawn uniformly inside its folder. The rows stay grouped by folder: a step's gradient sums
+    over its whole global batch, so their order within the step changes nothing. Everything is a
+    function of (seed, step) alone: resume and any parallel layout see the same rows.
+    """
+
+    def __init__(self, spec: str, field: str = "data.mix"):
+        entries = parse_mix(spec, field)
+        self.parts = [TokenData(path, field) for path, _ in entries]
+        w = np.array([weight for _, weight in entries], dtype=np.float64)
+        self.weights = w / w.sum()
+        first = _tokenizer_identity(self.parts[0])
+        for part in self.parts[1:]:
+            if _tokenizer_identity(part) != first:
+                raise bad_value(field, spec, f"{part.path} was prepared with another tokenizer or vocabulary than "
+                                f"{self.parts[0].path}; prepare every folder with the same --tokenizer")
+        self.vocab_size = self.parts[0].vocab_size
+        self.has_documents = all(p.has_documents for p in self.parts)
+
+    def tokenizer(self):
+        return self.parts[0].tokenizer()
+
+    def check(self, vocab_size: int, seq_len: int) -> None:
+        for part in self.parts:
+            part.check(vocab_size, seq_len)
+
+    def _plan(self, split: str, key: int, count: int, seq_len: int, seed: int) -> np.ndarray:
+        """(count, 2) rows of (folder index, global start index within that folder)."""
+        rng = np.random.default_rng([seed, key, _MIX_KEY])
+        points = (np.arange(count) + rng.random()) / count
+        which = np.minimum(np.searchsorted(np.cumsum(self.weights), points, side="right"), len(self.parts) - 1)
+        starts = np.zeros(count, dtype=np.int64)
+        for k, part in enumerate(self.parts):
+            rows = np.flatnonzero(which == k)
+            # a stream per folder: folders of equal size must not draw the same offsets
+            starts[rows] = part._plan(split, key, len(rows), seq_len, seed, stream=(_MIX_KEY, k))
+        return np.stack([which, starts], axis=1)
+
+    def _gather(self, read, split: str, plan: np.ndarray, seq_len: int) -> np.ndarray:
+        out = np.zeros((len(plan), seq_len + 1), dtype=np.int64)
+        for k, part in enumerate(self.parts):
+            rows = plan[:, 0] == k
+            if rows.any():
+                out[rows] = read(part, split, plan[rows, 1], seq_len)
+        return out
+
+    def _rows(self, split, plan, seq_len):
+        return self._gather(TokenData._rows, split, plan, seq_len)
+
+    def _doc_rows(self, split, plan, seq_len):
+        return self._gather(TokenData._doc_rows, split, plan, seq_len)
+
+
+def open_data(data_cfg):
+    """The training data a `DataConfig` names: a mix, a prepared folder, or the default corpus."""
+    if data_cfg.mix:
+        return MixedData(data_cfg.mix)
+    return TokenData(data_cfg.path or default_corpus_dir(data_cfg.cache_dir, data_cfg.val_fraction))

@@ -63,6 +63,13 @@ def validate_config(cfg: Config) -> None:
         raise bad_value("train.compile", t.compile, "choose auto, on or off")
     if not 0.0 <= cfg.data.val_fraction < 0.5:
         raise bad_value("data.val_fraction", cfg.data.val_fraction, "must be in [0, 0.5)")
+    if cfg.data.mix:
+        from plait.data import parse_mix
+
+        if cfg.data.path:
+            raise bad_value("data.mix", cfg.data.mix, f"is set beside data.path = {cfg.data.path!r}; "
+                            "give one of them (add that folder to the mix with a weight)")
+        parse_mix(cfg.data.mix)  # syntax and weights; the folders are opened with the data
     c = cfg.checkpoint
     _positive("checkpoint.every", c.every, allow_zero=True)
     _positive("checkpoint.keep_last", c.keep_last)
