@@ -84,26 +84,20 @@ def _plait_step(a, variant, device, comm):
     import torch
 
     from plait.config import build_config
-    from plait.model import build_model
-    from plait.parallel.data_parallel import apply_data_parallel
-    from plait.train import apply_compile, autocast_for, train_step
+    from plait.parallel.build import parallelize
 
     zero = {"plait-1gpu": 0, "plait-ddp": 0, "plait-zero1": 1, "plait-zero2": 2, "plait-zero3": 3}[variant]
     cfg = build_config({"model": _model_section(a),
                         "train": {"lr": 1e-4, "warmup_steps": 0},
                         "parallel": {"zero": zero, "bucket_mb": a.bucket_mb}})
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = build_model(cfg.model, 0, device).to(dtype)
-    if a.compile:
-        apply_compile(model, hooks_outside=zero == 3)
-    engine = apply_data_parallel(model, cfg, comm, compile=a.compile)
-    autocast = autocast_for(dtype, device)
-    x, y = _batch(a, cfg.model.vocab_size, engine.rank, device)
+    par = parallelize(cfg, comm, device, dtype, compile=a.compile)
+    x, y = _batch(a, cfg.model.vocab_size, par.data_rank, device)
 
     def step():
-        return train_step(model, engine, [(x, y)], 1e-4, autocast)[0]
+        return par.runner.step([(x, y)], 1e-4)[0]
 
-    return step, (model, engine)
+    return step, (par.model, par.engine)
 
 
 def _torch_step(a, variant, device, dims):
@@ -111,7 +105,7 @@ def _torch_step(a, variant, device, dims):
     import torch.distributed as dist
 
     from plait.model import build_model
-    from plait.train import apply_compile
+    from plait.parallel.build import apply_compile
 
     mcfg = _model_cfg(a)
     model = build_model(mcfg, 0, device)  # fp32: torch's recipes keep fp32 parameters
@@ -133,7 +127,7 @@ def _torch_step(a, variant, device, dims):
         for block in model.layers.values():
             fully_shard(block, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
-        wrapped, opt = model, _adamw(model, fused=False)
+        wrapped, opt = model, _adamw(model, fused=cuda)  # fused on GPU, as plait and torchtitan
     x, y = _batch(a, mcfg.vocab_size, dist.get_rank(), device)
 
     def step():

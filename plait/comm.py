@@ -99,8 +99,10 @@ class Comm:
         if g is None:
             if dim in self._given:
                 pg = self._given[dim]
-            elif dim == "world" or self.dims is None:
+            elif dim == "world":
                 pg = dist.group.WORLD
+            elif self.dims is None:  # never guess: a collective on the wrong group is a silent bug
+                raise ValueError(f"Comm has no group {dim!r}: give it in groups= or build the Comm from dims")
             else:
                 pg = self.dims.group(dim)
             g = self._groups[dim] = _Group(pg)
@@ -243,32 +245,41 @@ class Comm:
                               f"{dist.get_rank()}") from e
 
     # ---- autograd-aware forms (tensor / sequence / context parallel) ---------------------------------
+    # Each is an autograd.Function over collectives registered as torch ops (`plait::all_reduce`,
+    # ...), so torch.compile traces a block that uses them as one graph instead of breaking around
+    # them; the op runs `Comm` at run time, so the ledger counts every call, compiled or not.
+
+    def key(self, dim: str) -> str:
+        """The name the registered ops know this Comm's `dim` by."""
+        k = f"{id(self)}/{dim}"
+        _TRACED.setdefault(k, (self, dim))
+        return k
 
     def copy_to(self, x, dim: str):
         """Identity forward, all-reduce backward: enter a TP region (column-parallel input)."""
-        return _CopyTo.apply(x, self, dim)
+        return _CopyTo.apply(x, self.key(dim))
 
     def reduce_from(self, x, dim: str):
         """All-reduce forward, identity backward: leave a TP region (row-parallel output)."""
-        return _ReduceFrom.apply(x, self, dim)
+        return _ReduceFrom.apply(x, self.key(dim))
 
     def all_gather_along(self, x, dim: str, axis: int = 0, grad: str = "reduce_scatter"):
         """All-gather along tensor axis `axis`. Backward: reduce-scatter (SP: the gathered activation
         feeds a TP region whose ranks each add a partial gradient) or "split" (keep own slice)."""
-        return _GatherAlong.apply(x, self, dim, axis, grad)
+        return _GatherAlong.apply(x, self.key(dim), axis, grad)
 
     def reduce_scatter_along(self, x, dim: str, axis: int = 0):
         """Reduce-scatter along `axis` forward, all-gather backward (SP: leave a TP region)."""
-        return _ReduceScatterAlong.apply(x, self, dim, axis)
+        return _ReduceScatterAlong.apply(x, self.key(dim), axis)
 
     def split_along(self, x, dim: str, axis: int = 0):
         """Keep this rank's slice along `axis` forward (no traffic), all-gather backward."""
-        return _SplitAlong.apply(x, self, dim, axis)
+        return _SplitAlong.apply(x, self.key(dim), axis)
 
     def all_to_all_along(self, x, dim: str, scatter_axis: int, gather_axis: int):
         """Split along `scatter_axis`, exchange, concatenate along `gather_axis`; backward reverses it
         (Ulysses-style context parallel: sequence-sharded <-> head-sharded)."""
-        return _AllToAllAlong.apply(x, self, dim, scatter_axis, gather_axis)
+        return _AllToAllAlong.apply(x, self.key(dim), scatter_axis, gather_axis)
 
     def _gather(self, x, dim, axis):
         n = self.size(dim)
@@ -308,71 +319,140 @@ class Comm:
         return dst.movedim(0, g_axis).flatten(g_axis, g_axis + 1)
 
 
+# ---- collectives as registered ops ---------------------------------------------------------------
+# Out of place (a compiled graph may not have its inputs mutated behind its back); the fake
+# implementations give compile the output shapes without communicating.
+
+_TRACED: dict[str, tuple[Comm, str]] = {}
+
+
+def _resolve(key: str) -> tuple[Comm, str]:
+    return _TRACED[key]
+
+
+def _fresh(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A registered op may not return its input (a group of one does nothing): copy it then."""
+    return x.clone() if out is x else out
+
+
+@torch.library.custom_op("plait::all_reduce", mutates_args=())
+def _op_all_reduce(x: torch.Tensor, key: str) -> torch.Tensor:
+    comm, dim = _resolve(key)
+    out = x.clone(memory_format=torch.contiguous_format)
+    return comm.all_reduce(out, dim)
+
+
+@_op_all_reduce.register_fake
+def _(x, key):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("plait::all_gather", mutates_args=())
+def _op_all_gather(x: torch.Tensor, key: str, axis: int) -> torch.Tensor:
+    comm, dim = _resolve(key)
+    return _fresh(comm._gather(x, dim, axis), x)
+
+
+@_op_all_gather.register_fake
+def _(x, key, axis):
+    n, axis = _resolve(key)[0].size(_resolve(key)[1]), axis % x.dim()
+    return x.new_empty(x.shape[:axis] + (n * x.shape[axis],) + x.shape[axis + 1:])
+
+
+@torch.library.custom_op("plait::reduce_scatter", mutates_args=())
+def _op_reduce_scatter(x: torch.Tensor, key: str, axis: int) -> torch.Tensor:
+    comm, dim = _resolve(key)
+    return _fresh(comm._reduce_scatter(x, dim, axis), x)
+
+
+@_op_reduce_scatter.register_fake
+def _(x, key, axis):
+    n, axis = _resolve(key)[0].size(_resolve(key)[1]), axis % x.dim()
+    return x.new_empty(x.shape[:axis] + (x.shape[axis] // n,) + x.shape[axis + 1:])
+
+
+@torch.library.custom_op("plait::all_to_all", mutates_args=())
+def _op_all_to_all(x: torch.Tensor, key: str, s_axis: int, g_axis: int) -> torch.Tensor:
+    comm, dim = _resolve(key)
+    return _fresh(comm._all_to_all(x, dim, s_axis, g_axis), x)
+
+
+@_op_all_to_all.register_fake
+def _(x, key, s_axis, g_axis):
+    n = _resolve(key)[0].size(_resolve(key)[1])
+    shape = list(x.shape)
+    shape[s_axis % x.dim()] //= n
+    shape[g_axis % x.dim()] *= n
+    return x.new_empty(shape)
+
+
+def _split(x, key, axis):
+    comm, dim = _resolve(key)
+    return comm._split(x, dim, axis)
+
+
 class _CopyTo(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, comm, dim):
-        ctx.comm, ctx.dim = comm, dim
-        return x
+    def forward(ctx, x, key):
+        ctx.key = key
+        return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
-        return ctx.comm.all_reduce(g.contiguous(), ctx.dim), None, None
+        return torch.ops.plait.all_reduce(g, ctx.key), None
 
 
 class _ReduceFrom(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, comm, dim):
-        if x.is_contiguous():
-            ctx.mark_dirty(x)  # reduced in place: no activation-sized copy per TP layer
-            return comm.all_reduce(x, dim)
-        return comm.all_reduce(x.contiguous(), dim)
+    def forward(ctx, x, key):
+        return torch.ops.plait.all_reduce(x, key)
 
     @staticmethod
     def backward(ctx, g):
-        return g, None, None
+        return g, None
 
 
 class _GatherAlong(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, comm, dim, axis, grad):
-        ctx.comm, ctx.dim, ctx.axis, ctx.grad = comm, dim, axis, grad
-        return comm._gather(x, dim, axis)
+    def forward(ctx, x, key, axis, grad):
+        ctx.key, ctx.axis, ctx.grad = key, axis, grad
+        return torch.ops.plait.all_gather(x, key, axis)
 
     @staticmethod
     def backward(ctx, g):
         if ctx.grad == "split":
-            return ctx.comm._split(g, ctx.dim, ctx.axis), None, None, None, None
-        return ctx.comm._reduce_scatter(g, ctx.dim, ctx.axis), None, None, None, None
+            return _split(g, ctx.key, ctx.axis), None, None, None
+        return torch.ops.plait.reduce_scatter(g, ctx.key, ctx.axis), None, None, None
 
 
 class _ReduceScatterAlong(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, comm, dim, axis):
-        ctx.comm, ctx.dim, ctx.axis = comm, dim, axis
-        return comm._reduce_scatter(x, dim, axis)
+    def forward(ctx, x, key, axis):
+        ctx.key, ctx.axis = key, axis
+        return torch.ops.plait.reduce_scatter(x, key, axis)
 
     @staticmethod
     def backward(ctx, g):
-        return ctx.comm._gather(g, ctx.dim, ctx.axis), None, None, None
+        return torch.ops.plait.all_gather(g, ctx.key, ctx.axis), None, None
 
 
 class _SplitAlong(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, comm, dim, axis):
-        ctx.comm, ctx.dim, ctx.axis = comm, dim, axis
-        return comm._split(x, dim, axis)
+    def forward(ctx, x, key, axis):
+        ctx.key, ctx.axis = key, axis
+        return _split(x, key, axis)
 
     @staticmethod
     def backward(ctx, g):
-        return ctx.comm._gather(g, ctx.dim, ctx.axis), None, None, None
+        return torch.ops.plait.all_gather(g, ctx.key, ctx.axis), None, None
 
 
 class _AllToAllAlong(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, comm, dim, s_axis, g_axis):
-        ctx.comm, ctx.dim, ctx.s_axis, ctx.g_axis = comm, dim, s_axis, g_axis
-        return comm._all_to_all(x, dim, s_axis, g_axis)
+    def forward(ctx, x, key, s_axis, g_axis):
+        ctx.key, ctx.s_axis, ctx.g_axis = key, s_axis, g_axis
+        return torch.ops.plait.all_to_all(x, key, s_axis, g_axis)
 
     @staticmethod
     def backward(ctx, g):
-        return ctx.comm._all_to_all(g, ctx.dim, ctx.g_axis, ctx.s_axis), None, None, None, None
+        return torch.ops.plait.all_to_all(g, ctx.key, ctx.g_axis, ctx.s_axis), None, None, None

@@ -4,7 +4,7 @@ A run's configuration is built in three layers, later ones winning:
   1. the dataclass defaults (and, for `model`, the named preset's shape),
   2. a TOML file (`--config run.toml`, sections `[model]`, `[train]`, ...),
   3. `--section.key value` overrides on the command line.
-`Config.validate()` then checks everything before any process starts, so a bad input costs one line
+`plait.validate.validate_config` then checks everything before any process starts, so a bad input costs one line
 and exit code 2 instead of a stack trace from deep inside a worker.
 """
 
@@ -145,6 +145,8 @@ class TrainConfig:
     """Start from these weights instead of random ones: a HuggingFace Llama folder (its config.json replaces [model]) or a plait checkpoint."""
     max_steps_this_run: int = 0
     """Stop after this many steps in this process (0 = run to `steps`); the LR schedule still follows `steps`."""
+    recompute: str = "none"
+    """Activation recomputation: none, selective (keep matmul and attention outputs, recompute norms, SwiGLU and RoPE) or full (keep only each block's input)."""
 
 
 @dataclass
@@ -171,12 +173,14 @@ class ParallelConfig:
     """ZeRO stage over the dp_shard dimension: 0 (DDP), 1, 2 or 3 (FSDP)."""
     tp: int = 1
     """Tensor-parallel degree."""
-    sp: bool = False
-    """Sequence parallelism in the tensor-parallel regions."""
+    sp: str = "auto"
+    """Sequence parallelism (norms and residuals sharded along the sequence between the tensor-parallel regions): auto (on whenever tp > 1), on, off."""
     pp: int = 1
     """Pipeline-parallel stages."""
     schedule: str = "1f1b"
     """Pipeline schedule: gpipe, 1f1b, interleaved, zb."""
+    v: int = 1
+    """Virtual pipeline stages per rank (interleaved schedule)."""
     microbatches: int = 0
     """Pipeline micro-batches per step (0 = grad_accum)."""
     cp: int = 1
@@ -200,12 +204,6 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-
-    def validate(self) -> "Config":
-        from plait.validate import validate_config  # kept apart: the checks are long, the schema short
-
-        validate_config(self)
-        return self
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {f.name: dataclasses.asdict(getattr(self, f.name)) for f in fields(self)}

@@ -20,6 +20,8 @@ from plait.optim import decays
 
 @dataclass(frozen=True)
 class Slot:
+    """Where one parameter lies in a flat buffer (a whole model's, or one ZeRO unit's)."""
+
     name: str
     offset: int
     numel: int
@@ -78,16 +80,3 @@ class FlatParams:
         if any(p.grad is None or p.grad.data_ptr() != self.view(self.grad, s).data_ptr()
                for s, p in zip(self.slots, self.params)):
             self.bind()
-
-    def by_name(self, flat: torch.Tensor, lo: int = 0) -> dict[str, torch.Tensor]:
-        """Views of `flat` (which covers [lo, lo + len(flat)) of the space) per parameter name;
-        parameters only partly inside the range are returned as their overlapping 1-D part."""
-        hi = lo + flat.numel()
-        out = {}
-        for s in self.slots:
-            a, b = max(s.offset, lo), min(s.offset + s.numel, hi)
-            if a >= b:
-                continue
-            part = flat[a - lo:b - lo]
-            out[s.name] = part.view(s.shape) if (a, b) == (s.offset, s.offset + s.numel) else part
-        return out

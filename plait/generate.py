@@ -29,6 +29,11 @@ def sample(model: Transformer, prompt_ids: list[int], max_new_tokens: int, tempe
     from the last three quarters of the window (positions restart at 0), so a long generation pays
     a prefill every max_seq_len / 4 tokens instead of a full window per token.
     """
+    with model.tp.inference():  # one position at a time: nothing to split along the sequence
+        return _sample(model, prompt_ids, max_new_tokens, temperature, top_k, seed)
+
+
+def _sample(model, prompt_ids, max_new_tokens, temperature, top_k, seed) -> list[int]:
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device

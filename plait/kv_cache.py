@@ -31,8 +31,10 @@ class KVCache:
         fewer heads gets a cache to match), in its parameters' dtype and device."""
         cfg = model.cfg
         blocks = list(model.layers.values())
-        wk = blocks[0].attn.wk.weight
-        return cls(len(blocks), batch, max_len or cfg.max_seq_len, wk.shape[0] // cfg.head_dim, cfg.head_dim,
+        attn = blocks[0].attn
+        wk = attn.wk.weight
+        rows = wk.shape[0] if attn.kv_rows is None else attn.kv_rows.stop - attn.kv_rows.start  # replicated KV: one head used
+        return cls(len(blocks), batch, max_len or cfg.max_seq_len, rows // cfg.head_dim, cfg.head_dim,
                    wk.dtype, wk.device)
 
     def layer(self, i: int) -> "LayerCache":

@@ -57,6 +57,17 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
     return None
 
 
+def throughput(tokens_per_step: int, step_time_s: float, n_gpus: int, flops_per_tok: float,
+               peak: float | None) -> dict:
+    """tokens/s of the whole job, per GPU, and MFU - a per-GPU figure: tokens/s/GPU x FLOPs/token
+    over one GPU's peak ("n/a" where there is no peak, as on CPU). Whatever the layout, the model
+    FLOPs of a token are spread over every GPU of the job."""
+    tok_s = tokens_per_step / step_time_s
+    per_gpu = tok_s / n_gpus
+    return {"tokens_per_s": tok_s, "tokens_per_s_per_gpu": per_gpu,
+            "mfu": per_gpu * flops_per_tok / peak if peak else "n/a"}
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))

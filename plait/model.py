@@ -9,6 +9,7 @@ still calls them `layers.8`..`layers.15`, and a checkpoint does not depend on th
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 
@@ -74,6 +75,41 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+class Dense:
+    """Where a tensor-parallel layout communicates, and what happens there without one: nothing.
+
+    Attention and the MLP call `enter` before their column-parallel matmuls and `leave` after their
+    row-parallel one; the model embeds, projects to logits and takes the loss through it.
+    `plait.parallel.tensor.TensorParallel` puts the collectives (and vocabulary shards) here. With
+    sequence parallelism the residual stream between regions is (tokens / tp, dim) rather than
+    (B, T, dim): `enter` takes the sequence length to give attention its (B, T, dim) back."""
+
+    def enter(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
+        return x
+
+    def leave(self, y: torch.Tensor) -> torch.Tensor:
+        return y
+
+    def embed(self, table: nn.Embedding, tokens: torch.Tensor) -> torch.Tensor:
+        return table(tokens)  # (B, T, dim)
+
+    def logits(self, h: torch.Tensor, weight: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
+        return F.linear(h, weight)  # (B, T, vocab)
+
+    def loss(self, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_fn) -> torch.Tensor:
+        return linear_cross_entropy(h.reshape(-1, h.shape[-1]), weight, targets.reshape(-1), chunk_fn)
+
+    def inference(self):
+        """A context for generation (one new position at a time)."""
+        return contextlib.nullcontext()
+
+    def compile_kernels(self) -> None:
+        """Nothing of its own to compile (the model's `ce_chunk_fn` is compiled by the caller)."""
+
+
+DENSE = Dense()
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -82,14 +118,22 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.tp = DENSE
+        # rows of wk/wv this rank uses when tensor parallelism replicates the KV heads (tp > kv_heads)
+        self.kv_rows: slice | None = None
+
+    def _kv(self, proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return proj(x) if self.kv_rows is None else F.linear(x, proj.weight[self.kv_rows])
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv=None) -> torch.Tensor:
         """kv: this layer's `plait.kv_cache.LayerCache` when generating (x holds the new positions only)."""
-        B, T, _ = x.shape
+        T = cos.shape[0]
+        x = self.tp.enter(x, T)  # (B, T, dim)
+        B = x.shape[0]
         # head counts come from the weights, so a tensor-parallel shard (fewer heads) runs unchanged
-        q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, n_heads, head_dim)
-        k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, n_kv_heads, head_dim)
-        v = self.wv(x).view(B, T, -1, self.head_dim)
+        q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, n_heads/tp, head_dim)
+        k = self._kv(self.wk, x).view(B, T, -1, self.head_dim)  # (B, T, n_kv_heads/tp, head_dim)
+        v = self._kv(self.wv, x).view(B, T, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, head_dim)
         gqa = q.shape[1] != k.shape[1]
@@ -104,8 +148,8 @@ class Attention(nn.Module):
                     qpos = torch.arange(kv.start, kv.start + T, device=x.device)
                     mask = qpos[:, None] >= torch.arange(kv.start + T, device=x.device)[None, :]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
-        out = out.transpose(1, 2).reshape(B, T, -1)  # (B, T, n_heads * head_dim)
-        return self.wo(out)
+        out = out.transpose(1, 2).reshape(B, T, -1)  # (B, T, n_heads/tp * head_dim)
+        return self.tp.leave(self.wo(out))
 
 
 class FeedForward(nn.Module):
@@ -114,9 +158,11 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # gate
         self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)  # down
         self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # up
+        self.tp = DENSE
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        x = self.tp.enter(x)
+        return self.tp.leave(self.w2(F.silu(self.w1(x)) * self.w3(x)))
 
 
 class Block(nn.Module):
@@ -145,6 +191,10 @@ class Transformer(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False) if last else None
         self.tie()
         self.ce_chunk_fn = ce_chunk  # replaced by a compiled version when compiling
+        self.tp = DENSE
+        # how tensor parallelism cut the parameters (`plait.parallel.engine.TensorSplit`): set by
+        # `apply_tp`; init_weights draws each tensor in full and keeps this rank's box of it
+        self.tensor_split = None
         cos, sin = rope_table(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -156,8 +206,13 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Fill every parameter from (seed, name) alone; recompute the RoPE table (meta-device builds)."""
+        """Fill every parameter from (seed, name) alone; recompute the RoPE table (meta-device builds).
+        A tensor-parallel shard is drawn in full and cut to this rank's box, so every layout starts
+        from the single-device weights (padding rows of a split vocabulary stay zero)."""
+        from plait.ranges import Box, copy_overlap
+
         std = self.cfg.init_std
+        boxes = self.tensor_split.boxes if self.tensor_split is not None else {}
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
@@ -166,7 +221,13 @@ class Transformer(nn.Module):
             key = "embed.weight" if name == "output.weight" and self.cfg.tie_embeddings else name
             g = torch.Generator(device=p.device).manual_seed(param_seed(seed, key))
             scale = std / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("wo.weight", "w2.weight")) else std
-            p.normal_(0.0, scale, generator=g)
+            box = boxes.get(name)
+            if box is None:
+                p.normal_(0.0, scale, generator=g)
+                continue
+            full = torch.empty(box.full, dtype=p.dtype, device=p.device).normal_(0.0, scale, generator=g)
+            p.zero_()
+            copy_overlap(box, 0, box.numel, [p.view(-1)], Box.whole(box.full), 0, [full.view(-1)])
         cos, sin = rope_table(self.cfg, device=self.rope_cos.device)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
@@ -175,8 +236,8 @@ class Transformer(nn.Module):
                positions: torch.Tensor | None = None, cache=None) -> torch.Tensor:
         """Run embedding (first stage) and this module's blocks; returns (B, T, dim)."""
         if self.embed is not None:
-            h = self.embed(tokens)  # (B, T, dim)
-        T = h.shape[1]
+            h = self.tp.embed(self.embed, tokens)  # (B, T, dim); (B*T/tp, dim) with sequence parallelism
+        T = tokens.shape[1] if tokens is not None else h.shape[1]
         if cache is not None:  # the new tokens continue the cached positions
             positions = torch.arange(cache.pos, cache.pos + T, device=h.device)
         cos = self.rope_cos[:T] if positions is None else self.rope_cos[positions]
@@ -202,8 +263,8 @@ class Transformer(nn.Module):
             return h
         h = self.norm(h)
         if targets is None:
-            return self.output(h)
-        return linear_cross_entropy(h.flatten(0, 1), self.output.weight, targets.flatten(), self.ce_chunk_fn)
+            return self.tp.logits(h, self.output.weight, tokens.shape[1] if tokens is not None else None)
+        return self.tp.loss(h, self.output.weight, targets, self.ce_chunk_fn)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

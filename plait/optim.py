@@ -14,7 +14,6 @@ one elementwise pass, compiled into a single kernel on GPU.
 from __future__ import annotations
 
 import math
-from typing import Callable
 
 import torch
 
@@ -76,14 +75,16 @@ class FlatAdamW:
 
     @torch.no_grad()
     def step(self, lr: float, grad: torch.Tensor | list[tuple[int, torch.Tensor]] | None = None,
-             sum_sq_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+             norm: torch.Tensor | None = None) -> torch.Tensor:
         """Clip by global norm, update, write the new weights into the flat parameters. Returns the
         pre-clip global norm. `grad`: the flat gradient of this range (default `grad_range()`), or
         (offset, gradient) segments covering it - ZeRO-3 keeps one per unit, allocated only while a
-        step needs it. `sum_sq_reduce` sums the squared norm over ranks holding other shards."""
+        step needs it. `norm`: the global gradient norm when other ranks hold other parts of the
+        gradient (the engine reduces it); default the norm of `grad` alone."""
         grad = self.grad_range() if grad is None else grad
         segments = [(0, grad)] if isinstance(grad, torch.Tensor) else list(grad)
-        norm = global_norm([g for _, g in segments], sum_sq_reduce)
+        if norm is None:
+            norm = global_norm([g for _, g in segments])
         c = self.cfg
         self.steps += 1
         bc1 = 1 - c.beta1 ** self.steps
@@ -108,55 +109,23 @@ class FlatAdamW:
     def zero_grad(self) -> None:
         self.flat.zero_grad()
 
-    def master_weights(self) -> dict[str, torch.Tensor]:
-        """The fp32 truth of every parameter in this range, by name (what checkpoints store)."""
-        return self.flat.by_name(self.master, self.lo)
-
-    @torch.no_grad()
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Set masters and model parameters from fp32 weights keyed by name."""
-        for name, view in self.master_weights().items():
-            src = weights[name]
-            view.copy_(src if src.shape == view.shape else self._overlap(name, src))
-        if self.separate:
-            self.flat.data[self.lo:self.hi].copy_(self.master)
-
-    def _overlap(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        slot = next(s for s in self.flat.slots if s.name == name)
-        a, b = max(slot.offset, self.lo), min(slot.offset + slot.numel, self.hi)
-        return full.reshape(-1)[a - slot.offset:b - slot.offset]
-
-    def state_dict(self) -> dict:
-        """The Adam moments (fp32) keyed by parameter name, and the step count."""
-        m, v = self.flat.by_name(self.exp_avg, self.lo), self.flat.by_name(self.exp_avg_sq, self.lo)
-        return {"steps": self.steps, "moments": {n: {"exp_avg": m[n], "exp_avg_sq": v[n]} for n in m}}
-
-    @torch.no_grad()
-    def load_state_dict(self, sd: dict) -> None:
-        m, v = self.flat.by_name(self.exp_avg, self.lo), self.flat.by_name(self.exp_avg_sq, self.lo)
-        missing = [n for n in m if n not in sd["moments"]]
-        if missing:
-            raise KeyError(f"optimizer state lacks {missing[:3]}")
-        for n in m:
-            for dst, key in ((m[n], "exp_avg"), (v[n], "exp_avg_sq")):
-                src = sd["moments"][n][key]
-                dst.copy_(src if src.shape == dst.shape else self._overlap(n, src))
-        self.steps = int(sd["steps"])
-
 
 _NORM_CHUNK = 1 << 26  # elements per partial norm: bounds the fp32 upcast copy torch makes of bf16 (256 MB)
 
 
-def global_norm(grads, sum_sq_reduce=None) -> torch.Tensor:
-    """L2 norm of a flat gradient, or of several together (fp32 accumulation), summed across ranks
-    holding other shards.
+def global_norm(grads) -> torch.Tensor:
+    """L2 norm of a flat gradient, or of several together (fp32 accumulation)."""
+    return sum_of_squares(grads).sqrt()
+
+
+def sum_of_squares(grads, device=None) -> torch.Tensor:
+    """Sum of the squares of every element of `grads` (one tensor or several), as an fp32 scalar.
 
     Asking torch for an fp32 norm of a bf16 tensor upcasts a full copy first (16 GB for a 4B-element
     shard, more than the step's activations): the sum of squares is taken chunk by chunk instead."""
     grads = [grads] if isinstance(grads, torch.Tensor) else list(grads)
     parts = [torch.linalg.vector_norm(g[i:i + _NORM_CHUNK], dtype=torch.promote_types(g.dtype, torch.float32))
              for g in grads for i in range(0, max(g.numel(), 1), _NORM_CHUNK)]
-    sum_sq = torch.stack(parts).square().sum() if len(parts) > 1 else parts[0].square()
-    if sum_sq_reduce is not None:
-        sum_sq = sum_sq_reduce(sum_sq)
-    return sum_sq.sqrt()
+    if not parts:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return torch.stack(parts).square().sum() if len(parts) > 1 else parts[0].square()

@@ -8,7 +8,6 @@ below is the same for every layout; the engine decides when and how gradients tr
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
@@ -22,11 +21,13 @@ from plait.config import Config, config_from_dict
 from plait.data import TokenData, default_corpus_dir
 from plait.errors import bad_value
 from plait.generate import sample
-from plait.metrics import MetricsLog, Progress, flops_per_token, peak_flops, peak_memory_bytes
+from plait.metrics import MetricsLog, Progress, flops_per_token, peak_flops, peak_memory_bytes, throughput
 from plait.model import Transformer, build_model
 from plait.optim import lr_at
 from plait.parallel import sharded_state
-from plait.parallel.data_parallel import Engine, apply_data_parallel, check_layout
+from plait.parallel.build import parallelize
+from plait.parallel.engine import Engine
+from plait.validate import validate_config
 
 SAMPLE_PROMPT = "def "
 
@@ -53,8 +54,7 @@ def preflight(cfg: Config) -> Config:
     t = cfg.train
     if t.init_from:  # the model's shape comes from the weights being continued
         cfg.model = init_model_config(t.init_from)
-    cfg.validate()
-    check_layout(cfg)
+    validate_config(cfg)
     if not t.out:
         from plait.launch import detect_launch
 
@@ -102,53 +102,13 @@ def _warn(msg: str) -> None:
     print(f"plait: {msg}", file=sys.stderr)
 
 
-def apply_compile(model: Transformer, hooks_outside: bool = False) -> None:
-    """Compile each block on its own: identical blocks share one compiled graph, so compile time
-    does not grow with depth, and the fused loss gets its softmax/one-hot arithmetic fused.
-    `hooks_outside`: compile only `forward`, so module hooks (ZeRO-3's gather/free) run eagerly."""
-    from plait.loss import ce_chunk
-
-    for block in model.layers.values():
-        if hooks_outside:
-            block.forward = torch.compile(block.forward)
-        else:
-            block.compile()
-    model.ce_chunk_fn = torch.compile(ce_chunk)
-
-
-def train_step(model, engine, micro_batches, lr: float, autocast):
-    """One optimizer step over `micro_batches` [(x, y), ...] already on the device. `engine` comes from
-    `apply_data_parallel` (`Local` on one device). Returns (mean loss over all data-parallel ranks,
-    pre-clip global grad norm) as device tensors: no host sync here."""
-    n = len(micro_batches)
-    loss_sum = None
-    for i, (x, y) in enumerate(micro_batches):
-        engine.begin_micro(i, n)
-        with autocast():
-            loss = model(x, y) / n
-        loss.backward()
-        loss_sum = loss.detach().float() if loss_sum is None else loss_sum + loss.detach().float()
-    return engine.step(lr, loss_sum)
-
-
-def autocast_for(dtype: torch.dtype, device: torch.device):
-    if dtype == torch.bfloat16:
-        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext
-
-
-def evaluate(model, data: TokenData, cfg: Config, engine: Engine, device, autocast) -> float:
+def evaluate(par, data: TokenData, cfg: Config, device) -> float:
     """Mean validation loss: each data-parallel rank takes its slice of the held-out windows."""
-    model.eval()
-    losses = []
-    with torch.no_grad():
-        for x, y in data.val_batches(cfg.train.eval_batches, micro_batch=cfg.train.micro_batch,
-                                     dp_rank=engine.rank, dp_size=engine.size, seq_len=cfg.train.seq_len,
-                                     seed=cfg.train.seed):
-            with autocast():
-                losses.append(model(x.to(device), y.to(device)).float())
-    model.train()
-    return engine.all_mean(torch.stack(losses).mean().item())
+    losses = [par.runner.loss(x.to(device), y.to(device))
+              for x, y in data.val_batches(cfg.train.eval_batches, micro_batch=cfg.train.micro_batch,
+                                           dp_rank=par.data_rank, dp_size=par.data_size,
+                                           seq_len=cfg.train.seq_len, seed=cfg.train.seed)]
+    return par.engine.global_mean(torch.stack(losses).mean().item())
 
 
 def _rng_state(device: torch.device) -> dict:
@@ -168,8 +128,7 @@ def save_checkpoint(saver: ckpt.Saver, step: int, cfg: Config, engine: Engine, t
         torch.save(_rng_state(device), folder / "rng.pt")
         (folder / "train_state.json").write_text(json.dumps(
             {"step": step, "config": cfg.to_dict(), "tokenizer": tokenizer.spec, "val_loss": val_loss,
-             "layout": {"nproc": cfg.parallel.nproc, "dp_replicate": cfg.parallel.dp_replicate,
-                        "dp_shard": engine.size // max(1, cfg.parallel.dp_replicate), "zero": cfg.parallel.zero}},
+             "layout": layout_of(cfg, engine)},
             indent=1))
         if tokenizer.spec.get("kind") == "hf":
             tokenizer.save_to(folder)
@@ -188,6 +147,20 @@ def resume_from(folder: Path, engine: Engine, device) -> int:
     return int(state["step"])
 
 
+def param_count(model_cfg) -> int:
+    """Parameters of the whole model, whatever part of it this rank holds."""
+    from plait.planner.costs import ModelDims, param_count as count
+
+    return count(ModelDims.from_config(model_cfg))
+
+
+def layout_of(cfg: Config, engine: Engine) -> dict:
+    """The layout a checkpoint was written at (informational: any layout reads any checkpoint)."""
+    p = cfg.parallel
+    return {"nproc": p.nproc, "dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "tp": p.tp,
+            "sp": p.sp, "zero": p.zero}
+
+
 def train(cfg: Config, dims=None) -> dict:
     """Run the training loop in this process; returns a summary (losses, paths, throughput).
 
@@ -201,21 +174,19 @@ def train(cfg: Config, dims=None) -> dict:
     out = Path(t.out).expanduser()
     data = TokenData(cfg.data.path)
     tokenizer = data.tokenizer()
-
-    model = build_model(cfg.model, t.seed, device)
-    model.to(dtype)  # bf16 compute weights; the optimizer keeps the fp32 masters
-    use_compile = t.compile == "on" or (t.compile == "auto" and device.type == "cuda")
-    if use_compile:  # before the engine: ZeRO-3's module hooks must stay outside the compiled code
-        apply_compile(model, hooks_outside=dims is not None and cfg.parallel.zero == 3)
     comm = None
     if dims is not None:
         from plait.comm import Comm, Ledger
 
         comm = Comm(dims, Ledger())
-    engine = apply_data_parallel(model, cfg, comm, compile=use_compile)
-    is_main = engine.rank == 0 and (dims is None or dims.rank == 0)
+    use_compile = t.compile == "on" or (t.compile == "auto" and device.type == "cuda")
+    par = parallelize(cfg, comm, device, dtype, use_compile)
+    model, engine = par.model, par.engine
+    world = dims.world_size if dims is not None else 1
+    rank = dims.rank if dims is not None else 0
+    is_main = rank == 0
     barrier = (lambda: comm.barrier("world")) if comm is not None else (lambda: None)
-    saver = ckpt.Saver(out / "checkpoints", cfg.checkpoint.keep_last, rank=dims.rank if dims else 0, barrier=barrier)
+    saver = ckpt.Saver(out / "checkpoints", cfg.checkpoint.keep_last, rank=rank, barrier=barrier)
     start = 0
     if cfg.checkpoint.resume:
         folder = ckpt.latest_valid(out / "checkpoints", log=_warn if is_main else (lambda m: None))
@@ -225,21 +196,19 @@ def train(cfg: Config, dims=None) -> dict:
                 _warn(f"resumed from {folder} (step {start})")
     if start == 0 and t.init_from:
         engine.load_weights(init_weights_from(t.init_from, cfg.model), "train.init_from", t.init_from)
-    autocast = autocast_for(dtype, device)
 
     if is_main:
         (out / "config.toml").write_text(cfg.to_toml())
     log = MetricsLog(out if is_main else None, t.tensorboard)
-    tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum * engine.size
+    tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum * par.data_size
     fpt = flops_per_token(cfg.model, t.seq_len)
     peak = peak_flops(device, dtype)
     end = t.steps if not t.max_steps_this_run else min(t.steps, start + t.max_steps_this_run)
     bar = Progress(end, start, enabled=is_main and t.progress)
     if is_main:
-        layout = "" if comm is None else f", {engine.size} data-parallel ranks (zero {cfg.parallel.zero})"
-        bar.message(f"plait: {cfg.model.preset} model, {model.num_params() / 1e6:.2f}M parameters, "
-                    f"{device.type} {str(dtype).replace('torch.', '')}{layout}, {tokens_per_step:,} tokens/step, "
-                    f"steps {start}->{end}, out {out}")
+        bar.message(f"plait: {cfg.model.preset} model, {param_count(cfg.model) / 1e6:.2f}M parameters, "
+                    f"{device.type} {str(dtype).replace('torch.', '')}{describe_layout(cfg, world)}, "
+                    f"{tokens_per_step:,} tokens/step, steps {start}->{end}, out {out}")
     val_loss, losses = None, []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -249,25 +218,24 @@ def train(cfg: Config, dims=None) -> dict:
         lr = lr_at(step, t)
         batches = [tuple(a.to(device, non_blocking=True) for a in
                          data.batch(step, micro, micro_batch=t.micro_batch, grad_accum=t.grad_accum,
-                                    dp_rank=engine.rank, dp_size=engine.size, seq_len=t.seq_len, seed=t.seed))
+                                    dp_rank=par.data_rank, dp_size=par.data_size, seq_len=t.seq_len, seed=t.seed))
                    for micro in range(t.grad_accum)]
-        loss, grad_norm = train_step(model, engine, batches, lr, autocast)
+        loss, grad_norm = par.runner.step(batches, lr)
         loss_val = loss.item()  # one host sync per step: the loss is logged every step
         dt = time.perf_counter() - t0
-        tok_s = tokens_per_step / dt
         losses.append(loss_val)
         record = {"step": step + 1, "loss": loss_val, "lr": lr, "grad_norm": grad_norm.item(),
-                  "tokens_per_s": tok_s, "mfu": tok_s * fpt / peak if peak else "n/a",
+                  **throughput(tokens_per_step, dt, world, fpt, peak),
                   "peak_mem_bytes": peak_memory_bytes(device), "step_time_s": dt}
         if comm is not None:  # bytes this device sent this step, all mesh dims and ops together
             record["comm_sent_bytes"] = sum(d["sent_bytes"] for d in comm.ledger.step().values())
         done = step + 1
         if (t.eval_every and done % t.eval_every == 0) or done == end:
-            val_loss = evaluate(model, data, cfg, engine, device, autocast)
+            val_loss = evaluate(par, data, cfg, device)
             record["val_loss"] = val_loss
             bar.message(f"step {done}: val loss {val_loss:.4f} (train {loss_val:.4f})")
         log.log(record)
-        bar.update(done, loss_val, tok_s)
+        bar.update(done, loss_val, record["tokens_per_s"])
         if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or (done == end and cfg.checkpoint.at_end):
             folder = save_checkpoint(saver, done, cfg, engine, tokenizer, device, val_loss)
             bar.message(f"saved checkpoint {folder}")
@@ -279,12 +247,28 @@ def train(cfg: Config, dims=None) -> dict:
                "state_bytes": engine.state_bytes()}
     if t.sample_tokens and end > start:
         engine.gather_for_inference()  # ZeRO-3: every rank takes part in gathering the model
-        if is_main:
+        if is_main or cfg.parallel.tp > 1:  # tensor-parallel ranks generate together (same seed, same tokens)
             ids = sample(model, [int(i) for i in tokenizer.encode(SAMPLE_PROMPT)], t.sample_tokens,
                          temperature=0.8, top_k=40, seed=t.seed)
-            summary["sample"] = SAMPLE_PROMPT + tokenizer.decode(ids)
-            print(f"--- sample ---\n{summary['sample']}\n--------------", file=sys.stderr)
+            if is_main:
+                summary["sample"] = SAMPLE_PROMPT + tokenizer.decode(ids)
+                print(f"--- sample ---\n{summary['sample']}\n--------------", file=sys.stderr)
     return summary
+
+
+def describe_layout(cfg: Config, world: int) -> str:
+    """The header's layout: ', 4 ranks: dp 2 (2 x 1 HSDP) x tp 2, zero 3'; empty on one process."""
+    p = cfg.parallel
+    if world == 1:
+        return ""
+    tp = p.tp
+    dp = world // tp
+    shard = dp // p.dp_replicate
+    dp_s = f"dp {dp} ({p.dp_replicate} replicas x {shard} shards, HSDP)" if p.dp_replicate > 1 else f"dp {dp}"
+    from plait.parallel.rules import sequence_parallel
+
+    tp_s = f" x tp {tp}{' + sp' if sequence_parallel(p.sp, tp) else ''}" if tp > 1 else ""
+    return f", {world} ranks: {dp_s}{tp_s}, zero {p.zero}"
 
 
 def model_from_checkpoint(path: str, device: str = "cpu") -> tuple[Transformer, object, Config]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from plait.config import PRESETS, Config
 from plait.errors import bad_value
+from plait.parallel import rules
 
 
 def _positive(name: str, value, allow_zero: bool = False) -> None:
@@ -39,7 +40,8 @@ def _divisor_near(n: int, k: int) -> int:
     return min(divisors, key=lambda d: (abs(d - k), d))
 
 
-def validate_config(cfg: Config) -> None:
+def validate_config(cfg: Config) -> Config:
+    """Check everything in `cfg`; returns it (normalised: `parallel.sp` true/false -> on/off)."""
     validate_model(cfg.model)
     t = cfg.train
     for name in ("steps", "micro_batch", "grad_accum", "seq_len", "eval_batches"):
@@ -61,6 +63,8 @@ def validate_config(cfg: Config) -> None:
         raise bad_value("train.device", t.device, "choose auto, cpu or cuda")
     if t.compile not in ("auto", "on", "off"):
         raise bad_value("train.compile", t.compile, "choose auto, on or off")
+    if t.recompute not in rules.RECOMPUTE:
+        raise bad_value("train.recompute", t.recompute, f"choose {', '.join(rules.RECOMPUTE)}")
     if not 0.0 <= cfg.data.val_fraction < 0.5:
         raise bad_value("data.val_fraction", cfg.data.val_fraction, "must be in [0, 0.5)")
     if cfg.data.mix:
@@ -74,16 +78,22 @@ def validate_config(cfg: Config) -> None:
     _positive("checkpoint.every", c.every, allow_zero=True)
     _positive("checkpoint.keep_last", c.keep_last)
     validate_parallel(cfg)
+    return cfg
+
+
+# parallelisms whose engines are not wired into `plait train` yet
+NOT_YET = ("pp", "cp")
 
 
 def validate_parallel(cfg: Config) -> None:
-    """Degrees, world size and placement, as the launcher will see them, before any process starts."""
+    """Degrees, world size, the model's split and placement, as the launcher will see them, before
+    any process starts."""
     from plait.launch_env import planned_world
-    from plait.parallel.dims import ParallelDims
+    from plait.parallel.dims import NAMES, ParallelDims
 
-    p = cfg.parallel
+    p, m = cfg.parallel, cfg.model
     _positive("parallel.nproc", p.nproc)
-    for name in ("dp_replicate", "tp", "pp", "cp", "gpus_per_node"):
+    for name in ("dp_replicate", "tp", "pp", "cp", "v", "gpus_per_node"):
         _positive(f"parallel.{name}", getattr(p, name))
     if p.dp_shard != -1:
         _positive("parallel.dp_shard", p.dp_shard)
@@ -92,8 +102,30 @@ def validate_parallel(cfg: Config) -> None:
     _positive("parallel.timeout_s", p.timeout_s)
     _positive("parallel.bucket_mb", p.bucket_mb)
     _positive("parallel.microbatches", p.microbatches, allow_zero=True)
+    if p.reduce_dtype not in ("auto", "fp32", "bf16"):
+        raise bad_value("parallel.reduce_dtype", p.reduce_dtype, "choose auto, fp32 or bf16")
+    if p.reduce_dtype != "auto" and p.zero < 2:
+        raise bad_value("parallel.reduce_dtype", p.reduce_dtype, "needs --zero 2 or 3 (DDP and ZeRO-1 reduce "
+                        "the gradient buffer in place, in the parameters' dtype); use --zero 2 or drop it")
+    p.sp = {"true": "on", "false": "off", "1": "on", "0": "off"}.get(str(p.sp).lower(), str(p.sp).lower())
+    for name in NOT_YET:
+        if getattr(p, name) != 1:
+            raise bad_value(f"parallel.{name}", getattr(p, name), "is not wired into `plait train` yet; "
+                            "train with data and tensor parallelism (--nproc N --dp D --tp T --zero 0|1|2|3)")
+    rules.check_split(heads=m.n_heads, kv_heads=m.n_kv_heads, ffn=m.ffn_dim, layers=m.n_layers,
+                      seq=cfg.train.seq_len, tp=p.tp, pp=p.pp, v=p.v, cp=p.cp, sp=p.sp)
     # Under torchrun/srun the world is what they started; locally it is nproc, all on this node, so
     # the TP-inside-a-node check uses the real processes per node rather than parallel.gpus_per_node.
     world, per_node = planned_world(p)
+    model_degrees = {n: getattr(p, n) for n in ("tp", "pp", "cp") if getattr(p, n) > 1}
+    if world == 1 and model_degrees:
+        name, deg = next(iter(model_degrees.items()))
+        need = 1
+        for n in NAMES:
+            need *= max(1, getattr(p, n)) if n != "dp_shard" or p.dp_shard != -1 else 1
+        raise bad_value(f"parallel.{name}", deg, f"needs {need} processes (one per GPU) but one would run: "
+                        f"add --nproc {need}")
+    if not p.allow_cross_node_tp:
+        rules.check_tp_in_node(p.tp, p.gpus_per_node)
     dims = ParallelDims.from_config(p, world)
     dims.check_placement(per_node, p.allow_cross_node_tp)  # refuses; a permitted crossing warns in the workers

@@ -8,7 +8,6 @@ for N = 2 and 4 alike. 3 layers, vocab 259 (the byte data uses 256 of it), ~68K 
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import torch
@@ -17,10 +16,8 @@ import torch.distributed as dist
 from plait.comm import Comm, Ledger
 from plait.config import build_config
 from plait.data import TokenData
-from plait.model import build_model
 from plait.optim import lr_at
-from plait.parallel.data_parallel import apply_data_parallel
-from plait.train import train_step
+from plait.parallel.build import parallelize
 
 UNEVEN = {"preset": "custom", "vocab_size": 259, "dim": 42, "n_layers": 3, "n_heads": 3, "n_kv_heads": 1,
           "ffn_dim": 113, "max_seq_len": 64}
@@ -28,7 +25,8 @@ STEPS = 20
 MICRO = 2  # sequences per rank per micro-batch
 
 
-def config(corpus, micro_batch=MICRO, zero=0, grad_accum=1, dtype="fp32", steps=STEPS, model=None, **parallel):
+def config(corpus, micro_batch=MICRO, zero=0, grad_accum=1, dtype="fp32", steps=STEPS, model=None, recompute="none",
+           **parallel):
     # lr 3e-3 with warmup, clipping at 1.0 and weight decay 0.1: the trainer's defaults at micro scale.
     # Adam divides by sqrt(v) + eps, so where a gradient is ~eps (rare tokens' output rows) the
     # rounding of a different summation order moves the update by a large fraction of lr: with
@@ -37,20 +35,25 @@ def config(corpus, micro_batch=MICRO, zero=0, grad_accum=1, dtype="fp32", steps=
     # 20 steps while a missing average or reduction still shows in the loss and the grad norm.
     return build_config({"model": dict(model or UNEVEN), "data": {"path": str(corpus)},
                          "train": {"steps": steps, "micro_batch": micro_batch, "grad_accum": grad_accum,
-                                   "seq_len": 32, "lr": 3e-3, "warmup_steps": 2, "dtype": dtype, "eps": 1e-6},
+                                   "seq_len": 32, "lr": 3e-3, "warmup_steps": 2, "dtype": dtype, "eps": 1e-6,
+                                   "recompute": recompute},
                          "parallel": {"zero": zero, "bucket_mb": 0.02, **parallel}})  # ~5K fp32 elements a bucket
 
 
-def train(cfg, comm=None, out: Path | None = None, engine_hook=None, before_step=None) -> dict:
-    """The trainer's step (`plait.train.train_step`) for cfg.train.steps steps on cfg's data; returns
-    losses, grad norms and the ledger of every step. Saves the final state into `out`.
-    engine_hook(engine) runs after the last step; before_step(engine) before every update, when
-    backward has reduced the gradients and the optimizer has not consumed them yet (the peak of
-    model-state memory: ZeRO-3 frees its gradient chunks in the update)."""
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def train(cfg, comm=None, out: Path | None = None, engine_hook=None, before_step=None, step_fn=None) -> dict:
+    """The trainer's model, engine and step (`plait.parallel.build.parallelize`) for cfg.train.steps
+    steps on cfg's data; returns losses, grad norms and the ledger of every step. Saves the final
+    state into `out`. engine_hook(engine) runs after the last step; before_step(engine) before every
+    update, when backward has reduced the gradients and the optimizer has not consumed them yet (the
+    peak of model-state memory: ZeRO-3 frees its gradient chunks in the update). step_fn(par,
+    batches, lr) replaces the runner's step (e.g. to run backwards in another order)."""
     t = cfg.train
     data = TokenData(cfg.data.path)
-    model = build_model(cfg.model, t.seed, "cpu").to({"fp32": torch.float32, "bf16": torch.bfloat16}[t.dtype])
-    engine = apply_data_parallel(model, cfg, comm)
+    par = parallelize(cfg, comm, torch.device("cpu"), DTYPES[t.dtype], compile=False)
+    engine = par.engine
     if before_step is not None:
         update = engine.step
         engine.step = lambda lr, loss_sum: (before_step(engine), update(lr, loss_sum))[1]
@@ -58,9 +61,9 @@ def train(cfg, comm=None, out: Path | None = None, engine_hook=None, before_step
         comm.ledger.reset()  # count this run only
     losses, norms = [], []
     for step in range(t.steps):
-        batches = [data.batch(step, m, micro_batch=t.micro_batch, grad_accum=t.grad_accum, dp_rank=engine.rank,
-                              dp_size=engine.size, seq_len=t.seq_len, seed=t.seed) for m in range(t.grad_accum)]
-        loss, norm = train_step(model, engine, batches, lr_at(step, t), contextlib.nullcontext)
+        batches = [data.batch(step, m, micro_batch=t.micro_batch, grad_accum=t.grad_accum, dp_rank=par.data_rank,
+                              dp_size=par.data_size, seq_len=t.seq_len, seed=t.seed) for m in range(t.grad_accum)]
+        loss, norm = (step_fn or (lambda p, b, lr: p.runner.step(b, lr)))(par, batches, lr_at(step, t))
         losses.append(loss.item())
         norms.append(norm.item())
         if comm is not None:
@@ -74,6 +77,17 @@ def train(cfg, comm=None, out: Path | None = None, engine_hook=None, before_step
     return {"losses": losses, "norms": norms, "ledger": ledger}
 
 
+def backwards_reversed(par, batches, lr):
+    """Every micro-batch's forward first, then their backwards in reverse order - the order a
+    pipeline schedule may run them in. The engine is told which backward is first and last."""
+    n = len(batches)
+    losses = [par.model(x, y) / n for x, y in batches]
+    for k, i in enumerate(reversed(range(n))):
+        par.engine.before_backward(first=k == 0, last=k == n - 1)
+        losses[i].backward()
+    return par.engine.step(lr, sum(loss.detach() for loss in losses))
+
+
 class Groups:
     """Sub-groups of a 4-rank world (every rank must create every group, in the same order)."""
 
@@ -85,16 +99,27 @@ class Groups:
 
     def comm(self, layout: str) -> Comm:
         """'pair': two DP groups of 2 ({0,1} and {2,3}); 'world': one of 4; 'hsdp': shard {0,1}/{2,3},
-        replicate {0,2}/{1,3}."""
+        replicate {0,2}/{1,3}. Tensor-parallel: 'tp-pair': two TP groups of 2; 'tp-world': TP over 4;
+        'tp-dp': TP {0,1}/{2,3} x DP {0,2}/{1,3}."""
         r = dist.get_rank()
+        one = {"tp": self.single[r]}
+        alone = {"dp": self.single[r], "dp_shard": self.single[r], "dp_replicate": self.single[r]}
+        if layout == "tp-pair":
+            return Comm(None, Ledger(), groups={**alone, "tp": self.pair[r // 2], "world": self.pair[r // 2]})
+        if layout == "tp-world":
+            return Comm(None, Ledger(), groups={**alone, "tp": dist.group.WORLD})
+        if layout == "tp-dp":
+            dp = self.cross[r % 2]
+            return Comm(None, Ledger(), groups={"tp": self.pair[r // 2], "dp": dp, "dp_shard": dp,
+                                                "dp_replicate": self.single[r]})
         if layout == "pair":
             g = self.pair[r // 2]
-            groups = {"dp": g, "dp_shard": g, "dp_replicate": self.single[r]}
+            groups = {"dp": g, "dp_shard": g, "dp_replicate": self.single[r], "world": g}
         elif layout == "world":
             groups = {"dp": dist.group.WORLD, "dp_shard": dist.group.WORLD, "dp_replicate": self.single[r]}
         else:
             groups = {"dp": dist.group.WORLD, "dp_shard": self.pair[r // 2], "dp_replicate": self.cross[r % 2]}
-        return Comm(None, Ledger(), groups=groups)
+        return Comm(None, Ledger(), groups={**one, **groups})
 
 
 def rel(a: float, b: float) -> float:
@@ -129,3 +154,39 @@ def train_torch_peer(model, cfg, group) -> dict:
         dist.all_reduce(mean, group=group)
         losses.append(mean.item() / n)
     return {"losses": losses}
+
+
+def nbytes(tensors) -> int:
+    storages = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        storages[st.data_ptr()] = st.nbytes()
+    return sum(storages.values())
+
+
+def measure_memory(engine) -> dict:
+    m = engine.memory()
+    out = {k: nbytes(v) for k, v in m.items()}
+    # independently: every storage reachable from the model's parameters, their grads and the optimizer
+    params = list(engine.model.parameters())
+    o = engine.opt
+    reach = params + [p.grad for p in params if p.grad is not None] + [o.master, o.exp_avg, o.exp_avg_sq]
+    out["reachable"] = nbytes(reach + [t for v in m.values() for t in v])
+    out["listed"] = nbytes([t for v in m.values() for t in v])
+    out["P"] = sum(p.numel() for p in params)
+    lay = getattr(engine, "layout", None)
+    out["padded"] = lay.padded_numel if lay else engine.opt.flat.padded
+    out["units"] = len(lay.units) if lay else 1
+    out["owned"] = engine.opt.hi - engine.opt.lo
+    out["dtype"] = str(params[0].dtype)
+    return out
+
+
+def memory_formula(zero, m, shards, param_b, grad_b) -> dict:
+    """Model-state bytes per rank (test_dp_memory's docstring), from the measured element counts."""
+    P, Pp = m["P"], m["padded"]
+    K = 8 if param_b == 4 and zero != 2 else 12
+    return {0: {"params": param_b * P, "grads": param_b * P, "optimizer": K * P},
+            1: {"params": param_b * Pp, "grads": param_b * Pp, "optimizer": K * Pp // shards},
+            2: {"params": param_b * Pp, "grads": grad_b * Pp // shards, "optimizer": K * Pp // shards},
+            3: {"params": 4 * Pp // shards, "grads": grad_b * Pp // shards, "optimizer": 8 * Pp // shards}}[zero]

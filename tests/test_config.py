@@ -6,10 +6,11 @@ import pytest
 
 from plait.config import PRESETS, Config, build_config, field_docs, load_toml, merge, parse_overrides
 from plait.errors import UserError
+from plait.validate import validate_config
 
 
 def test_defaults_are_valid_and_every_field_documented():
-    cfg = build_config().validate()
+    cfg = validate_config(build_config())
     assert cfg.model.preset == "tiny"
     for section in dataclasses.fields(Config):
         cls = type(getattr(cfg, section.name))
@@ -24,10 +25,10 @@ def test_preset_then_explicit_fields_win():
 
 
 def test_overrides_parse_and_coerce():
-    raw = parse_overrides(["--train.steps", "20", "--train.lr=1e-3", "--parallel.sp", "true",
+    raw = parse_overrides(["--train.steps", "20", "--train.lr=1e-3", "--parallel.allow_cross_node_tp", "true",
                            "--model.tie-embeddings", "false"])
     cfg = build_config(raw)
-    assert cfg.train.steps == 20 and cfg.train.lr == 1e-3 and cfg.parallel.sp is True
+    assert cfg.train.steps == 20 and cfg.train.lr == 1e-3 and cfg.parallel.allow_cross_node_tp is True
     assert cfg.model.tie_embeddings is False
 
 
@@ -55,7 +56,7 @@ def test_toml_then_cli_override(tmp_path):
 ])
 def test_bad_input_is_one_line_naming_field_and_fix(raw, needle):
     with pytest.raises(UserError) as e:
-        build_config(raw).validate()
+        validate_config(build_config(raw))
     msg = str(e.value)
     assert needle in msg and "\n" not in msg
 

@@ -5,6 +5,7 @@ import pytest
 from dist import run_dist
 from plait.cli import main
 from plait.config import build_config
+from plait.validate import validate_config
 from plait.errors import UserError
 from plait.parallel.dims import FLATTENED, NAMES, ParallelDims
 
@@ -61,10 +62,10 @@ def test_tp_group_must_stay_inside_a_node():
 
 
 def test_config_validation_uses_dims():
-    with pytest.raises(UserError, match="cannot infer parallel.dp_shard: 4 processes"):
-        build_config({"parallel": {"nproc": 4, "tp": 3}}).validate()
-    build_config({"parallel": {"nproc": 4, "tp": 2, "pp": 2}}).validate()
-    build_config({}).validate()  # the single-process default
+    with pytest.raises(UserError, match="cannot infer parallel.dp_shard: 3 processes"):
+        validate_config(build_config({"parallel": {"nproc": 3, "tp": 2}}))
+    validate_config(build_config({"parallel": {"nproc": 4, "tp": 2}}))
+    validate_config(build_config({}))  # the single-process default
 
 
 def test_plait_mesh_prints_the_map(capsys):

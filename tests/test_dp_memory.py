@@ -20,35 +20,9 @@ from __future__ import annotations
 
 import pytest
 from dist import run_dist
-from dp_runs import MICRO, STEPS, Groups, config, rel, train, train_torch_peer
+from dp_runs import MICRO, STEPS, Groups, config, memory_formula, measure_memory, nbytes, rel, train, train_torch_peer
 
 CASES = [(0, "bf16"), (1, "bf16"), (2, "bf16"), (3, "bf16"), (0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32")]
-
-
-def _nbytes(tensors) -> int:
-    storages = {}
-    for t in tensors:
-        st = t.untyped_storage()
-        storages[st.data_ptr()] = st.nbytes()
-    return sum(storages.values())
-
-
-def _measure(engine) -> dict:
-    m = engine.memory()
-    out = {k: _nbytes(v) for k, v in m.items()}
-    # independently: every storage reachable from the model's parameters, their grads and the optimizer
-    params = list(engine.model.parameters())
-    o = engine.opt
-    reach = params + [p.grad for p in params if p.grad is not None] + [o.master, o.exp_avg, o.exp_avg_sq]
-    out["reachable"] = _nbytes(reach + [t for v in m.values() for t in v])
-    out["listed"] = _nbytes([t for v in m.values() for t in v])
-    out["P"] = sum(p.numel() for p in params)
-    lay = getattr(engine, "layout", None)
-    out["padded"] = lay.padded_numel if lay else engine.opt.flat.padded
-    out["units"] = len(lay.units) if lay else 1
-    out["owned"] = engine.opt.hi - engine.opt.lo
-    out["dtype"] = str(params[0].dtype)
-    return out
 
 
 def _torch_ddp(corpus, group) -> dict:
@@ -66,16 +40,16 @@ def _body(dims, corpus):
     out = {}
     for zero, dtype in CASES:
         got = {}
-        train(config(corpus, zero=zero, dtype=dtype, steps=1), groups.comm("world"), before_step=lambda e: got.update(_measure(e)),
-              engine_hook=lambda e: got.update(grads_after_step=_nbytes(e.memory()["grads"])))
+        train(config(corpus, zero=zero, dtype=dtype, steps=1), groups.comm("world"), before_step=lambda e: got.update(measure_memory(e)),
+              engine_hook=lambda e: got.update(grads_after_step=nbytes(e.memory()["grads"])))
         out[(zero, dtype, "world")] = got
     for zero in (2, 3):
         got = {}
         train(config(corpus, zero=zero, dtype="bf16", steps=1, reduce_dtype="fp32"), groups.comm("world"),
-              before_step=lambda e: got.update(_measure(e)))
+              before_step=lambda e: got.update(measure_memory(e)))
         out[(zero, "bf16-reduce-fp32", "world")] = got
     got = {}
-    train(config(corpus, zero=3, dtype="bf16", steps=1), groups.comm("hsdp"), before_step=lambda e: got.update(_measure(e)))
+    train(config(corpus, zero=3, dtype="bf16", steps=1), groups.comm("hsdp"), before_step=lambda e: got.update(measure_memory(e)))
     out[(3, "bf16", "hsdp")] = got
     out["torch_ddp"] = _torch_ddp(corpus, groups.pair[dims.rank // 2])
     return out
@@ -87,23 +61,14 @@ def runs(corpus):
     return per_rank, train(config(corpus, micro_batch=2 * MICRO))
 
 
-def _formula(zero, m, shards, param_b, grad_b) -> dict:
-    P, Pp = m["P"], m["padded"]
-    K = 8 if param_b == 4 and zero != 2 else 12
-    return {0: {"params": param_b * P, "grads": param_b * P, "optimizer": K * P},
-            1: {"params": param_b * Pp, "grads": param_b * Pp, "optimizer": K * Pp // shards},
-            2: {"params": param_b * Pp, "grads": grad_b * Pp // shards, "optimizer": K * Pp // shards},
-            3: {"params": 4 * Pp // shards, "grads": grad_b * Pp // shards, "optimizer": 8 * Pp // shards}}[zero]
-
-
 @pytest.mark.parametrize("case", CASES + [(2, "bf16-reduce-fp32"), (3, "bf16-reduce-fp32")])
-def test_memory_equals_the_formula(runs, case):
+def test_memory_equals_thememory_formula(runs, case):
     zero, prec = case
     for rank, res in enumerate(runs[0]):
         m = res[(zero, prec, "world")]
         param_b = 4 if prec == "fp32" else 2
         grad_b = 4 if prec != "bf16" else 2
-        want = _formula(zero, m, 4, param_b, grad_b)
+        want = memory_formula(zero, m, 4, param_b, grad_b)
         got = {k: m[k] for k in want}
         if rank == 0:
             print(f"zero {zero} {prec}: P={m['P']} padded={m['padded']} {got}")
@@ -120,7 +85,7 @@ def test_hsdp_shards_over_dp_shard_only(runs):
     for res in runs[0]:
         m = res[(3, "bf16", "hsdp")]
         assert m["owned"] * 2 == m["padded"]  # 2 shards (the replicas hold copies)
-        assert {k: m[k] for k in ("params", "grads", "optimizer")} == _formula(3, m, 2, 2, 2)
+        assert {k: m[k] for k in ("params", "grads", "optimizer")} == memory_formula(3, m, 2, 2, 2)
 
 
 def test_same_losses_as_torch_ddp(runs):

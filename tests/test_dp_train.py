@@ -46,6 +46,7 @@ def test_train_resume_at_another_layout_and_generate(corpus, tmp_path, capfd):
     for a, b in zip(rows, ref):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * b["loss"]
         assert a["comm_sent_bytes"] > 0
+        assert a["tokens_per_s_per_gpu"] == pytest.approx(a["tokens_per_s"] / 2)  # two processes
     assert abs(rows[-1]["val_loss"] - ref[-1]["val_loss"]) <= 1e-5 * ref[-1]["val_loss"]
     w, wref = full_weights(run / "checkpoints" / "step_00000006"), full_weights(one / "checkpoints" / "step_00000006")
     assert max((w[k] - wref[k]).abs().max().item() for k in wref) <= 1e-5
@@ -60,7 +61,10 @@ def test_train_resume_at_another_layout_and_generate(corpus, tmp_path, capfd):
 
 @pytest.mark.parametrize("extra, needle", [
     (["--nproc", "3", "--dp", "2"], "dp_shard=2"),
-    (["--nproc", "2", "--tp", "2"], "parallel.tp = 2: is not wired into `plait train` yet"),
+    (["--nproc", "2", "--tp", "2"], "parallel.tp = 2: must divide the 3 attention heads; choose one of 1, 3"),
+    (["--tp", "3", "--model.ffn_dim", "114"], "parallel.tp = 3: needs 3 processes (one per GPU) but one would run: add --nproc 3"),
+    (["--nproc", "2", "--sp"], "parallel.sp = 'on': sequence parallelism shards what tensor parallelism replicates"),
+    (["--nproc", "2", "--pp", "2"], "parallel.pp = 2: is not wired into `plait train` yet"),
     (["--nproc", "2", "--zero", "1", "--parallel.reduce_dtype", "fp32"], "parallel.reduce_dtype = 'fp32': needs --zero 2 or 3"),
     (["--nproc", "2", "--zero", "4"], "parallel.zero = 4"),
 ])

@@ -13,24 +13,27 @@ DEEP = dict(UNEVEN, n_layers=5)  # enough blocks that "at most two gathered" mea
 
 def _schedule(corpus, comm) -> dict:
     """One step of ZeRO-3 on a 5-block model with the event trace on."""
+    import torch
+
     from plait.data import TokenData
-    from plait.model import build_model
-    from plait.parallel.data_parallel import apply_data_parallel
+    from plait.parallel.build import parallelize
 
     cfg = config(corpus, zero=3, model=DEEP)
-    model = build_model(cfg.model, 0, "cpu")
-    engine = apply_data_parallel(model, cfg, comm)
-    x, y = TokenData(cfg.data.path).batch(0, 0, micro_batch=MICRO, grad_accum=1, dp_rank=engine.rank,
-                                          dp_size=engine.size, seq_len=32, seed=0)
-    engine.trace = []
+    par = parallelize(cfg, comm, torch.device("cpu"), torch.float32, compile=False)
+    model, engine = par.model, par.engine
+    x, y = TokenData(cfg.data.path).batch(0, 0, micro_batch=MICRO, grad_accum=1, dp_rank=par.data_rank,
+                                          dp_size=par.data_size, seq_len=32, seed=0)
+    g = engine.gather
+    g.trace = []
     loss = model(x, y)
-    forward = list(engine.trace)
+    forward = list(g.trace)
+    engine.before_backward(first=True, last=True)
     loss.backward()
     engine.step(1e-3, loss.detach())
     units = engine.layout.units
     block_bytes = max(u.padded for u in units[:-1]) * 4
-    return {"forward": forward, "all": engine.trace, "root": engine.root, "blocks": len(units) - 1,
-            "peak": engine.peak_gathered_bytes, "bound": units[-1].padded * 4 + 2 * block_bytes,
+    return {"forward": forward, "all": g.trace, "root": engine.root, "blocks": len(units) - 1,
+            "peak": g.peak_gathered_bytes, "bound": units[-1].padded * 4 + 2 * block_bytes,
             "all_blocks": sum(u.padded for u in units) * 4,
             "params_bytes_at_rest": sum(p.untyped_storage().nbytes() for p in model.parameters()),
             "grads_at_rest": sum(p.grad is not None for p in model.parameters())}
@@ -43,7 +46,7 @@ def _precision(corpus, comm) -> dict:
         seen = {}
 
         def look(e, seen=seen):
-            seen.update(shards=e.shards.dtype, master_is_shard=e.opt.master.data_ptr() == e.shards.data_ptr(), gathered=e.full[0].dtype,
+            seen.update(shards=e.shards.dtype, master_is_shard=e.opt.master.data_ptr() == e.shards.data_ptr(), gathered=e.gather.full[0].dtype,
                         acc=e.gshards[0].dtype, padded=e.layout.padded_numel, root=e.layout.units[-1].padded)
 
         res = train(config(corpus, zero=3, dtype="bf16", steps=5, reduce_dtype=reduce), comm, before_step=look)

@@ -46,7 +46,7 @@ def test_matches_torch_adamw_with_decay_groups_and_clipping(compile):
     assert not torch.equal(_model().state_dict()["0.weight"], mine.state_dict()["0.weight"])
 
 
-def test_bf16_params_keep_fp32_masters_and_state_round_trips():
+def test_bf16_params_keep_fp32_masters_and_state_round_trips(tmp_path):
     model = _model(torch.bfloat16)
     flat = FlatParams(list(model.named_parameters()))
     opt = FlatAdamW(flat, TrainConfig(grad_clip=0.5, weight_decay=0.0))
@@ -57,10 +57,13 @@ def test_bf16_params_keep_fp32_masters_and_state_round_trips():
     n_params = sum(p.numel() for p in model.parameters())
     assert abs(norm.item() - 3.0 * n_params ** 0.5) < 1e-3
     assert torch.equal(flat.data, opt.master.to(torch.bfloat16))
-    sd, weights = opt.state_dict(), {k: v.clone() for k, v in opt.master_weights().items()}
-    other = FlatAdamW(FlatParams(list(_model(torch.bfloat16).named_parameters())), TrainConfig())
-    other.load_weights(weights)
-    other.load_state_dict(sd)
+    # the state round-trips through the checkpoint form, keyed by name
+    from plait.parallel import sharded_state
+
+    sharded_state.write(tmp_path, sharded_state.flat_pieces(flat, 0, flat.padded), opt, None)
+    other_flat = FlatParams(list(_model(torch.bfloat16).named_parameters()))
+    other = FlatAdamW(other_flat, TrainConfig())
+    sharded_state.load(tmp_path, sharded_state.flat_pieces(other_flat, 0, other_flat.padded), other)
     assert torch.equal(other.master, opt.master) and torch.equal(other.exp_avg_sq, opt.exp_avg_sq)
     assert other.steps == 1
 

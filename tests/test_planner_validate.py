@@ -26,7 +26,7 @@ def test_predicted_state_bytes_and_traffic_equal_the_run(zero, capsys):
         # the planner prices the textbook 3P(N-1)/N; plait keeps its root unit (embedding, output,
         # norm gains: 2*256*64 + 5*64 fp32 elements here) gathered from forward into backward
         expected -= (2 * 256 * 64 + 5 * 64) * 4 * (2 - 1) / 2
-    assert sent["measured"] == expected + 8, sent  # + the 8-byte loss/grad-norm all-reduce
+    assert sent["measured"] == expected + 12, sent  # + the 12-byte statistics all-reduce: 2 x 12 x (N-1)/N
     assert rows["step time (s)"]["comparable"] is False  # a CPU run is not a GPU prediction
 
 

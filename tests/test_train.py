@@ -3,6 +3,8 @@
 import json
 import math
 
+import pytest
+
 import torch
 
 from plait.config import TrainConfig
@@ -95,3 +97,16 @@ def test_continue_training_from_huggingface(corpus, tmp_path):
     w = _weights(tmp_path / "r", 2)
     ref = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
     assert torch.equal(w["layers.1.mlp.w1.weight"], ref["model.layers.1.mlp.gate_proj.weight"])
+
+
+def test_mfu_is_per_gpu():
+    """MFU divides tokens/s *per GPU* by one GPU's peak: the global rate over one card's peak would
+    read N times too high on N GPUs."""
+    from plait.metrics import throughput
+
+    one = throughput(8192, 0.5, 1, 6e9, 1e15)
+    four = throughput(4 * 8192, 0.5, 4, 6e9, 1e15)  # four GPUs, each as fast as the one
+    assert four["tokens_per_s"] == 4 * one["tokens_per_s"]
+    assert four["tokens_per_s_per_gpu"] == one["tokens_per_s_per_gpu"] == 8192 / 0.5
+    assert four["mfu"] == one["mfu"] == pytest.approx(8192 / 0.5 * 6e9 / 1e15)
+    assert throughput(8192, 0.5, 2, 6e9, None)["mfu"] == "n/a"  # CPU: no peak

@@ -55,19 +55,15 @@ def _plait_step_fn(cfg, micro_batch, seq, compiled):
     import torch
 
     from plait.config import Config
-    from plait.model import build_model
-    from plait.parallel.data_parallel import apply_data_parallel
-    from plait.train import apply_compile, autocast_for, train_step
+    from plait.parallel.build import parallelize
 
-    device = torch.device("cuda")
-    model = build_model(cfg, seed=0, device=device).to(torch.bfloat16)
-    engine = apply_data_parallel(model, Config(), compile=compiled)  # one device: the trainer's engine
-    if compiled:
-        apply_compile(model)
-    autocast = autocast_for(torch.bfloat16, device)
+    full = Config()
+    full.model = cfg
+    # one device: the trainer's own build, engine and step
+    par = parallelize(full, None, torch.device("cuda"), torch.bfloat16, compile=compiled)
 
     def step(x, y):
-        return train_step(model, engine, [(x, y)], 1e-4, autocast)[0]
+        return par.runner.step([(x, y)], 1e-4)[0]
 
     return step
 

@@ -26,7 +26,7 @@ def add_arguments(p) -> None:
     p.add_argument("--dp", help="data-parallel degree (parallel.dp_shard)")
     p.add_argument("--zero", help="ZeRO stage 0|1|2|3")
     p.add_argument("--tp", help="tensor-parallel degree")
-    p.add_argument("--sp", action="store_const", const=True, help="sequence parallelism")
+    p.add_argument("--sp", action="store_const", const="on", help="sequence parallelism on (parallel.sp; default auto: on whenever tp > 1)")
     p.add_argument("--pp", help="pipeline stages")
     p.add_argument("--schedule", help="pipeline schedule")
     p.add_argument("--microbatches", help="pipeline micro-batches")

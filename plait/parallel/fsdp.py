@@ -31,7 +31,9 @@ Traffic per step: all-gather 2 P_blocks + P_root, reduce-scatter P, i.e. 3P(N-1)
 second gather, which is never needed: nothing in backward reads the embedding or output matrix (the
 fused loss keeps its weight gradient from forward; an embedding's backward needs only the indices).
 
-The block is compiled on its own (`forward` only), so these hooks run eagerly around it.
+The block is compiled on its own (`forward` only), so these hooks run eagerly around it. The
+gathering itself (states, buffers, all-gathers) is `plait.parallel.gather.Gathers`; this module is
+the policy: which unit is gathered, used and released when.
 """
 
 from __future__ import annotations
@@ -42,11 +44,9 @@ import torch
 
 from plait.optim import FlatAdamW
 from plait.parallel.buckets import InFlight, Ready
-from plait.parallel.data_parallel import DPNames, tensor_bytes
+from plait.parallel.engine import Groups, Sharded, TensorSplit, tensor_bytes
+from plait.parallel.gather import Gathers
 from plait.parallel.shard_space import OwnedSpace, ShardLayout
-from plait.parallel.zero import _Sharded
-
-FREE, GATHERING, READY = 0, 1, 2
 
 
 class _OnBackward(torch.autograd.Function):
@@ -64,53 +64,47 @@ class _OnBackward(torch.autograd.Function):
         return g, None, None
 
 
-class Zero3(_Sharded):
-    def __init__(self, model, t, comm, names: DPNames, reduce_dtype: torch.dtype, compile: bool):
-        n, r = comm.size(names.shard), comm.rank(names.shard)
+def units_of(model) -> list[list[tuple[str, torch.nn.Parameter]]]:
+    """One unit per transformer block (its matrices), then the root unit: everything else, its
+    matrices first (weight decay stays a prefix of the owned space)."""
+    units, in_block = [], set()
+    for key, block in model.layers.items():
+        mats = [(f"layers.{key}.{name}", p) for name, p in block.named_parameters() if p.ndim >= 2]
+        units.append(mats)
+        in_block.update(id(p) for _, p in mats)
+    rest = [(name, p) for name, p in model.named_parameters() if id(p) not in in_block]
+    units.append([e for e in rest if e[1].ndim >= 2] + [e for e in rest if e[1].ndim < 2])
+    return units
+
+
+class Zero3(Sharded):
+    def __init__(self, model, t, comm, groups: Groups, reduce_dtype: torch.dtype, compile: bool,
+                 split: TensorSplit = TensorSplit()):
+        n, r = comm.size(groups.shard), comm.rank(groups.shard)
         self.blocks = list(model.layers.values())
-        units, in_block = [], set()
-        for key, block in model.layers.items():
-            mats = [(f"layers.{key}.{name}", p) for name, p in block.named_parameters() if p.ndim >= 2]
-            units.append(mats)
-            in_block.update(id(p) for _, p in mats)
-        rest = [(name, p) for name, p in model.named_parameters() if id(p) not in in_block]
-        units.append([e for e in rest if e[1].ndim >= 2] + [e for e in rest if e[1].ndim < 2])
+        units = units_of(model)
         layout = ShardLayout(units, n, r)
         self.layout, self.reduce_dtype = layout, reduce_dtype
         self.root = len(layout.units) - 1
-        p0 = rest[0][1]
+        p0 = units[-1][0][1]
         self.dtype, self.device = p0.dtype, p0.device
         # this rank's chunk of every unit, fp32 (the masters): the only parameter memory kept between uses
         master = torch.promote_types(self.dtype, torch.float32)
         self.shards = torch.zeros(layout.owned_numel, dtype=master, device=self.device)
-        self.full = []  # per unit, its gathered buffer; storage resized to 0 while free
-        with torch.no_grad():
-            for u in layout.units:
-                full = torch.zeros(u.padded, dtype=self.dtype, device=self.device)
-                for s, p in zip(u.slots, u.params):
-                    view = u.view(full, s)
-                    view.copy_(p)
-                    p.data, p.grad = view, None  # views stay valid while the storage comes and goes
-                lo, hi = u.chunk_range(r)
-                self.shards[layout.owned_slice(u)].copy_(full[lo:hi])
-                full.untyped_storage().resize_(0)
-                self.full.append(full)
-        self.state = [FREE] * len(layout.units)
-        self.pending: list = [None] * len(layout.units)  # (all-gather handle, the chunk it sends)
+        self.gather = Gathers(layout, self.shards, self.dtype, comm, groups.shard)
+        for i, u in enumerate(layout.units):
+            self.gather.fill_from(i, u.params)
         self.gshards: list = [None] * len(layout.units)  # per unit, this step's reduced gradient chunk
         self.at_update: dict | None = None  # state bytes at the last update (they peak there)
         opt = FlatAdamW(OwnedSpace(self.shards, None, layout.n_decay), t, compile=compile)  # shards = masters
-        super().__init__(model, opt, comm, names, pieces=layout.pieces)
-        self._shard_setup(comm, names)
+        super().__init__(model, opt, comm, groups, pieces=layout.pieces, split=split)
+        self._shard_setup(comm, groups)
         self.grads: list = [None] * len(layout.units)
         # reduce-scatter order = the order backward completes units: last block first, root last
         order = list(range(self.root - 1, -1, -1)) + [self.root]
-        self.rs_order = order
         owners = {id(p): [order.index(u.index)] for u in layout.units for p in u.params}
         self.ready = Ready([len(layout.units[k].params) for k in order], owners, lambda j: self._reduce(order[j]))
         self.inflight = InFlight()
-        self.gathered_bytes = self.peak_gathered_bytes = 0
-        self.trace: list | None = None  # (event, unit) when a test sets it to []
         self.hooks = [model.register_forward_pre_hook(self._model_pre), model.register_forward_hook(self._model_post)]
         for i, block in enumerate(self.blocks):
             self.hooks += [block.register_forward_pre_hook(functools.partial(self._block_pre, i)),
@@ -118,78 +112,49 @@ class Zero3(_Sharded):
         self.hooks += [p.register_post_accumulate_grad_hook(lambda p: self.ready.arrived(id(p)))
                        for u in layout.units for p in u.params]
 
-    # ---- gathering and freeing ---------------------------------------------------------------------
-
-    def _log(self, event: str, i: int) -> None:
-        if self.trace is not None:
-            self.trace.append((event, i))
-
-    def _gather(self, i: int) -> None:
-        """Start gathering unit i (no-op if it is gathered or on its way)."""
-        if i < 0 or i >= len(self.full) or self.state[i] != FREE:
-            return
-        u, full = self.layout.units[i], self.full[i]
-        full.untyped_storage().resize_(u.padded * full.element_size())
-        chunk = self.shards[self.layout.owned_slice(u)].to(self.dtype)  # bf16 on the wire; kept until sent
-        self.pending[i] = (self.comm.all_gather(chunk, self.names.shard, out=full, async_op=True), chunk)
-        self.state[i] = GATHERING
-        self.gathered_bytes += u.padded * full.element_size()
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
-        self._log("gather", i)
-
-    def _wait(self, i: int) -> None:
-        self._gather(i)
-        if self.state[i] == GATHERING:
-            self.pending[i][0].wait()
-            self.pending[i], self.state[i] = None, READY
-            self._log("ready", i)
-
-    def _free(self, i: int) -> None:
-        if self.state[i] == FREE:
-            return
-        if self.state[i] == GATHERING:
-            self.pending[i][0].wait()
-            self.pending[i] = None
-        self.full[i].untyped_storage().resize_(0)
-        self.gathered_bytes -= self.layout.units[i].padded * self.full[i].element_size()
-        self.state[i] = FREE
-        self._log("free", i)
-
     # ---- forward -----------------------------------------------------------------------------------
 
     def _model_pre(self, module, args):
-        self._wait(self.root)
-        self._gather(0)
+        self.gather.wait(self.root)
+        self.gather.gather(0)
 
     def _model_post(self, module, args, out):
         if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
             out.register_hook(self._backward_begins)
         else:
-            self._free(self.root)
+            self.gather.free(self.root)
 
     def _block_pre(self, i, module, args):
-        self._wait(i)
-        self._gather(i + 1 if i + 1 < self.root else -1)  # prefetch: hides under block i's compute
+        self.gather.wait(i)
+        self.gather.gather(i + 1 if i + 1 < self.root else -1)  # prefetch: hides under block i's compute
         if torch.is_grad_enabled() and args[0].requires_grad:
             return (_OnBackward.apply(args[0], self._left_block, i),) + tuple(args[1:])
 
     def _block_post(self, i, module, args, out):
-        self._free(i)
+        self.gather.free(i)
         if torch.is_grad_enabled() and out.requires_grad:
             return _OnBackward.apply(out, self._entering_block, i)
 
     # ---- backward ----------------------------------------------------------------------------------
 
+    def before_backward(self, first, last):
+        if not first:  # every backward is reduced: finish the previous one's buckets, count afresh
+            self.ready.flush()
+            self.ready.reset()
+        # The root (norm gains, output) is released once its gradients are reduced; a backward that
+        # follows another without a forward in between (a pipeline's order) needs it back.
+        self.gather.wait(self.root)
+
     def _backward_begins(self, grad):
-        self._gather(self.root - 1)
+        self.gather.gather(self.root - 1)
 
     def _entering_block(self, i: int) -> None:
-        self._wait(i)
+        self.gather.wait(i)
         self._bind_grads(i)
-        self._gather(i - 1)
+        self.gather.gather(i - 1)
 
     def _left_block(self, i: int) -> None:
-        self._free(i)  # every backward op reading block i's weights has run
+        self.gather.free(i)  # every backward op reading block i's weights has run
 
     def _bind_grads(self, i: int) -> None:
         """A zeroed gradient buffer for unit i, its parameters' .grad as views: autograd accumulates
@@ -219,53 +184,47 @@ class Zero3(_Sharded):
             p.grad = None
         self.grads[i] = None
         out = self.gshards[i]
+        shard = self.groups.shard
         if out is None:  # the step's first reduction of this unit writes a new chunk ...
             self.gshards[i] = out = torch.empty(u.chunk, dtype=self.reduce_dtype, device=self.device)
-            self.inflight.add(self.comm.reduce_scatter(src, self.names.shard, op="avg", out=out, async_op=True),
-                              keep=(src,))
-        else:  # ... later micro-batches add into it
+            self.inflight.add(self.comm.reduce_scatter(src, shard, op="avg", out=out, async_op=True), keep=(src,))
+        else:  # ... later backwards add into it
             part = torch.empty_like(out)
-            h = self.comm.reduce_scatter(src, self.names.shard, op="avg", out=part, async_op=True)
+            h = self.comm.reduce_scatter(src, shard, op="avg", out=part, async_op=True)
             self.inflight.add(h, lambda out=out, part=part: out.add_(part), keep=(src,))
-        self._log("reduce", i)
+        self.gather._log("reduce", i)
         if i == self.root:
-            self._free(self.root)
+            self.gather.free(self.root)
         self.inflight.wait_all(keep_last=2)
 
     # ---- the step ----------------------------------------------------------------------------------
-
-    def begin_micro(self, index, count):
-        if index > 0:  # every micro-batch is reduced: finish the last one's buckets, count afresh
-            self.ready.flush()
-            self.ready.reset()
 
     def _grad_segments(self):
         return [(u.owned, g) for u, g in zip(self.layout.units, self.gshards)]
 
     def step(self, lr, loss_sum):
         # no all-gather after the update: each block gathers its new shards when it next runs
-        grad_norm = self._update_from_shards(lr, loss_sum)
+        out = self._update_from_shards(lr, loss_sum)
         self.at_update = tensor_bytes(self.memory())  # the gradient chunks' last moment
         self.gshards = [None] * len(self.gshards)
-        return self._loss_mean, grad_norm
+        return out
 
     def state_bytes(self):
         return self.at_update if self.at_update is not None else super().state_bytes()
 
     def sync_params(self):
-        for i in range(len(self.full)):  # the masters are the shards: regather from them when next used
-            self._free(i)
+        for i in range(len(self.gather)):  # the masters are the shards: regather from them when next used
+            self.gather.free(i)
 
     def memory(self):
         o = self.opt
-        gathered = [f for f in self.full if f.untyped_storage().nbytes()]
         grads = [g for g in self.gshards + self.grads if g is not None]
-        return {"params": [self.shards] + gathered, "grads": grads, "optimizer": [o.exp_avg, o.exp_avg_sq]}
+        return {"params": [self.shards] + self.gather.resident(), "grads": grads, "optimizer": [o.exp_avg, o.exp_avg_sq]}
 
     def gather_for_inference(self) -> None:
         """Gather every unit and remove the hooks: the model is whole on every rank from now on."""
-        for i in range(len(self.full)):
-            self._wait(i)
+        for i in range(len(self.gather)):
+            self.gather.wait(i)
         for h in self.hooks:
             h.remove()
         self.hooks = []

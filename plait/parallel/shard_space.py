@@ -21,27 +21,27 @@ from dataclasses import dataclass
 
 import torch
 
+from plait.flat import Slot
 from plait.optim import decays
+from plait.ranges import Box, overlap
 
 
 @dataclass(frozen=True)
 class Piece:
-    """The part of one parameter this rank owns: elements [start, start + numel) of the flattened
-    parameter, stored at `offset` of the owned space."""
+    """The part of one parameter this rank holds: elements [start, start + numel) of the flattened
+    local tensor, stored at `offset` of the rank's buffers. `box` places the local tensor in the full
+    one (the whole tensor, or a tensor-parallel shard of it), so any layout can read the piece."""
 
     name: str
     start: int
     numel: int
-    shape: tuple[int, ...]
     offset: int
+    box: Box
 
-
-@dataclass(frozen=True)
-class Slot:
-    name: str
-    offset: int  # inside the unit
-    numel: int
-    shape: tuple[int, ...]
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Shape of the local tensor the piece is a flat range of."""
+        return self.box.shape
 
 
 class Unit:
@@ -82,10 +82,11 @@ class ShardLayout:
             base += u.padded
             lo, hi = u.chunk_range(rank)
             for s, p in zip(u.slots, u.params):
-                a, b = max(s.offset, lo), min(s.offset + s.numel, hi)
-                if a >= b:
+                ov = overlap(s.offset, s.offset + s.numel, lo, hi)
+                if ov is None:
                     continue
-                piece = Piece(s.name, a - s.offset, b - a, s.shape, owned + a - lo)
+                a, b = ov
+                piece = Piece(s.name, a - s.offset, b - a, owned + a - lo, Box.whole(s.shape))
                 self.pieces.append(piece)
                 if decays(s.name, p):
                     decay_end = piece.offset + piece.numel
@@ -101,10 +102,6 @@ class ShardLayout:
 
     def owned_slice(self, u: Unit) -> slice:
         return slice(u.owned, u.owned + u.chunk)
-
-    def by_name(self, owned: torch.Tensor) -> dict[str, tuple[int, torch.Tensor]]:
-        """{name: (start in the flattened parameter, 1-D view of `owned`)} for this rank's pieces."""
-        return {p.name: (p.start, owned[p.offset:p.offset + p.numel]) for p in self.pieces}
 
 
 @dataclass

@@ -16,46 +16,11 @@ import torch
 from plait.flat import FlatParams, flat_order
 from plait.optim import FlatAdamW
 from plait.parallel.buckets import InFlight, Ready, group_by_size
-from plait.parallel.data_parallel import DPNames, Engine
+from plait.parallel.engine import Groups, Sharded, TensorSplit
 from plait.parallel.shard_space import OwnedSpace, ShardLayout
 
 
-class _Sharded(Engine):
-    """Shard and replica coordinates shared by the ZeRO engines."""
-
-    def _update_from_shards(self, lr, loss_sum):
-        """For engines that reduce-scatter during backward (ZeRO-2, ZeRO-3): finish the in-flight
-        reductions, average across replicas (HSDP), update this rank's shard."""
-        self.ready.flush()
-        self.inflight.wait_all()
-        self.ready.reset()
-        segments = self._grad_segments()
-        if self.replicas > 1:
-            for _, g in segments:
-                self.comm.all_reduce(g, self.names.replicate, op="avg")
-        self._loss = loss_sum
-        return self.opt.step(lr, grad=segments, sum_sq_reduce=self._reduce_stats)
-
-    def _grad_segments(self) -> list[tuple[int, torch.Tensor]]:
-        """(offset in the owned space, reduced gradient) pieces covering it."""
-        return [(0, self.acc)]
-
-    def _shard_setup(self, comm, names: DPNames) -> None:
-        self.n, self.r = comm.size(names.shard), comm.rank(names.shard)
-        self.replicas = comm.size(names.replicate)
-        # replicas hold the same shard after their all-reduce: only the first adds its norm
-        self.norm_owner = comm.rank(names.replicate) == 0
-
-    @property
-    def shard(self):
-        return (self.r, self.n)
-
-    @property
-    def writes_state(self):
-        return self.norm_owner  # one replica writes each shard
-
-
-class Zero1(_Sharded):
+class Zero1(Sharded):
     """FlatAdamW over this rank's contiguous 1/N of the padded flat space.
 
     Gradients accumulate in the full flat buffer as on one device (no communication on any
@@ -65,34 +30,34 @@ class Zero1(_Sharded):
     reduce-scatter does not overlap backward (ZeRO-2 does).
     """
 
-    def __init__(self, model, named, t, comm, names: DPNames, compile: bool):
-        n = comm.size(names.shard)
+    def __init__(self, model, named, t, comm, groups: Groups, compile: bool, split: TensorSplit = TensorSplit()):
+        n = comm.size(groups.shard)
         flat = FlatParams(named, pad_to=n)
         per = flat.padded // n
-        r = comm.rank(names.shard)
-        super().__init__(model, FlatAdamW(flat, t, lo=r * per, hi=(r + 1) * per, compile=compile), comm, names)
-        self._shard_setup(comm, names)
+        r = comm.rank(groups.shard)
+        opt = FlatAdamW(flat, t, lo=r * per, hi=(r + 1) * per, compile=compile)
+        super().__init__(model, opt, comm, groups, split=split)
+        self._shard_setup(comm, groups)
         self.flat = flat
 
     def step(self, lr, loss_sum):
-        o, flat, nm = self.opt, self.flat, self.names
+        o, flat, g = self.opt, self.flat, self.groups
         shard = flat.grad[o.lo:o.hi]
-        self.comm.reduce_scatter(flat.grad, nm.shard, op="avg", out=shard)
+        self.comm.reduce_scatter(flat.grad, g.shard, op="avg", out=shard)
         if self.replicas > 1:
-            self.comm.all_reduce(shard, nm.replicate, op="avg")
-        self._loss = loss_sum
-        grad_norm = o.step(lr, grad=shard, sum_sq_reduce=self._reduce_stats)
+            self.comm.all_reduce(shard, g.replicate, op="avg")
+        out = self._finish(lr, loss_sum, [(0, shard)])
         self.sync_params()
         flat.zero_grad()
-        return self._loss_mean, grad_norm
+        return out
 
     def sync_params(self):
         super().sync_params()  # masters -> own slice (bf16); fp32 masters are the slice
         o = self.opt
-        self.comm.all_gather(self.flat.data[o.lo:o.hi], self.names.shard, out=self.flat.data)
+        self.comm.all_gather(self.flat.data[o.lo:o.hi], self.groups.shard, out=self.flat.data)
 
 
-class Zero2(_Sharded):
+class Zero2(Sharded):
     """Gradients reduce-scattered bucket by bucket while backward runs, then freed.
 
     Buckets are units of a `ShardLayout`: whole parameters in flat order, about `cap` elements, each
@@ -104,8 +69,9 @@ class Zero2(_Sharded):
     reduced and added into the shard, which is the only gradient memory kept between micro-batches.
     """
 
-    def __init__(self, model, named, t, comm, names: DPNames, cap: int, reduce_dtype: torch.dtype, compile: bool):
-        n, r = comm.size(names.shard), comm.rank(names.shard)
+    def __init__(self, model, named, t, comm, groups: Groups, cap: int, reduce_dtype: torch.dtype, compile: bool,
+                 split: TensorSplit = TensorSplit()):
+        n, r = comm.size(groups.shard), comm.rank(groups.shard)
         ordered = flat_order(named)
         buckets = group_by_size([p.numel() for _, p in ordered], cap)
         layout = ShardLayout([[ordered[i] for i in b] for b in buckets], n, r)
@@ -122,8 +88,8 @@ class Zero2(_Sharded):
         master = torch.cat([self._chunk(u).float() for u in layout.units]) if layout.units else None
         self.acc = torch.zeros(layout.owned_numel, dtype=reduce_dtype, device=p0.device)
         opt = FlatAdamW(OwnedSpace(master, self.acc, layout.n_decay), t, compile=compile)
-        super().__init__(model, opt, comm, names, pieces=layout.pieces)
-        self._shard_setup(comm, names)
+        super().__init__(model, opt, comm, groups, pieces=layout.pieces, split=split)
+        self._shard_setup(comm, groups)
         owners = {id(p): [i] for i, u in enumerate(layout.units) for p in u.params}
         self.ready = Ready([len(u.params) for u in layout.units], owners, self._launch)
         self.inflight = InFlight()
@@ -136,11 +102,11 @@ class Zero2(_Sharded):
         lo, hi = u.chunk_range(self.layout.rank)
         return self.data[u.base + lo:u.base + hi]
 
-    def begin_micro(self, index, count):
-        if index > 0:  # every micro-batch is reduced: finish the last one's buckets, count afresh
+    def before_backward(self, first, last):
+        if not first:  # every backward is reduced: finish the previous one's buckets, count afresh
             self.ready.flush()
             self.ready.reset()
-        self.first = index == 0
+        self.first = first
 
     def _launch(self, i: int) -> None:
         u = self.layout.units[i]
@@ -155,19 +121,19 @@ class Zero2(_Sharded):
         staging[u.numel:].zero_()
         out = self.acc[self.layout.owned_slice(u)]
         if self.first:
-            h = self.comm.reduce_scatter(staging, self.names.shard, op="avg", out=out, async_op=True)
+            h = self.comm.reduce_scatter(staging, self.groups.shard, op="avg", out=out, async_op=True)
             self.inflight.add(h, keep=(staging,))
         else:
             part = torch.empty_like(out)
-            h = self.comm.reduce_scatter(staging, self.names.shard, op="avg", out=part, async_op=True)
+            h = self.comm.reduce_scatter(staging, self.groups.shard, op="avg", out=part, async_op=True)
             self.inflight.add(h, lambda out=out, part=part: out.add_(part), keep=(staging,))
         self.peak_staged = max(self.peak_staged, sum(k[0].numel() for _, _, k in self.inflight.items))
         self.inflight.wait_all(keep_last=2)
 
     def step(self, lr, loss_sum):
-        grad_norm = self._update_from_shards(lr, loss_sum)
+        out = self._update_from_shards(lr, loss_sum)
         self.sync_params()
-        return self._loss_mean, grad_norm
+        return out
 
     @torch.no_grad()
     def sync_params(self):
@@ -176,7 +142,7 @@ class Zero2(_Sharded):
         torch._foreach_copy_([self._chunk(u) for u in units], [master[self.layout.owned_slice(u)] for u in units])
         for u in units:
             full = self.data[u.base:u.base + u.padded]
-            self.inflight.add(self.comm.all_gather(self._chunk(u), self.names.shard, out=full, async_op=True))
+            self.inflight.add(self.comm.all_gather(self._chunk(u), self.groups.shard, out=full, async_op=True))
         self.inflight.wait_all()
 
     def memory(self):

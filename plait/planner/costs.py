@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from plait.parallel.rules import RECOMPUTE  # noqa: F401  (re-exported for the planner)
 from plait.errors import bad_value
 
 ARCHS = ("llama", "gpt")
@@ -153,7 +154,6 @@ def head_flops_per_token(d: ModelDims) -> float:
     return 2 * d.hidden * d.vocab
 
 
-RECOMPUTE = ("none", "selective", "full")
 
 
 def hardware_flops_per_token(d: ModelDims, recompute: str = "none") -> float:

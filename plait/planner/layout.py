@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from plait.errors import UserError, bad_value
+from plait.parallel import rules
 from plait.parallel.schedules import SCHEDULES, check_args
 from plait.planner.costs import RECOMPUTE, ModelDims
 from plait.planner.hardware import Cluster
@@ -29,7 +30,8 @@ class Layout:
     micro_batch: int = 1
     recompute: str = "none"
     sp: bool = True
-    """Sequence parallelism inside TP regions (only meaningful with tp > 1)."""
+    """Sequence parallelism inside TP regions whenever tp > 1: `plait train`'s parallel.sp = auto
+    (`plait.parallel.rules.sequence_parallel`); False = off."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp_replicate", "dp_shard", "cp", "v", "micro_batch"):
@@ -62,7 +64,7 @@ class Layout:
 
     @property
     def seq_parallel(self) -> bool:
-        return self.sp and self.tp > 1
+        return rules.sequence_parallel(self.sp, self.tp)
 
     def sizes(self) -> dict[str, int]:
         return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard,
@@ -92,16 +94,9 @@ def check_layout(d: ModelDims, lay: Layout, c: Cluster, global_batch: int) -> in
         raise UserError(f"layout tp {lay.tp} x pp {lay.pp} x dp {lay.dp} x cp {lay.cp} = {lay.n_gpus} GPUs "
                         f"but the cluster has {c.nodes} x {c.gpus_per_node} = {c.n_gpus}: make the product "
                         f"equal the number of GPUs")
-    if d.heads % lay.tp or d.kv_heads % lay.tp:
-        raise bad_value("--tp", lay.tp, f"must divide the heads ({d.heads}) and kv heads ({d.kv_heads})")
-    if lay.tp > c.gpus_per_node or c.gpus_per_node % lay.tp:
-        raise bad_value("--tp", lay.tp, f"a tensor-parallel group must fit inside a node of "
-                        f"{c.gpus_per_node} GPUs; use a divisor of {c.gpus_per_node}")
-    if lay.pp * lay.v > d.layers:
-        raise bad_value("--pp", lay.pp, f"pp x v = {lay.pp * lay.v} stages exceed the {d.layers} layers")
-    if lay.cp > 1 and d.seq % (2 * lay.cp):
-        raise bad_value("--cp", lay.cp, f"the causal load balance splits each sequence into 2 x cp chunks: "
-                        f"--seq {d.seq} must be a multiple of {2 * lay.cp}")
+    rules.check_split(heads=d.heads, kv_heads=d.kv_heads, ffn=d.ffn, layers=d.layers, seq=d.seq, tp=lay.tp,
+                      pp=lay.pp, v=lay.v, cp=lay.cp, sp="auto" if lay.sp else "off", field=lambda k: f"--{k}")
+    rules.check_tp_in_node(lay.tp, c.gpus_per_node, field=lambda k: f"--{k}")
     if global_batch % (lay.dp * lay.micro_batch):
         raise bad_value("--global-batch", global_batch, f"must be a multiple of dp x micro-batch = "
                         f"{lay.dp} x {lay.micro_batch} = {lay.dp * lay.micro_batch}")

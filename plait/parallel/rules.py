@@ -1,0 +1,67 @@
+"""The one set of rules a parallel layout must follow for a model, shared by `plait train` (before
+any process starts) and the planner (before it prices a layout).
+
+Each rule raises one `UserError` line naming the knob, its value and the fix. `field(knob)` turns
+a knob name ("tp", "sp", ...) into what the user typed: `parallel.tp` for a run, `--tp` for the
+planner.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from plait.errors import bad_value
+
+RECOMPUTE = ("none", "selective", "full")
+SP_MODES = ("auto", "on", "off")
+
+
+def run_field(knob: str) -> str:
+    return f"parallel.{knob}"
+
+
+def sequence_parallel(sp: str | bool, tp: int) -> bool:
+    """Whether a layout shards norms and residuals along the sequence: `auto` (the default) and
+    `on` whenever tp > 1 - it moves the same bytes as plain TP (an all-gather and a reduce-scatter
+    instead of an all-reduce) and divides the activations outside the TP regions by tp."""
+    if isinstance(sp, bool):
+        sp = "on" if sp else "off"
+    return tp > 1 and sp != "off"
+
+
+def check_split(*, heads: int, kv_heads: int, ffn: int, layers: int, seq: int, tp: int = 1, pp: int = 1,
+                v: int = 1, cp: int = 1, sp: str | bool = "auto",
+                field: Callable[[str], str] = run_field) -> None:
+    """Can the model be cut this way? Heads and the MLP split over tp; key/value heads split when
+    there are at least tp of them and are replicated (tp a multiple of them) otherwise; stages need a
+    layer each; causal load balancing cuts a sequence into 2 x cp chunks."""
+    if isinstance(sp, str) and sp not in SP_MODES:
+        raise bad_value(field("sp"), sp, f"choose {', '.join(SP_MODES)}")
+    if sp in (True, "on") and tp == 1:
+        raise bad_value(field("sp"), sp, "sequence parallelism shards what tensor parallelism replicates; "
+                        "it needs tp > 1: add --tp T (with --nproc) or drop --sp")
+    if heads % tp:
+        raise bad_value(field("tp"), tp, f"must divide the {heads} attention heads; choose one of "
+                        f"{_divisors(heads)}")
+    if (kv_heads >= tp and kv_heads % tp) or (kv_heads < tp and tp % kv_heads):
+        raise bad_value(field("tp"), tp, f"and the {kv_heads} key/value heads must divide one another "
+                        f"(each rank holds kv_heads/tp heads, or tp/kv_heads ranks share one)")
+    if ffn % tp:
+        raise bad_value(field("tp"), tp, f"must divide the MLP width {ffn}; choose one of {_divisors(ffn, heads)}")
+    if pp * v > layers:
+        raise bad_value(field("pp"), pp, f"pp x v = {pp * v} stages exceed the {layers} layers")
+    if cp > 1 and seq % (2 * cp):
+        raise bad_value(field("cp"), cp, f"the causal load balance splits each sequence into 2 x cp chunks: "
+                        f"the sequence length {seq} must be a multiple of {2 * cp}")
+
+
+def check_tp_in_node(tp: int, gpus_per_node: int, field: Callable[[str], str] = run_field) -> None:
+    """TP talks twice per layer and needs the links inside a node."""
+    if tp > gpus_per_node or gpus_per_node % tp:
+        raise bad_value(field("tp"), tp, f"a tensor-parallel group must fit inside a node of {gpus_per_node} "
+                        f"GPUs; use a divisor of {gpus_per_node}")
+
+
+def _divisors(n: int, also: int | None = None) -> str:
+    ds = [d for d in range(1, min(n, 64) + 1) if n % d == 0 and (also is None or also % d == 0)]
+    return ", ".join(map(str, ds[:8]))
