@@ -1,0 +1,101 @@
+"""`plait plot`: metrics.jsonl read as one curve per run (resumes replace what they re-log),
+several runs overlaid into an image, one-line errors."""
+
+import json
+import math
+
+import pytest
+
+from plait.cli import main
+from plait.errors import UserError
+from plait.plot import read_metrics, tokens_axis
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _run(folder, steps, loss0=5.5, resumed_at=None, resumed_to=None, val_every=10, tokens_per_step=2048):
+    """A synthetic metrics.jsonl; with `resumed_at`, the run went on to `steps`, then resumed from
+    `resumed_at` and logged again up to `resumed_to` with a loss 1.0 lower (to tell them apart)."""
+    folder.mkdir(parents=True)
+
+    def entry(step, shift):
+        e = {"step": step, "loss": loss0 * math.exp(-step / 40) - shift, "lr": 1e-3 * min(1, step / 10),
+             "grad_norm": 1.0, "tokens_per_s": 1e4, "step_time_s": tokens_per_step / 1e4, "mfu": "n/a",
+             "peak_mem_bytes": 2**30 + step * 2**20}
+        if step % val_every == 0:
+            e["val_loss"] = e["loss"] + 0.1
+        return json.dumps(e)
+
+    lines = [entry(s, 0.0) for s in range(1, steps + 1)]
+    if resumed_at is not None:
+        lines += [entry(s, 1.0) for s in range(resumed_at + 1, resumed_to + 1)]
+    lines.append('{"step": 99, "loss": 1.')  # a run killed mid-write
+    (folder / "metrics.jsonl").write_text("\n".join(lines))
+    return folder
+
+
+def test_a_resume_replaces_the_steps_it_logs_again(tmp_path):
+    run = _run(tmp_path / "r", 30, resumed_at=20, resumed_to=25)
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, 26))  # 26-30 belonged to the abandoned segment
+    first = 5.5 * math.exp(-1 / 40)
+    assert rows[0]["loss"] == pytest.approx(first)
+    assert all(r["loss"] == pytest.approx(5.5 * math.exp(-r["step"] / 40) - 1.0) for r in rows[20:])
+
+
+def test_tokens_axis_sums_tokens_per_step(tmp_path):
+    rows = read_metrics(_run(tmp_path / "r", 12, tokens_per_step=4096) / "metrics.jsonl")
+    assert tokens_axis(rows, "r") == pytest.approx([4096.0 * s for s in range(1, 13)])
+    gap = [rows[0], rows[4]]  # steps 1 and 5: the missing steps count like their neighbour
+    assert tokens_axis(gap, "r") == pytest.approx([4096.0, 5 * 4096.0])
+
+
+def test_plot_overlays_runs_into_a_png(tmp_path, capsys):
+    mpl_image = pytest.importorskip("matplotlib.image")
+    a = _run(tmp_path / "a", 60)
+    b = _run(tmp_path / "b", 40, loss0=4.0, resumed_at=30, resumed_to=45)
+    out = tmp_path / "curves.png"
+    assert main(["plot", str(a), str(b / "metrics.jsonl"), "--out", str(out), "--x", "tokens"]) == 0
+    assert "a to step 60" in capsys.readouterr().err
+    data = out.read_bytes()
+    assert data[:8] == PNG_MAGIC and len(data) > 20_000
+    img = mpl_image.imread(str(out))[..., :3]
+    assert _has_colour(img, BLUE) and _has_colour(img, ORANGE)  # a line of each run was drawn
+    one = tmp_path / "one.png"
+    assert main(["plot", str(a), "--out", str(one)]) == 0
+    assert not _has_colour(mpl_image.imread(str(one))[..., :3], ORANGE)
+
+
+BLUE, ORANGE = (0x1F / 255, 0x77 / 255, 0xB4 / 255), (1.0, 0x7F / 255, 0x0E / 255)  # matplotlib's C0, C1
+
+
+def _has_colour(img, rgb) -> bool:
+    return (abs(img - rgb).sum(-1) < 0.05).sum() > 200
+
+
+@pytest.mark.parametrize("case, needle", [
+    ("missing", "RUN = '{p}/nope': has no metrics.jsonl"),
+    ("empty", "holds no metrics entries yet"),
+    ("suffix", "--out = '{p}/x.nope': cannot be written"),
+    ("tokens", "--x = 'tokens': {p}/old step 1 lacks tokens_per_s or step_time_s"),
+])
+def test_plot_errors_are_one_line(tmp_path, capsys, case, needle):
+    pytest.importorskip("matplotlib")
+    args = {"missing": [str(tmp_path / "nope")], "empty": [str(tmp_path / "empty")],
+            "suffix": [str(_run(tmp_path / "r", 5)), "--out", str(tmp_path / "x.nope")],
+            "tokens": [str(tmp_path / "old"), "--x", "tokens"]}[case]
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "metrics.jsonl").write_text("")
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    assert main(["plot", *args, *([] if "--out" in args else ["--out", str(tmp_path / "c.png")])]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle.format(p=tmp_path) in err
+
+
+def test_without_matplotlib_plot_says_how_to_install_it(tmp_path, monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)
+    from plait.plot import render
+
+    with pytest.raises(UserError, match=r"plait plot needs matplotlib: pip install 'plait\[plot\]'"):
+        render([("a", read_metrics(_run(tmp_path / "a", 3) / "metrics.jsonl"))], tmp_path / "c.png")
