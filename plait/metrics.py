@@ -1,4 +1,4 @@
-"""What a run reports: model FLOPs and MFU, memory, JSONL/TensorBoard metrics, the progress bar."""
+"""What a run reports: model FLOPs and MFU, memory, JSONL/TensorBoard/W&B metrics, the progress bar."""
 
 from __future__ import annotations
 
@@ -6,11 +6,13 @@ import json
 import resource
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import torch
 
 from plait.config import ModelConfig
+from plait.errors import bad_value
 
 # Dense peak TFLOP/s per GPU by dtype (vendor datasheets, no sparsity). The first key found in the
 # device name wins, so more specific names come first.
@@ -76,36 +78,83 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 class MetricsLog:
-    """One JSON object per line in metrics.jsonl, mirrored to TensorBoard when it is installed."""
+    """One JSON object per line in metrics.jsonl, mirrored to TensorBoard when it is installed and
+    to Weights & Biases when a project is given (`WANDB_MODE=offline` logs to files only).
 
-    def __init__(self, folder: Path | None, tensorboard: bool = True):
+    `folder` None (ranks other than the main one) logs nothing. A W&B run's id is kept in
+    `folder/wandb_id`, so a resumed plait run continues the same W&B run.
+    """
+
+    def __init__(self, folder: Path | None, tensorboard: bool = True, *, wandb_project: str = "",
+                 run_name: str = "", config: dict | None = None):
         self.file = None
         self.tb = None
+        self.wandb = None
+        self.trackers: list[str] = []
         if folder is None:
             return
-        self.file = open(Path(folder) / "metrics.jsonl", "a", buffering=1)
+        folder = Path(folder)
+        self.file = open(folder / "metrics.jsonl", "a", buffering=1)
+        self.trackers.append(f"metrics.jsonl ({folder / 'metrics.jsonl'})")
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.tb = SummaryWriter(str(Path(folder) / "tb"))
+                self.tb = SummaryWriter(str(folder / "tb"))
+                self.trackers.append(f"tensorboard ({folder / 'tb'})")
             except Exception:  # tensorboard not installed: JSONL alone is the record
                 self.tb = None
+        if wandb_project:
+            self.wandb = _start_wandb(folder, wandb_project, run_name or folder.name, config)
+            mode = "offline" if getattr(self.wandb, "offline", False) else "online"
+            self.trackers.append(f"wandb (project {wandb_project}, {mode})")
+
+    def describe(self) -> str:
+        """One line naming the active trackers, for the start of a run."""
+        return "trackers: " + (", ".join(self.trackers) if self.trackers else "none on this rank")
 
     def log(self, record: dict) -> None:
         if self.file is None:
             return
         self.file.write(json.dumps(record) + "\n")
+        # trackers take numbers only ("n/a" MFU on CPU stays in the JSONL)
+        scalars = {k: v for k, v in record.items()
+                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self.tb is not None:
-            for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self.tb.add_scalar(k, v, record["step"])
+            for k, v in scalars.items():
+                self.tb.add_scalar(k, v, record["step"])
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=record["step"])
 
     def close(self) -> None:
         if self.file:
             self.file.close()
         if self.tb:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
+
+
+def check_wandb(project: str, field: str = "train.wandb") -> None:
+    """Refuse a W&B project when `wandb` is not installed (call before launching workers)."""
+    if not project:
+        return
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        raise bad_value(field, project, "needs the wandb package: pip install wandb (or leave it empty)") from None
+
+
+def _start_wandb(folder: Path, project: str, name: str, config: dict | None):
+    check_wandb(project)
+    import wandb
+
+    id_file = folder / "wandb_id"
+    run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
+    run = wandb.init(project=project, name=name, id=run_id, resume="allow", config=config or {}, dir=str(folder))
+    id_file.write_text(run_id + "\n")
+    return run
 
 
 def _fmt_time(s: float) -> str:
