@@ -1,0 +1,95 @@
+"""`plait eval --checkpoint RUN_OR_HF_DIR --data DIR`: held-out loss and perplexity of a checkpoint.
+
+The windows are `TokenData.val_batches` with the run's seed, micro-batch and sequence length unless
+overridden, i.e. the windows the run itself validated on with one data-parallel rank: a
+checkpoint's `val_loss` is reproduced, and two checkpoints evaluated on the same folder with the
+same flags see the same tokens.
+"""
+
+from __future__ import annotations
+
+NAME = "eval"
+HELP = "held-out loss and perplexity of a checkpoint (any layout, or a HuggingFace Llama folder) on prepared data"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--checkpoint", required=True,
+                   help="a step_XXXXXXXX folder, a run folder (newest valid checkpoint) or a HuggingFace Llama folder")
+    p.add_argument("--data", required=True, help="a folder made by `plait data prepare`; its validation split is read")
+    p.add_argument("--batches", type=int, default=0, help="batches to average (default: the run's train.eval_batches)")
+    p.add_argument("--batch-size", type=int, default=0, help="sequences per batch (default: the run's train.micro_batch)")
+    p.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (default: the run's train.seq_len)")
+    p.add_argument("--device", default="cpu")
+
+
+def run(args, extra) -> int:
+    from plait.data import TokenData
+    from plait.errors import bad_value
+
+    for flag in ("batches", "batch_size", "seq_len"):
+        if getattr(args, flag) < 0:
+            raise bad_value(f"--{flag.replace('_', '-')}", getattr(args, flag), "must be positive (0 = the run's value)")
+    data = TokenData(args.data, field="--data")  # before the model: a wrong folder costs no loading
+    r = evaluate(args.checkpoint, data, batches=args.batches, batch_size=args.batch_size,
+                 seq_len=args.seq_len, device=args.device)
+    print(f"{args.checkpoint} on {args.data} (validation): loss {r['loss']:.4f}, perplexity {r['perplexity']:.3f} "
+          f"over {r['tokens']:,} tokens ({r['batches']} batches x {r['batch_size']} x {r['seq_len']})")
+    return 0
+
+
+def _same_tokenizer(model_tok, data) -> bool:
+    import hashlib
+
+    spec = data.tokenizer_spec
+    if getattr(model_tok, "spec", {}).get("kind") != spec.get("kind"):
+        return False
+    if spec.get("kind") != "hf":
+        return True
+    digest = lambda p: hashlib.sha256(p.read_bytes()).hexdigest()  # noqa: E731
+    return digest(model_tok.path) == digest(data.path / spec.get("file", "tokenizer.json"))
+
+
+def evaluate(checkpoint: str, data, *, batches: int = 0, batch_size: int = 0, seq_len: int = 0,
+             device: str = "cpu") -> dict:
+    """Mean next-token loss over the validation windows, and perplexity = exp(loss).
+
+    Every batch has batch_size x seq_len targets, so the mean of batch means is the mean over all
+    tokens. Read-only: the checkpoint is loaded for inference only.
+    """
+    import math
+    from pathlib import Path
+
+    import torch
+
+    from plait import hf
+    from plait.errors import bad_value
+    from plait.train import model_from_checkpoint
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise bad_value("--device", device, "no CUDA device is visible; use --device cpu")
+    model, tokenizer, cfg = model_from_checkpoint(checkpoint, device)
+    if data.vocab_size > cfg.model.vocab_size:
+        raise bad_value("--data", str(data.path), f"has vocabulary {data.vocab_size}, larger than the model's "
+                        f"{cfg.model.vocab_size}; use data prepared with the model's tokenizer")
+    # an HF folder without tokenizer.json does not say which tokenizer it had: trust the vocab check
+    known = not hf.is_hf_dir(checkpoint) or (Path(checkpoint) / "tokenizer.json").is_file()
+    if known and not _same_tokenizer(tokenizer, data):
+        raise bad_value("--data", str(data.path), "was prepared with another tokenizer than the checkpoint's; "
+                        "prepare it with the model's tokenizer.json")
+    t = cfg.train
+    batches, batch_size, seq_len = batches or t.eval_batches, batch_size or t.micro_batch, seq_len or t.seq_len
+    if seq_len > cfg.model.max_seq_len:
+        raise bad_value("--seq-len", seq_len, f"exceeds the model's max_seq_len {cfg.model.max_seq_len}; use a shorter one")
+    longest = max((len(s) for s in data.splits["val"].shards), default=0)
+    if longest < seq_len + 1:
+        raise bad_value("--seq-len", seq_len, f"is longer than the validation split of {data.path} "
+                        f"({longest} tokens in its largest shard); use a shorter --seq-len")
+    model.eval()
+    losses = []
+    with torch.no_grad():
+        for x, y in data.val_batches(batches, micro_batch=batch_size, dp_rank=0, dp_size=1, seq_len=seq_len,
+                                     seed=t.seed):
+            losses.append(model(x.to(device), y.to(device)).float().item())
+    loss = sum(losses) / len(losses)
+    return {"loss": loss, "perplexity": math.exp(loss), "tokens": batches * batch_size * seq_len,
+            "batches": batches, "batch_size": batch_size, "seq_len": seq_len}
