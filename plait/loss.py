@@ -85,3 +85,87 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.T
                          chunk_fn: Callable = ce_chunk) -> torch.Tensor:
     """Mean next-token loss of `h @ weight.T` against `targets`, never materialising all logits."""
     return _LinearCrossEntropy.apply(h, weight, targets, chunk_fn)
+
+
+def vp_chunk_stats(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, vocab_size: int):
+    """One vocabulary shard's part of a chunk's cross-entropy: (logsumexp over this shard, the
+    target's logit where this shard holds the target else 0), both (n,) fp32, and the fp32 logits
+    with padding columns (ids >= vocab_size) at -inf. Fused under compile."""
+    lf = logits.to(torch.promote_types(logits.dtype, torch.float32))  # (n, V/tp)
+    ids = vocab_start + torch.arange(lf.shape[1], device=lf.device)
+    lf = lf.masked_fill(ids[None, :] >= vocab_size, float("-inf"))
+    local = targets - vocab_start
+    mine = (local >= 0) & (local < lf.shape[1]) & (targets != IGNORE_INDEX)
+    safe = torch.where(mine, local, 0)
+    target_logit = torch.where(mine, lf.gather(1, safe[:, None]).squeeze(1), 0.0)
+    return torch.logsumexp(lf, dim=-1), target_logit, lf
+
+
+def vp_chunk_grad(lf: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, vocab_start: int, dtype):
+    """d(sum loss)/d(local logits) of a chunk once the global logsumexp is known: softmax over the
+    whole vocabulary restricted to this shard, minus the one-hot where the shard holds the target."""
+    valid = targets != IGNORE_INDEX
+    local = targets - vocab_start
+    mine = (local >= 0) & (local < lf.shape[1]) & valid
+    grad = torch.exp(lf - lse[:, None])
+    onehot = torch.nn.functional.one_hot(torch.where(mine, local, 0), lf.shape[1]).to(grad.dtype) * mine[:, None]
+    return ((grad - onehot) * valid[:, None]).to(dtype)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """The fused loss with the output matrix split by vocabulary rows over tp (Megatron's
+    vocab-parallel cross-entropy, kept in plait's chunks): each rank forms only its (n, V/tp) logits
+    per chunk; the ranks' logsumexps and target logits travel in one all-gather of 2n numbers and
+    combine exactly (logsumexp of logsumexps). The full logits never exist on any rank. grad_h is
+    this shard's part: the caller's region entry (copy_to or the SP all-gather) sums it over tp."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, comm, dim, vocab_start, vocab_size, fns):
+        # h: (N, dim) on every tp rank; weight: (V/tp, dim) this rank's rows; targets: (N,)
+        stats_fn, grad_fn = fns
+        n_tokens = h.shape[0]
+        chunk = max(1, _CHUNK_ELEMENTS // weight.shape[0])
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(h) if need_h else None
+        acc = torch.promote_types(weight.dtype, torch.float32)
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        for s in range(0, n_tokens, chunk):
+            hc, tc = h[s:s + chunk], targets[s:s + chunk]
+            logits = hc @ weight.t()  # (n, V/tp)
+            lse_local, tgt_local, lf = stats_fn(logits, tc, vocab_start, vocab_size)
+            parts = comm.all_gather(torch.stack([lse_local, tgt_local]), dim)  # (tp * 2, n)
+            parts = parts.view(-1, 2, lse_local.shape[0])
+            lse = torch.logsumexp(parts[:, 0], dim=0)
+            target_logit = parts[:, 1].sum(0)
+            valid = tc != IGNORE_INDEX
+            total += ((lse - target_logit) * valid).sum()
+            if need_h or need_w:
+                g = grad_fn(lf, lse, tc, vocab_start, logits.dtype)
+                if need_h:
+                    grad_h[s:s + chunk] = (g @ weight.to(g.dtype)).to(h.dtype)
+                if need_w:
+                    _accumulate_mm(grad_w, g.t(), hc.to(g.dtype))
+        count = (targets != IGNORE_INDEX).sum().clamp(min=1)
+        scale = 1.0 / count.to(total.dtype)
+        if need_h:
+            grad_h.mul_(scale.to(grad_h.dtype))
+        if need_w:
+            grad_w = grad_w.mul_(scale.to(acc)).to(weight.dtype)
+        ctx.save_for_backward(grad_h if need_h else None, grad_w if need_w else None)
+        return total * scale
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w = ctx.saved_tensors
+        gh = grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None
+        gw = grad_w * grad_out.to(grad_w.dtype) if grad_w is not None else None
+        return gh, gw, None, None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, comm, dim: str,
+                                 vocab_start: int, vocab_size: int, fns=None) -> torch.Tensor:
+    """Mean next-token loss with `weight` holding vocabulary rows [vocab_start, vocab_start +
+    weight.shape[0]) of a `vocab_size` vocabulary (rows past it are padding); see the class."""
+    return _VocabParallelCrossEntropy.apply(h, weight, targets, comm, dim, vocab_start, vocab_size,
+                                            fns or (vp_chunk_stats, vp_chunk_grad))

@@ -174,9 +174,10 @@ def _traffic(d: ModelDims, lay: Layout, prec: Precision, sc: StageCosts, m: int)
     nl = sum(sc.layers[ch * lay.pp] for ch in range(lay.v))  # layers on pipeline rank 0
     shard, g, p = lay.shard_group, prec.wire_grad_bytes, prec.param_bytes
     if lay.tp > 1:
-        passes = 3 if lay.recompute == "full" else 2  # forward, backward (and the recomputed forward)
+        replay = sc.tp_replay if lay.recompute == "full" else ()  # what a recomputed forward runs again
         out["tp"] = DimTraffic("tp", lay.tp, *sc.links["tp"], tuple(
-            Collective(x.op, x.size_bytes, lay.tp, x.count * passes * nl * m, x.what) for x in sc.tp_forward))
+            Collective(x.op, x.size_bytes, lay.tp, x.count * nl * m, x.what)
+            for x in sc.tp_forward + sc.tp_forward + replay))
     if lay.cp > 1:
         out["cp"] = DimTraffic("cp", lay.cp, *sc.links["cp"], (Collective(
             "send_recv", sc.kv_chunk_bytes, lay.cp, 3 * (lay.cp - 1) * nl * m,

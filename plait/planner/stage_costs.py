@@ -35,6 +35,8 @@ class StageCosts:
     """Parameters held by each pipeline rank (after TP)."""
     tp_forward: tuple[Collective, ...]
     """TP collectives of one layer's forward."""
+    tp_replay: tuple[Collective, ...]
+    """TP collectives a full recomputation runs again in one layer's backward."""
     kv_chunk_bytes: float
     """K and V of one micro-batch's sequence slice on one GPU (what CP's ring passes)."""
     p2p_bytes: float
@@ -77,14 +79,21 @@ def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision) -> Stage
     head_f, head_b = roofline.head_times(d, tokens, c, tp)
     act = tokens * d.hidden * e  # one (b, s/cp, h) activation, bytes
     tp_link = links["tp"][0]
+    # A full recomputation replays a layer's forward only up to the last tensor backward needs
+    # (plait's non-reentrant checkpoint stops early): everything but the MLP's exit collective.
     if tp == 1:
         tp_fwd: tuple[Collective, ...] = ()
+        tp_replay: tuple[Collective, ...] = ()
     elif sp:
         tp_fwd = (Collective("all_gather", act, tp, 2, "SP all-gather before QKV and w1/w3"),
                   Collective("reduce_scatter", act, tp, 2, "SP reduce-scatter after wo and w2"))
+        tp_replay = (Collective("all_gather", act, tp, 2, "recomputed SP all-gathers"),
+                     Collective("reduce_scatter", act, tp, 1, "recomputed SP reduce-scatter after wo"))
     else:
         tp_fwd = (Collective("all_reduce", act, tp, 2, "all-reduce after wo and w2"),)
+        tp_replay = (Collective("all_reduce", act, tp, 1, "recomputed all-reduce after wo"),)
     tp_s = sum(x.time_s(tp_link) for x in tp_fwd)  # forward; the backward mirrors it
+    replay_s = sum(x.time_s(tp_link) for x in tp_replay) if lay.recompute == "full" else 0.0
 
     kv_chunk = 2 * tokens * d.kv_dim / tp * e
     cp_s = Collective("send_recv", kv_chunk, cp, cp - 1, "").time_s(links["cp"][0]) if cp > 1 else 0.0
@@ -100,10 +109,10 @@ def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision) -> Stage
         z3_f = max(0.0, ag - lt.forward_s)
         z3_b = max(0.0, ag + rs - lt.backward_s)
 
-    # recomputation runs inside the backward: full = the whole forward again (with its TP
-    # collectives); selective (GPT) = the attention core; plait's fused attention needs none
+    # recomputation runs inside the backward: full = the forward again (with the TP collectives it
+    # replays); selective (GPT) = the attention core; plait's fused attention needs none
     if lay.recompute == "full":
-        rc = lt.forward_s + tp_s
+        rc = lt.forward_s + replay_s
     elif lay.recompute == "selective" and d.arch == "gpt":
         rc = lt.attention_forward_s
     else:
@@ -125,7 +134,7 @@ def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision) -> Stage
     pp_link = links["pp"][0]
     msg = act / (tp if sp else 1)  # SP keeps the hidden states sequence-split between stages
     p2p_s = (pp_link.latency_s + msg / pp_link.bytes_per_s) if pp > 1 else 0.0
-    parts = {"compute": lt.forward_s + lt.backward_s + (rc - tp_s if lay.recompute == "full" else rc),
-             "tp": tp_s * (3 if lay.recompute == "full" else 2), "cp": cp_f + cp_b, "zero3": z3_f + z3_b}
-    return StageCosts(tuple(layers), tuple(durs), parts, tuple(rank_params), tp_fwd, kv_chunk, msg,
+    parts = {"compute": lt.forward_s + lt.backward_s + rc - replay_s,
+             "tp": 2 * tp_s + replay_s, "cp": cp_f + cp_b, "zero3": z3_f + z3_b}
+    return StageCosts(tuple(layers), tuple(durs), parts, tuple(rank_params), tp_fwd, tp_replay, kv_chunk, msg,
                       p2p_s, links)
