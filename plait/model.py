@@ -174,8 +174,15 @@ class Block(nn.Module):
         self.mlp = FeedForward(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv=None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, kv)
-        return x + self.mlp(self.mlp_norm(x))
+        x = x + self.attend(x, cos, sin, kv)
+        return x + self.feed(x)
+
+    # the two residual branches, apart so that recomputation can wrap each (plait.parallel.recompute)
+    def attend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv=None) -> torch.Tensor:
+        return self.attn(self.attn_norm(x), cos, sin, kv)
+
+    def feed(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.mlp_norm(x))
 
 
 class Transformer(nn.Module):
@@ -240,8 +247,10 @@ class Transformer(nn.Module):
         T = tokens.shape[1] if tokens is not None else h.shape[1]
         if cache is not None:  # the new tokens continue the cached positions
             positions = torch.arange(cache.pos, cache.pos + T, device=h.device)
-        cos = self.rope_cos[:T] if positions is None else self.rope_cos[positions]
-        sin = self.rope_sin[:T] if positions is None else self.rope_sin[positions]
+        # cast once to the compute dtype here, not in every layer: each cast would be a copy that
+        # every layer's RoPE keeps for its backward
+        cos = (self.rope_cos[:T] if positions is None else self.rope_cos[positions]).to(h.dtype)
+        sin = (self.rope_sin[:T] if positions is None else self.rope_sin[positions]).to(h.dtype)
         for i, block in enumerate(self.layers.values()):
             # with a cache, `forward` directly: shapes change every token (a compiled block would
             # recompile), and engines drop their hooks before inference (`gather_for_inference`)

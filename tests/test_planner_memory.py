@@ -176,19 +176,23 @@ def test_interleaving_memory_factor():
 
 
 def test_llama_activations():
-    """plait's Llama with fused attention: no s x s term; TP splits all but the 4 s b h kept whole
-    (norm inputs and the QKV / w1-w3 inputs); SP splits that too; full recomputation keeps 2 s b h."""
+    """The planner prices plait's block with the runtime's formula (plait.parallel.activations, which
+    a measurement checks): for bf16 and no parallelism s b (20 h + 4 d_kv + 8 f) + 8 s b + 4 s b a;
+    TP splits the attention and MLP terms; SP splits the norms' too; selective keeps about half;
+    full recomputation keeps 2 s b h."""
     from plait.config import PRESETS, ModelConfig
     from plait.planner.costs import ModelDims
 
     d = ModelDims.from_config(ModelConfig(**PRESETS["8b"]))
-    s, b, h = 8192, 1, d.hidden
+    s, b, h, kv, f, a = 8192, 1, d.hidden, d.kv_dim, d.ffn, d.heads
     none = layer_activation_bytes(d, s, b)
-    assert none == pytest.approx(2 * s * b * (6 * h + 2 * d.kv_dim + 3 * d.ffn) + 4 * s * b * d.heads)
+    assert none == pytest.approx(s * b * (20 * h + 4 * kv + 8 * f) + 8 * s * b + 4 * s * b * a)
     t8 = layer_activation_bytes(d, s, b, 8)
-    assert t8 - (none - 2 * 4 * s * b * h) / 8 == pytest.approx(2 * 4 * s * b * h)
-    assert layer_activation_bytes(d, s, b, 8, sp=True) == pytest.approx(none / 8)
-    assert layer_activation_bytes(d, s, b, 1, recompute="selective") == none
+    assert t8 == pytest.approx(s * b * (16 * h + 4 * h / 8 + 4 * kv / 8 + 8 * f / 8) + 8 * s * b + 4 * s * b * a / 8)
+    sp8 = layer_activation_bytes(d, s, b, 8, sp=True)
+    assert sp8 == pytest.approx(t8 - (1 - 1 / 8) * (12 * s * b * h + 8 * s * b))  # norms split, matmul inputs whole
+    sel = layer_activation_bytes(d, s, b, 1, recompute="selective")
+    assert sel == pytest.approx(s * b * (8 * h + 4 * kv + 4 * f) + 4 * s * b * a) and sel < 0.5 * none
     assert layer_activation_bytes(d, s, b, 1, recompute="full") == 2 * s * b * h
     assert layer_activation_bytes(d, s, 4) == pytest.approx(4 * none)  # linear in the micro-batch
     assert 0 < wgrad_fraction(d) <= 1

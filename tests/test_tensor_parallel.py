@@ -51,10 +51,33 @@ def _config(corpus, name, steps=STEPS):
     return config(corpus, zero=zero, grad_accum=accum, model=MODELS[model], recompute=rc, tp=tp, sp=sp, steps=steps)
 
 
+def _activations(corpus, comm, tp, sp) -> dict:
+    """Bytes layer 0 keeps for backward on this rank, per recompute mode (plait.parallel.activations)."""
+    import torch
+
+    from plait.parallel.activations import kept_bytes
+    from plait.parallel.build import parallelize
+
+    out = {}
+    for mode in ("none", "selective", "full"):
+        cfg = config(corpus, model=TPM, recompute=mode, tp=tp, sp=sp)
+        model = parallelize(cfg, comm, torch.device("cpu"), torch.float32, compile=False).model
+        cos, sin = model.rope_cos[:SEQ], model.rope_sin[:SEQ]
+        shape = (MICRO * SEQ // tp, TPM["dim"]) if sp == "on" else (MICRO, SEQ, TPM["dim"])
+        x = torch.randn(shape, requires_grad=True)
+        out[mode], y = kept_bytes(lambda x: model.layers["0"](x, cos, sin), x)
+        y.sum().backward()  # every rank runs the same collectives in backward
+    return out
+
+
 def _body(dims, corpus, root):
     groups = Groups()
     r = dims.rank
     results = {}
+    sp = "off" if r < 2 else "on"
+    results["activations"] = {(2, sp): _activations(corpus, groups.comm("tp-pair"), 2, sp)}
+    for sp in ("off", "on"):
+        results["activations"][(4, sp)] = _activations(corpus, groups.comm("tp-world"), 4, sp)
     for entry in SCHEDULE:
         name = entry[r // 2] if isinstance(entry, tuple) else entry
         comm = groups.comm(RUNS[name][0])
@@ -90,8 +113,7 @@ def test_matches_the_single_process_run(runs, name):
     from the checkpoint files, the pre-clip grad norm within 1e-4 (see test_data_parallel)."""
     per_rank, refs, root = runs
     ref = _ref(refs, name)
-    owner = next(r for r in per_rank if name in r)
-    got = owner[name]
+    got = next(r for r in per_rank if name in r)[name]
     worst_loss = max(rel(a, b) for a, b in zip(got["losses"], ref["losses"]))
     worst_norm = max(rel(a, b) for a, b in zip(got["norms"], ref["norms"]))
     worst_w = max_weight_diff(full_weights(root / name), ref["weights"])
@@ -214,3 +236,19 @@ def test_memory_equals_the_formula(runs, name):
         want = memory_formula(zero, mem, _dp(layout), 4, 4)
         assert {k: mem[k] for k in want} == want
         assert mem["reachable"] == mem["listed"] == sum(want.values())
+
+
+@pytest.mark.parametrize("tp, sp", [(2, "off"), (2, "on"), (4, "off"), (4, "on")])
+def test_activation_bytes_equal_the_formula(runs, tp, sp):
+    """What a block keeps per rank under TP (and SP), each recompute mode, measured == formula;
+    TP=4 replicates the 2 KV heads (one per rank)."""
+    from plait.parallel.activations import layer_bytes
+
+    for res in runs[0]:
+        got = res["activations"].get((tp, sp))
+        if got is None:
+            continue
+        for mode, n in got.items():
+            want = layer_bytes(MICRO, SEQ, TPM["dim"], TPM["n_heads"], TPM["n_kv_heads"], TPM["ffn_dim"], tp,
+                               sp == "on", mode, 4)
+            assert n == want, (tp, sp, mode, n, want)

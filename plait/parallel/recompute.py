@@ -1,19 +1,22 @@
 """Activation recomputation: trade FLOPs for the memory of what backward needs.
 
   none       every block keeps what autograd saves for its backward
-  full       a block keeps only its input; backward re-runs its forward first (about a third more
-             FLOPs for the blocks, the least memory)
-  selective  a block keeps the outputs of its matmuls, of attention and of the collectives, and
-             recomputes the cheap elementwise work in between - RMSNorm, RoPE, SwiGLU's gate
-             (Korthikanti et al. 2022 define "selective" for GPT, where the expensive-to-store part is
-             the attention softmax; plait's flash attention stores no softmax, so what remains cheap
-             to recompute and costly to keep is the elementwise work). Recomputing it costs no
-             matmul and no communication.
+  full       a block keeps only its input; backward re-runs its forward first, up to the last
+             tensor it needs (the input of w2: the MLP's output matmul and its exit collective are
+             never re-run)
+  selective  each residual branch (norm + attention, norm + MLP) keeps its input, the outputs of its
+             matmuls but the last (Q, K, V; the MLP's gate and up), attention's output and
+             log-sum-exp, and with SP the gathered inputs of its column-parallel matmuls; it
+             recomputes the cheap elementwise work in between - RMSNorm, RoPE, SwiGLU's product -
+             with no matmul and no communication. (Korthikanti et al. 2022 define "selective" for
+             GPT, where the costly-to-store part is the attention softmax; plait's fused attention
+             stores no softmax, so the elementwise outputs are what is cheap to recompute and costly
+             to keep.)
 
-The wrapper replaces each block's inner `forward` (torch.utils.checkpoint, non-reentrant), so
-hooks on the block module - ZeRO-3's gather before and release after - stay outside the recomputed
-region, and `torch.compile` of the block traces the checkpoint as one graph. The bytes each mode
-keeps per layer are `plait.parallel.activations.layer_bytes` (checked against a measurement).
+Each wrapper replaces a block's `forward` (full) or its two branches `attend`/`feed` (selective)
+with a non-reentrant torch.utils.checkpoint, so hooks on the block module - ZeRO-3's gather before
+and release after - stay outside the recomputed region, and `torch.compile` of the block traces it
+as one graph. The bytes each mode keeps per layer: `plait.parallel.activations.layer_bytes`.
 """
 
 from __future__ import annotations
@@ -24,22 +27,35 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 _aten = torch.ops.aten
+MATMULS = {_aten.mm.default, _aten.addmm.default}
+# attention kernels (whichever SDPA picks) and the collectives that enter a tensor-parallel region
+KEPT = {getattr(_aten, n).default for n in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                                            "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+        if hasattr(_aten, n)}
 
 
-def _saved_ops() -> set:
-    """Ops whose outputs selective recomputation keeps (those present in this torch)."""
-    names = ["mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"]
-    ops = {getattr(_aten, n).default for n in names if hasattr(_aten, n)}
+def _entering_collectives() -> set:
     import plait.comm  # noqa: F401  (registers the plait:: collectives)
 
-    ops |= {torch.ops.plait.all_reduce.default, torch.ops.plait.all_gather.default,
-            torch.ops.plait.reduce_scatter.default, torch.ops.plait.all_to_all.default}
-    return ops
+    return {torch.ops.plait.all_gather.default}
 
 
-def _policy(saved, ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+class _BranchPolicy:
+    """Keep every matmul output of a branch but its last one (the row-parallel output, which feeds
+    only the residual add), the attention kernel's outputs and the entering collectives'.
+    Matmuls are counted in program order, separately for the forward and for its recomputation,
+    afresh for every call of the branch."""
+
+    def __init__(self, matmuls: int):
+        self.matmuls, self.kept = matmuls, KEPT | _entering_collectives()
+        self.count = {False: 0, True: 0}
+
+    def __call__(self, ctx, op, *args, **kwargs):
+        if op in MATMULS:
+            i = self.count[ctx.is_recompute] % self.matmuls
+            self.count[ctx.is_recompute] += 1
+            return CheckpointPolicy.MUST_SAVE if i < self.matmuls - 1 else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if op in self.kept else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _recomputed(forward, context_fn, *args, **kwargs):
@@ -50,15 +66,22 @@ def _recomputed(forward, context_fn, *args, **kwargs):
     return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
 
+def _selective(matmuls: int):
+    def context_fn():  # a fresh count for every call: a recomputation may stop before the last matmul
+        return create_selective_checkpoint_contexts(_BranchPolicy(matmuls))
+
+    return context_fn
+
+
 def apply_recompute(model, mode: str) -> None:
     """Wrap every block of `model` for `mode` (none, selective, full); call before compiling."""
     if mode == "none":
         return
     if mode not in ("selective", "full"):
         raise ValueError(f"unknown recompute mode {mode!r}")
-    context_fn = None
-    if mode == "selective":
-        policy = functools.partial(_policy, _saved_ops())
-        context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
     for block in model.layers.values():
-        block.forward = functools.partial(_recomputed, block.forward, context_fn)
+        if mode == "full":
+            block.forward = functools.partial(_recomputed, block.forward, None)
+        else:  # Q, K, V, output projection; gate, up, down
+            block.attend = functools.partial(_recomputed, block.attend, _selective(4))
+            block.feed = functools.partial(_recomputed, block.feed, _selective(3))

@@ -135,20 +135,11 @@ def gpt_layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: b
 
 def llama_layer_activation_bytes(d: ModelDims, s: int, b: int, t: int = 1, sp: bool = False,
                                  recompute: str = "none", act_bytes: float = 2.0) -> float:
-    """What plait's Llama block keeps for its backward, with fused attention (no s x s scores).
+    """What plait's Llama block keeps for its backward: the runtime's own formula
+    (`plait.parallel.activations.layer_bytes`, checked there against a measurement)."""
+    from plait.parallel.activations import layer_bytes
 
-    Kept whole under TP alone (4 s b h at 2 bytes): the two RMSNorm inputs, and the inputs of the
-    QKV and w1/w3 matmuls. Split by TP: Q (s b h), K and V (2 s b kv_dim), the attention output
-    (s b h), the softmax log-sum-exp (fp32, s b a), SwiGLU's gate, up and product (3 s b f).
-    Selective recomputation changes nothing: fused attention already recomputes its scores.
-    Counted for fused/compiled kernels; eager mode keeps a few more intermediates."""
-    e = act_bytes
-    if recompute == "full":
-        return e * s * b * d.hidden / (t if sp else 1)
-    whole = e * 4 * s * b * d.hidden
-    split = (e * (2 * s * b * d.hidden + 2 * s * b * d.kv_dim + 3 * s * b * d.ffn)
-             + 4 * s * b * d.heads)
-    return whole / (t if sp else 1) + split / t
+    return layer_bytes(b, s, d.hidden, d.heads, d.kv_heads, d.ffn, t, sp, recompute, act_bytes)
 
 
 def layer_activation_bytes(d: ModelDims, s: int, b: int, t: int = 1, sp: bool = False,

@@ -1,0 +1,46 @@
+"""What a block keeps for its backward, per recomputation mode: measured (storages alive after the
+forward) against plait's formula (plait.parallel.activations), and recomputation changes nothing
+in the gradients. Tensor-parallel layouts are measured in test_tensor_parallel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plait.config import build_config
+from plait.parallel.activations import kept_bytes, layer_bytes
+from plait.parallel.build import parallelize
+
+MODEL = {"preset": "custom", "vocab_size": 259, "dim": 48, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
+         "ffn_dim": 96, "max_seq_len": 64}
+B, S = 2, 32
+
+
+def block_bytes(model, mode: str, dtype) -> tuple[int, dict]:
+    """Bytes layer 0 keeps for backward with inputs of shape (B, S, dim) (or (B*S/tp, dim) with SP,
+    given by the caller's model), and the gradients of its parameters after a backward."""
+    torch.manual_seed(0)
+    block = model.layers["0"]
+    cos, sin = model.rope_cos[:S].to(dtype), model.rope_sin[:S].to(dtype)
+    x = torch.randn(B, S, model.cfg.dim, dtype=dtype, requires_grad=True)
+    n, out = kept_bytes(lambda x: block(x, cos, sin), x)
+    out.float().square().sum().backward()
+    grads = {k: p.grad.clone() for k, p in block.named_parameters()}
+    return n, grads
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_measured_equals_the_formula(dtype):
+    e = torch.empty((), dtype=dtype).element_size()
+    got, grads = {}, {}
+    for mode in ("none", "selective", "full"):
+        cfg = build_config({"model": MODEL, "train": {"recompute": mode}})
+        par = parallelize(cfg, None, torch.device("cpu"), dtype, compile=False)
+        got[mode], grads[mode] = block_bytes(par.model, mode, dtype)
+        want = layer_bytes(B, S, 48, 4, 2, 96, recompute=mode, e=e)
+        print(f"{dtype} {mode}: measured {got[mode]} bytes, formula {want:.0f}")
+        assert got[mode] == want
+    assert got["full"] < got["selective"] < 0.6 * got["none"]
+    for mode in ("selective", "full"):  # recomputation gives the very same gradients
+        for k in grads["none"]:
+            assert torch.equal(grads[mode][k], grads["none"][k]), (mode, k)
