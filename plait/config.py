@@ -147,6 +147,10 @@ class TrainConfig:
     """Stop after this many steps in this process (0 = run to `steps`); the LR schedule still follows `steps`."""
     recompute: str = "none"
     """Activation recomputation: none, selective (keep matmul and attention outputs, recompute norms, SwiGLU and RoPE) or full (keep only each block's input)."""
+    global_batch: int = 0
+    """Sequences per optimizer step over all data-parallel ranks (0 = micro_batch x grad_accum x dp). When set, grad_accum is derived as global_batch / (micro_batch x dp), so a run keeps its batch when the layout changes."""
+    wandb: str = ""
+    """Weights & Biases project to log to (needs the wandb package; WANDB_MODE=offline logs to files only); empty = off."""
 
 
 @dataclass
@@ -157,8 +161,8 @@ class CheckpointConfig:
     """Save a checkpoint when the run ends (off for throwaway runs such as `plait plan --validate`)."""
     keep_last: int = 3
     """Keep the newest K valid checkpoints; older ones are deleted after a successful save."""
-    resume: bool = False
-    """Resume from the newest valid checkpoint in the run folder."""
+    resume: bool | str = False
+    """Resume from the newest valid checkpoint in the run folder: true (refuse when there is none), auto (start fresh when there is none) or false. `plait train --resume` starts from the config saved with the run; options given on the command line override it."""
 
 
 @dataclass
@@ -228,9 +232,23 @@ def field_docs(cls) -> dict[str, str]:
     return docs
 
 
+class BoolOrAuto:
+    """The type of a switch that can also be left to plait: True, False or the string "auto".
+
+    Kept as a bool where it is one, so configs saved when the field was a plain bool still load and
+    `if switch:` still means "on or auto"."""
+
+
 def _coerce(section: str, key: str, value: Any, typ: type) -> Any:
     """Turn a TOML or command-line value into the field's type, or say what was wrong."""
     name = f"{section}.{key}"
+    if typ is BoolOrAuto:
+        if isinstance(value, str) and value.lower() == "auto":
+            return "auto"
+        try:
+            return _coerce(section, key, value, bool)
+        except UserError:
+            raise bad_value(name, value, "expected true, false or auto") from None
     if typ is bool:
         if isinstance(value, bool):
             return value
@@ -263,7 +281,7 @@ def _coerce(section: str, key: str, value: Any, typ: type) -> Any:
 
 
 def _field_types(cls) -> dict[str, type]:
-    hints = {"int": int, "float": float, "bool": bool, "str": str}
+    hints = {"int": int, "float": float, "bool": bool, "str": str, "bool | str": BoolOrAuto}
     return {f.name: hints[f.type] if isinstance(f.type, str) else f.type for f in fields(cls)}
 
 

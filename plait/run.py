@@ -10,18 +10,24 @@ layout costs one line and exit code 2 before any worker starts. Then:
 
 from __future__ import annotations
 
+import sys
+
 from plait.config import Config
 from plait.train import preflight, resolve_device, train
 
 
-def launch_training(cfg: Config) -> dict | None:
-    """Preflight once, then train; returns rank 0's summary (None on other ranks under torchrun)."""
+def launch_training(cfg: Config, note: str | None = None) -> dict | None:
+    """Preflight once, then train; returns rank 0's summary (None on other ranks under torchrun).
+    `note`: a line about the config (where a resumed run's came from), said once the config passed."""
     from plait.launch import detect_launch, run
 
     cfg = preflight(cfg)
+    le = detect_launch()
+    if note and (le is None or le.rank == 0):
+        print(f"plait: {note}", file=sys.stderr)
     p = cfg.parallel
     device_type = resolve_device(cfg).type
-    if detect_launch() is None and p.nproc == 1 and p.zero == 0:
+    if le is None and p.nproc == 1 and p.zero == 0:
         return train(cfg)
     results = run(_worker, (cfg, device_type), nproc=p.nproc, device_type=device_type)
     main = [r for r in results if r and r.get("main")]

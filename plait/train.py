@@ -18,16 +18,19 @@ import torch
 
 from plait import checkpoint as ckpt
 from plait.config import Config, config_from_dict
-from plait.data import TokenData, default_corpus_dir
+from plait.data import default_corpus_dir, open_data
 from plait.errors import bad_value
 from plait.generate import sample
-from plait.metrics import MetricsLog, Progress, flops_per_token, peak_flops, peak_memory_bytes, throughput
+from plait.metrics import (MetricsLog, Progress, check_wandb, flops_per_token, peak_flops, peak_memory_bytes,
+                           throughput)
 from plait.model import Transformer, build_model
 from plait.optim import lr_at
 from plait.parallel import sharded_state
 from plait.parallel.build import parallelize
 from plait.parallel.engine import Engine
-from plait.validate import validate_config
+from plait.resume import (check_model_shape, global_batch_note, global_batch_of, saved_global_batch,
+                          trim_metrics)
+from plait.validate import data_parallel_size, validate_config
 
 SAMPLE_PROMPT = "def "
 
@@ -66,17 +69,45 @@ def preflight(cfg: Config) -> Config:
         t.out = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
     out = Path(t.out).expanduser()
     ckpt.check_writable(out, "train.out")
-    existing = ckpt.list_checkpoints(out / "checkpoints")
-    if existing and not cfg.checkpoint.resume:
-        raise bad_value("train.out", t.out, f"already holds {len(existing)} checkpoint(s); pass --resume to "
-                        "continue that run or choose another --out")
-    if cfg.checkpoint.resume and existing and ckpt.latest_valid(out / "checkpoints", log=_warn) is None:
-        raise bad_value("checkpoint.resume", True, f"every checkpoint in {out / 'checkpoints'} is damaged; "
-                        "move them away to start fresh")
-    if not cfg.data.path:
+    check_wandb(t.wandb)
+    _check_resume(cfg, out)
+    if not cfg.data.path and not cfg.data.mix:
         cfg.data.path = str(default_corpus_dir(cfg.data.cache_dir, cfg.data.val_fraction))
-    TokenData(cfg.data.path).check(cfg.model.vocab_size, t.seq_len)
+    open_data(cfg.data).check(cfg.model.vocab_size, t.seq_len)
     return cfg
+
+
+def _check_resume(cfg: Config, out: Path) -> None:
+    """The run folder's checkpoints against checkpoint.resume: refuse to overwrite a run, to
+    "resume" nothing, or to load weights of another shape; name a change of the global batch."""
+    resume, existing = cfg.checkpoint.resume, ckpt.list_checkpoints(out / "checkpoints")
+    if existing and not resume:
+        raise bad_value("train.out", cfg.train.out, f"already holds {len(existing)} checkpoint(s); pass --resume to "
+                        "continue that run or choose another --out")
+    if not existing:
+        if resume is True:  # a mistyped --out must not silently begin a new run
+            raise bad_value("checkpoint.resume", True, f"{out} holds no checkpoint to resume; check --out, or pass "
+                            "--resume auto to start fresh when there is none")
+        return
+    if not resume:
+        return
+    folder = ckpt.latest_valid(out / "checkpoints", log=_warn if _first_process() else (lambda m: None))
+    if folder is None:
+        raise bad_value("checkpoint.resume", resume, f"every checkpoint in {out / 'checkpoints'} is damaged; "
+                        "move them away to start fresh")
+    check_model_shape(cfg.model, folder)
+    note = global_batch_note(saved_global_batch(folder), global_batch_of(
+        cfg.train.micro_batch, cfg.train.grad_accum, data_parallel_size(cfg)))
+    if note and _first_process():
+        _warn(note)
+
+
+def _first_process() -> bool:
+    """Whether this launching process speaks for the run (under torchrun/srun every rank runs preflight)."""
+    from plait.launch import detect_launch
+
+    le = detect_launch()
+    return le is None or le.rank == 0
 
 
 def init_model_config(path: str):
@@ -102,7 +133,7 @@ def _warn(msg: str) -> None:
     print(f"plait: {msg}", file=sys.stderr)
 
 
-def evaluate(par, data: TokenData, cfg: Config, device) -> float:
+def evaluate(par, data, cfg: Config, device) -> float:
     """Mean validation loss: each data-parallel rank takes its slice of the held-out windows."""
     losses = [par.runner.loss(x.to(device), y.to(device))
               for x, y in data.val_batches(cfg.train.eval_batches, micro_batch=cfg.train.micro_batch,
@@ -119,8 +150,10 @@ def _rng_state(device: torch.device) -> dict:
 
 
 def save_checkpoint(saver: ckpt.Saver, step: int, cfg: Config, engine: Engine, tokenizer,
-                    device: torch.device, val_loss: float | None) -> Path:
-    """Every rank writes its state files (the engine decides which); rank 0 adds the rest."""
+                    device: torch.device, val_loss: float | None, data_size: int = 1) -> Path:
+    """Every rank writes its state files (the engine decides which); rank 0 adds the rest.
+    data_size: data-parallel ranks (the global batch a resume compares against is recorded)."""
+    batch, terms = global_batch_of(cfg.train.micro_batch, cfg.train.grad_accum, data_size)
     def write(folder: Path) -> None:
         engine.save(folder)
         if saver.rank != 0:
@@ -128,7 +161,7 @@ def save_checkpoint(saver: ckpt.Saver, step: int, cfg: Config, engine: Engine, t
         torch.save(_rng_state(device), folder / "rng.pt")
         (folder / "train_state.json").write_text(json.dumps(
             {"step": step, "config": cfg.to_dict(), "tokenizer": tokenizer.spec, "val_loss": val_loss,
-             "layout": layout_of(cfg, engine)},
+             "layout": layout_of(cfg, engine), "global_batch": batch, "global_batch_terms": terms},
             indent=1))
         if tokenizer.spec.get("kind") == "hf":
             tokenizer.save_to(folder)
@@ -172,7 +205,7 @@ def train(cfg: Config, dims=None) -> dict:
     dtype = resolve_dtype(cfg, device)
     torch.manual_seed(t.seed)
     out = Path(t.out).expanduser()
-    data = TokenData(cfg.data.path)
+    data = open_data(cfg.data)
     tokenizer = data.tokenizer()
     comm = None
     if dims is not None:
@@ -189,7 +222,7 @@ def train(cfg: Config, dims=None) -> dict:
     saver = ckpt.Saver(out / "checkpoints", cfg.checkpoint.keep_last, rank=rank, barrier=barrier)
     start = 0
     if cfg.checkpoint.resume:
-        folder = ckpt.latest_valid(out / "checkpoints", log=_warn if is_main else (lambda m: None))
+        folder = ckpt.latest_valid(out / "checkpoints", log=lambda m: None)  # preflight named the damaged ones
         if folder is not None:
             start = resume_from(folder, engine, device)
             if is_main:
@@ -199,7 +232,10 @@ def train(cfg: Config, dims=None) -> dict:
 
     if is_main:
         (out / "config.toml").write_text(cfg.to_toml())
-    log = MetricsLog(out if is_main else None, t.tensorboard)
+        if dropped := trim_metrics(out / "metrics.jsonl", start):  # one curve: the resumed segment replaces them
+            _warn(f"metrics.jsonl: dropped {dropped} entries past step {start}, logged after that checkpoint")
+    log = MetricsLog(out if is_main else None, t.tensorboard, wandb_project=t.wandb, run_name=out.name,
+                     config=cfg.to_dict())
     tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum * par.data_size
     fpt = flops_per_token(cfg.model, t.seq_len)
     peak = peak_flops(device, dtype)
@@ -209,6 +245,7 @@ def train(cfg: Config, dims=None) -> dict:
         bar.message(f"plait: {cfg.model.preset} model, {param_count(cfg.model) / 1e6:.2f}M parameters, "
                     f"{device.type} {str(dtype).replace('torch.', '')}{describe_layout(cfg, world)}, "
                     f"{tokens_per_step:,} tokens/step, steps {start}->{end}, out {out}")
+        bar.message(f"plait: {log.describe()}")
     val_loss, losses = None, []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -237,7 +274,7 @@ def train(cfg: Config, dims=None) -> dict:
         log.log(record)
         bar.update(done, loss_val, record["tokens_per_s"])
         if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or (done == end and cfg.checkpoint.at_end):
-            folder = save_checkpoint(saver, done, cfg, engine, tokenizer, device, val_loss)
+            folder = save_checkpoint(saver, done, cfg, engine, tokenizer, device, val_loss, par.data_size)
             bar.message(f"saved checkpoint {folder}")
     bar.close()
     log.close()
@@ -257,14 +294,17 @@ def train(cfg: Config, dims=None) -> dict:
 
 
 def describe_layout(cfg: Config, world: int) -> str:
-    """The header's layout: ', 4 ranks: dp 2 (2 x 1 HSDP) x tp 2, zero 3'; empty on one process."""
+    """The header's layout, e.g. ', 8 ranks: dp 4 (2 replicas x 2 shards, HSDP) x tp 2, zero 3'; empty
+    on one process. Replicas are named only where ZeRO shards within them: under DDP (zero 0)
+    every data-parallel rank holds everything, whatever dp_replicate says."""
     p = cfg.parallel
     if world == 1:
         return ""
     tp = p.tp
     dp = world // tp
     shard = dp // p.dp_replicate
-    dp_s = f"dp {dp} ({p.dp_replicate} replicas x {shard} shards, HSDP)" if p.dp_replicate > 1 else f"dp {dp}"
+    hsdp = p.dp_replicate > 1 and p.zero >= 1
+    dp_s = f"dp {dp} ({p.dp_replicate} replicas x {shard} shards, HSDP)" if hsdp else f"dp {dp}"
     from plait.parallel.rules import sequence_parallel
 
     tp_s = f" x tp {tp}{' + sp' if sequence_parallel(p.sp, tp) else ''}" if tp > 1 else ""

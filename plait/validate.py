@@ -74,20 +74,46 @@ def validate_config(cfg: Config) -> Config:
             raise bad_value("data.mix", cfg.data.mix, f"is set beside data.path = {cfg.data.path!r}; "
                             "give one of them (add that folder to the mix with a weight)")
         parse_mix(cfg.data.mix)  # syntax and weights; the folders are opened with the data
+    _positive("train.global_batch", t.global_batch, allow_zero=True)
     c = cfg.checkpoint
     _positive("checkpoint.every", c.every, allow_zero=True)
     _positive("checkpoint.keep_last", c.keep_last)
-    validate_parallel(cfg)
+    dims = validate_parallel(cfg)
+    derive_grad_accum(cfg, dims.dp_replicate * dims.dp_shard)
     return cfg
+
+
+def derive_grad_accum(cfg: Config, dp: int) -> None:
+    """With train.global_batch set, grad_accum = global_batch / (micro_batch x dp), so the batch a
+    step trains on stays the same at every layout (the per-rank micro-batch, hence memory, too)."""
+    t = cfg.train
+    if not t.global_batch:
+        return
+    per_pass = t.micro_batch * dp
+    if t.global_batch % per_pass:
+        near = max(1, round(t.global_batch / per_pass)) * per_pass
+        raise bad_value("train.global_batch", t.global_batch, f"is not a multiple of micro_batch x dp = "
+                        f"{t.micro_batch} x {dp} = {per_pass}; use a multiple of {per_pass} (e.g. {near}) or "
+                        "change --train.micro_batch")
+    t.grad_accum = t.global_batch // per_pass
+
+
+def data_parallel_size(cfg: Config) -> int:
+    """Data-parallel ranks the run will have (each reads its own rows of the global batch)."""
+    from plait.launch_env import planned_world
+    from plait.parallel.dims import ParallelDims
+
+    dims = ParallelDims.from_config(cfg.parallel, planned_world(cfg.parallel)[0])
+    return dims.dp_replicate * dims.dp_shard
 
 
 # parallelisms whose engines are not wired into `plait train` yet
 NOT_YET = ("pp", "cp")
 
 
-def validate_parallel(cfg: Config) -> None:
+def validate_parallel(cfg: Config):
     """Degrees, world size, the model's split and placement, as the launcher will see them, before
-    any process starts."""
+    any process starts; returns the run's `ParallelDims` (inferred degrees filled in)."""
     from plait.launch_env import planned_world
     from plait.parallel.dims import NAMES, ParallelDims
 
@@ -129,3 +155,4 @@ def validate_parallel(cfg: Config) -> None:
         rules.check_tp_in_node(p.tp, p.gpus_per_node)
     dims = ParallelDims.from_config(p, world)
     dims.check_placement(per_node, p.allow_cross_node_tp)  # refuses; a permitted crossing warns in the workers
+    return dims

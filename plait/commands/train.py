@@ -19,7 +19,9 @@ ALIASES = {"out": ("train", "out"), "resume": ("checkpoint", "resume"), "nproc":
 def add_arguments(p) -> None:
     p.add_argument("--config", help="TOML file with [model], [data], [train], [checkpoint], [parallel] tables")
     p.add_argument("--out", help="run folder (default runs/<timestamp>)")
-    p.add_argument("--resume", action="store_const", const=True, help="continue from the newest valid checkpoint in --out")
+    p.add_argument("--resume", nargs="?", const=True, metavar="auto",
+                   help="continue the run in --out from its newest valid checkpoint, with the config it was saved "
+                        "with (options given here override it); `--resume auto` starts fresh when there is none")
     p.add_argument("--steps", help="optimizer steps (train.steps)")
     p.add_argument("--preset", help="model preset (model.preset)")
     p.add_argument("--nproc", help="processes to start on this machine")
@@ -36,6 +38,8 @@ def add_arguments(p) -> None:
 
 
 def config_from_args(args, extra):
+    """The run's config: defaults (or, when resuming, the run's saved config), then --config, then
+    flags; and, when resuming, the line that says where the config came from and what changed."""
     from plait.config import build_config, load_toml, merge, parse_overrides
 
     raw = load_toml(args.config) if args.config else {}
@@ -44,7 +48,17 @@ def config_from_args(args, extra):
         value = getattr(args, flag, None)
         if value is not None:
             raw = merge(raw, {section: {key: value}})
-    return build_config(raw)
+    cfg = build_config(raw)  # checks every value given, and reads --resume / --out
+    if cfg.checkpoint.resume and cfg.train.out:
+        from pathlib import Path
+
+        from plait import resume
+
+        saved = resume.saved_config(Path(cfg.train.out).expanduser())
+        if saved is not None:
+            cfg, changed = resume.resumed_config(saved[0], raw)
+            return cfg, resume.describe_resume(saved[1], changed)
+    return cfg, None
 
 
 def print_config_help() -> None:
@@ -65,7 +79,8 @@ def run(args, extra) -> int:
         return 0
     from plait.run import launch_training
 
-    summary = launch_training(config_from_args(args, extra))
+    cfg, note = config_from_args(args, extra)
+    summary = launch_training(cfg, note)
     if summary and summary.get("val_loss") is not None:
         print(f"final val loss {summary['val_loss']:.4f}; run folder {summary['out']}", file=sys.stderr)
     return 0

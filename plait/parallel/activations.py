@@ -19,6 +19,8 @@ per rank. In bytes:
              + e s b (2 h / t + 2 d_kv,t) + 4 s b a_t   Q, K (before RoPE), V, output, log-sum-exp
              + 2 e s b f / t                      gate, up
              + [SP] 2 e s b h                     the all-gathered inputs of the column matmuls
+             + [tp > 1] e s b h / u               attention's output after its all-reduce /
+                                                  reduce-scatter (so that nothing replays it)
   full       e s b h / u                          the block's input
 
 So with bf16 and no parallelism `none` is s b (20 h + 4 d_kv + 8 f) + 8 s b + 4 s b a; selective
@@ -49,7 +51,8 @@ def layer_bytes(b: int, s: int, h: int, heads: int, kv_heads: int, ffn: int, t: 
     if recompute == "full":
         return e * sb * h / u
     if recompute == "selective":
-        return 2 * e * sb * h / u + attention + 2 * e * sb * ffn / t + (2 * e * sb * h if sp else 0.0)
+        return (2 * e * sb * h / u + attention + 2 * e * sb * ffn / t + (2 * e * sb * h if sp else 0.0)
+                + (e * sb * h / u if t > 1 else 0.0))
     if recompute != "none":
         raise ValueError(f"unknown recompute mode {recompute!r}")
     return 2 * (4 + e) * sb * h / u + 8 * sb / u + 2 * e * sb * h + attention + 4 * e * sb * ffn / t

@@ -6,7 +6,8 @@
              never re-run)
   selective  each residual branch (norm + attention, norm + MLP) keeps its input, the outputs of its
              matmuls but the last (Q, K, V; the MLP's gate and up), attention's output and
-             log-sum-exp, and with SP the gathered inputs of its column-parallel matmuls; it
+             log-sum-exp, with SP the gathered inputs of its column-parallel matmuls, and with TP the
+             attention's summed output (the MLP branch's input is computed from it); it
              recomputes the cheap elementwise work in between - RMSNorm, RoPE, SwiGLU's product -
              with no matmul and no communication. (Korthikanti et al. 2022 define "selective" for
              GPT, where the costly-to-store part is the attention softmax; plait's fused attention
@@ -34,20 +35,25 @@ KEPT = {getattr(_aten, n).default for n in ("_scaled_dot_product_flash_attention
         if hasattr(_aten, n)}
 
 
-def _entering_collectives() -> set:
+def _collectives() -> tuple[set, set]:
+    """(entering, leaving) collectives of a tensor-parallel region, as registered ops."""
     import plait.comm  # noqa: F401  (registers the plait:: collectives)
 
-    return {torch.ops.plait.all_gather.default}
+    ops = torch.ops.plait
+    return {ops.all_gather.default}, {ops.all_reduce.default, ops.reduce_scatter.default}
 
 
 class _BranchPolicy:
     """Keep every matmul output of a branch but its last one (the row-parallel output, which feeds
-    only the residual add), the attention kernel's outputs and the entering collectives'.
-    Matmuls are counted in program order, separately for the forward and for its recomputation,
-    afresh for every call of the branch."""
+    only the residual add), the attention kernel's outputs, the entering collectives' outputs, and -
+    for the attention branch - the leaving collective's: the MLP branch's input is computed from it,
+    and torch.compile's partitioner would otherwise replay that collective (and the output matmul
+    under it) in backward. Matmuls are counted in program order, separately for the forward and for
+    its recomputation, afresh for every call of the branch."""
 
-    def __init__(self, matmuls: int):
-        self.matmuls, self.kept = matmuls, KEPT | _entering_collectives()
+    def __init__(self, matmuls: int, keep_exit: bool):
+        entering, leaving = _collectives()
+        self.matmuls, self.kept = matmuls, KEPT | entering | (leaving if keep_exit else set())
         self.count = {False: 0, True: 0}
 
     def __call__(self, ctx, op, *args, **kwargs):
@@ -66,9 +72,9 @@ def _recomputed(forward, context_fn, *args, **kwargs):
     return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
 
-def _selective(matmuls: int):
+def _selective(matmuls: int, keep_exit: bool):
     def context_fn():  # a fresh count for every call: a recomputation may stop before the last matmul
-        return create_selective_checkpoint_contexts(_BranchPolicy(matmuls))
+        return create_selective_checkpoint_contexts(_BranchPolicy(matmuls, keep_exit))
 
     return context_fn
 
@@ -83,5 +89,5 @@ def apply_recompute(model, mode: str) -> None:
         if mode == "full":
             block.forward = functools.partial(_recomputed, block.forward, None)
         else:  # Q, K, V, output projection; gate, up, down
-            block.attend = functools.partial(_recomputed, block.attend, _selective(4))
-            block.feed = functools.partial(_recomputed, block.feed, _selective(3))
+            block.attend = functools.partial(_recomputed, block.attend, _selective(4, keep_exit=True))
+            block.feed = functools.partial(_recomputed, block.feed, _selective(3, keep_exit=False))

@@ -1,0 +1,153 @@
+"""Continuing a run: the config it was saved with, what the command line changes in it, and the
+checks that a checkpoint fits the run about to continue it.
+
+`plait train --out RUN --resume` starts from RUN's own config (RUN/config.toml, written when the
+run last started; else the config in its newest checkpoint), not from the defaults, so continuing a
+`small` run needs no `--model.preset small`. Options given on the command line (or in `--config`)
+override it, and the run names the ones that change something in one line. A few fields describe
+one invocation rather than the run (`PER_INVOCATION`); they start from their defaults again.
+
+Whatever the config, a checkpoint whose weights have another shape than the model the config
+builds is refused before any worker starts, and a change of the global batch is named.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+
+from plait import checkpoint as ckpt
+from plait.config import Config, ModelConfig, build_config, config_from_dict, merge
+from plait.errors import bad_value
+
+# fields that say how this one command runs, not what the run is
+PER_INVOCATION = (("checkpoint", "resume"), ("train", "max_steps_this_run"))
+# the model fields that decide the shape of some weight (rope_theta, max_seq_len... do not)
+SHAPE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "tie_embeddings")
+
+
+def saved_config(out: Path) -> tuple[dict, Path] | None:
+    """The config a run folder was saved with, and the file it came from; None if it holds none.
+
+    config.toml first: it is what the run's last start used (a resume that changed `train.steps`
+    and stopped before its next checkpoint is continued with that change). A folder without it, or
+    with an unreadable one, falls back to its newest checkpoint's train_state.json.
+    """
+    toml = out / "config.toml"
+    if toml.is_file():
+        try:
+            return tomllib.loads(toml.read_text()), toml
+        except (tomllib.TOMLDecodeError, OSError, UnicodeDecodeError):
+            pass  # a damaged config.toml: the checkpoint still knows the config
+    for _, folder in ckpt.list_checkpoints(out / "checkpoints"):
+        state = folder / "train_state.json"
+        try:
+            return json.loads(state.read_text())["config"], state
+        except (OSError, ValueError, KeyError):
+            continue
+    return None
+
+
+def _known(saved: dict) -> dict:
+    """The saved sections and fields this plait still has (a config from an older plait may hold more)."""
+    known = Config().to_dict()
+    return {s: {k: v for k, v in values.items() if k in known[s]}
+            for s, values in saved.items() if s in known and isinstance(values, dict)}
+
+
+def resumed_config(saved: dict, explicit: dict) -> tuple[Config, list[str]]:
+    """The run's saved config with `explicit` ({section: {key: value}} from the command line and
+    --config) on top; returns it and a "field old -> new" entry for each value that changed.
+
+    A `model.preset` other than the saved one means a model built from that preset (and the
+    explicit model fields), not the saved shape with a new label: the shape check then says whether
+    the checkpoint fits it.
+    """
+    base = _known(saved)
+    for section, key in PER_INVOCATION:
+        base.get(section, {}).pop(key, None)
+    was = config_from_dict(base)
+    model_explicit = explicit.get("model", {})
+    if "preset" in model_explicit and str(model_explicit["preset"]) != str(base.get("model", {}).get("preset")):
+        base.pop("model", None)
+    cfg = build_config(merge(base, explicit))
+    changed = []
+    for section, values in explicit.items():
+        for key in values:
+            old, new = getattr(getattr(was, section), key), getattr(getattr(cfg, section), key)
+            if (section, key) not in PER_INVOCATION + (("train", "out"),) and old != new:
+                changed.append(f"{section}.{key} {old!r} -> {new!r}")
+    return cfg, sorted(changed)
+
+
+def describe_resume(source: Path, changed: list[str]) -> str:
+    """The one line a resumed run prints about its config."""
+    line = f"resuming with the config saved in {source}"
+    return line + (f"; the command line changes {', '.join(changed)}" if changed else "")
+
+
+def check_model_shape(model: ModelConfig, folder: Path) -> ModelConfig:
+    """Refuse (one line) a checkpoint whose weights have another shape than `model`; returns the
+    checkpoint's model config."""
+    saved = config_from_dict(json.loads((folder / "train_state.json").read_text())["config"]).model
+    for name in SHAPE_FIELDS:
+        new, old = getattr(model, name), getattr(saved, name)
+        if new != old:
+            raise bad_value(f"model.{name}", new, f"but the checkpoint {folder} holds a {saved.preset!r} model with "
+                            f"{name} = {old!r}; resume without the --model options that change it (the run's "
+                            "saved config already has its shape), or train into a new --out")
+    return saved
+
+
+def saved_global_batch(folder: Path) -> tuple[int, str] | None:
+    """Sequences per optimizer step of the run that wrote the checkpoint, and how they came about;
+    None where an old checkpoint does not say (it recorded no global batch and no resolvable dp)."""
+    state = json.loads((folder / "train_state.json").read_text())
+    if "global_batch" in state:
+        return int(state["global_batch"]), str(state.get("global_batch_terms", ""))
+    t, layout = state["config"]["train"], state.get("layout", {})
+    dp_shard, replicate = layout.get("dp_shard", -1), layout.get("dp_replicate", 1)
+    if dp_shard == -1:  # inferred from the world: only a local run recorded it (nproc)
+        dp = layout.get("nproc", 1) // max(1, layout.get("tp", 1))
+    else:
+        dp = dp_shard * replicate
+    if dp < 1:
+        return None
+    return global_batch_of(t["micro_batch"], t["grad_accum"], dp)
+
+
+def global_batch_of(micro_batch: int, grad_accum: int, dp: int) -> tuple[int, str]:
+    """(sequences per optimizer step, "micro_batch 4 x grad_accum 2 x dp 2")."""
+    return micro_batch * grad_accum * dp, f"micro_batch {micro_batch} x grad_accum {grad_accum} x dp {dp}"
+
+
+def global_batch_note(before: tuple[int, str] | None, now: tuple[int, str]) -> str | None:
+    """One line when a resumed run trains another number of sequences per step than its checkpoint."""
+    if before is None or before[0] == now[0]:
+        return None
+    return (f"the checkpoint trained {before[0]} sequences per step ({before[1]}); this run trains {now[0]} "
+            f"({now[1]}), which changes the tokens per step and the loss curve; pass --train.global_batch "
+            f"{before[0]} to keep the run's batch at this layout")
+
+
+def trim_metrics(path: Path, step: int) -> int:
+    """Drop the entries of metrics.jsonl past `step` (what the run logged after the checkpoint it
+    resumes from), so the file holds one curve; returns how many went. Rewritten atomically."""
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            s = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            s = None  # a line cut short by a killed run: never part of the curve
+        if isinstance(s, int) and s <= step:
+            kept.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.replace(path)
+    return dropped

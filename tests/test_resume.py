@@ -1,0 +1,146 @@
+"""`plait train --out RUN --resume` as a user runs it: the run's own config, flags that override it
+(named in one line), a checkpoint of another shape or no checkpoint at all refused in one line,
+`--resume auto`, one curve in metrics.jsonl, and a global batch that survives a change of layout."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from conftest import MICRO_MODEL
+from plait.cli import main
+from plait.parallel.sharded_state import full_weights
+
+
+def _first_run(corpus, out, steps=4, extra=()):
+    """Every option a first run needs; a resume passes only --out and --resume (and what it changes)."""
+    args = ["train", "--out", str(out), "--steps", str(steps), "--data.path", str(corpus), "--train.micro_batch", "4",
+            "--train.seq_len", "32", "--train.eval_batches", "1", "--train.eval_every", "0", "--train.progress",
+            "false", "--train.sample_tokens", "0", "--train.compile", "off", "--train.tensorboard", "false",
+            "--train.device", "cpu", "--checkpoint.every", "2", "--checkpoint.keep_last", "5", *extra]
+    for k, v in MICRO_MODEL.items():
+        args += [f"--model.{k}", str(v)]
+    return args
+
+
+def _rows(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _error_line(capfd):
+    lines = capfd.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_resume_continues_with_the_runs_config_and_names_what_the_flags_change(corpus, tmp_path, capfd):
+    run = tmp_path / "r"
+    assert main(_first_run(corpus, run, extra=["--train.max_steps_this_run", "2"])) == 0
+    capfd.readouterr()
+    # nothing but --out and --resume: the micro model, the data and the schedule come from the run
+    assert main(["train", "--out", str(run), "--resume", "--train.max_steps_this_run", "1"]) == 0
+    err = capfd.readouterr().err
+    assert f"resuming with the config saved in {run / 'config.toml'}\n" in err  # no flag changed anything
+    assert [r["step"] for r in _rows(run)] == [1, 2, 3]
+    assert full_weights(run / "checkpoints" / "step_00000003")["embed.weight"].shape == (256, 64)
+    assert "dim = 64" in (run / "config.toml").read_text()
+    # flags override the saved config, and the run says which
+    assert main(["train", "--out", str(run), "--resume", "--steps", "6", "--train.lr", "0.001"]) == 0
+    err = capfd.readouterr().err
+    line = next(x for x in err.splitlines() if "resuming with the config" in x)
+    assert line.endswith("the command line changes train.lr 0.002 -> 0.001, train.steps 4 -> 6")
+    assert [r["step"] for r in _rows(run)] == [1, 2, 3, 4, 5, 6]
+    assert _rows(run)[-1]["lr"] <= 0.001
+
+
+def test_a_checkpoint_of_another_shape_is_refused_before_anything_runs(corpus, tmp_path, capfd):
+    run = tmp_path / "r"
+    assert main(_first_run(corpus, run, steps=2)) == 0
+    capfd.readouterr()
+    saved = (run / "config.toml").read_bytes()
+    for extra, needle, saved_shape in [(["--model.n_layers", "3"], "model.n_layers = 3: but the checkpoint", "n_layers = 2"),
+                                       (["--model.preset", "tiny"], "model.dim = 256: but the checkpoint", "dim = 64")]:
+        t0 = time.perf_counter()
+        assert main(["train", "--out", str(run), "--resume", "--steps", "4", *extra]) == 2
+        line = _error_line(capfd)
+        assert needle in line and f"holds a 'custom' model with {saved_shape};" in line, line
+        assert time.perf_counter() - t0 < 5
+        assert (run / "config.toml").read_bytes() == saved  # the run's config is left as it was
+        assert [r["step"] for r in _rows(run)] == [1, 2]
+
+
+def test_resume_without_a_checkpoint_refuses_and_auto_starts_fresh(corpus, tmp_path, capfd):
+    empty = tmp_path / "typo"
+    assert main(_first_run(corpus, empty, steps=2, extra=["--resume"])) == 2
+    line = _error_line(capfd)
+    assert line.startswith("plait train: error: checkpoint.resume = True:") and "holds no checkpoint to resume" in line
+    assert "--resume auto" in line and not (empty / "metrics.jsonl").exists()
+    assert main(_first_run(corpus, empty, steps=2, extra=["--resume", "auto"])) == 0  # starts fresh
+    assert [r["step"] for r in _rows(empty)] == [1, 2]
+    capfd.readouterr()
+    # and auto resumes when there is one (the field spelled out, as in a TOML file)
+    assert main(["train", "--out", str(empty), "--checkpoint.resume", "auto", "--steps", "3"]) == 0
+    assert "resumed from" in capfd.readouterr().err and [r["step"] for r in _rows(empty)] == [1, 2, 3]
+    assert main(["train", "--out", str(empty), "--checkpoint.resume", "maybe"]) == 2
+    assert "checkpoint.resume = 'maybe': expected true, false or auto" in _error_line(capfd)
+
+
+def test_metrics_hold_one_curve_after_resuming_from_an_older_checkpoint(corpus, tmp_path, capfd):
+    run = tmp_path / "r"
+    assert main(_first_run(corpus, run, steps=4)) == 0
+    newest = run / "checkpoints" / "step_00000004" / "model.pt"
+    newest.write_bytes(newest.read_bytes()[:100])  # steps 3-4 were logged, but only step 2 survives
+    capfd.readouterr()
+    assert main(["train", "--out", str(run), "--resume"]) == 0
+    err = capfd.readouterr().err
+    assert err.count("step_00000004 skipped") == 1  # said once, not by the launcher and again by the worker
+    assert "metrics.jsonl: dropped 2 entries past step 2" in err
+    rows = _rows(run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+
+
+def test_global_batch_survives_resuming_a_two_rank_run_on_one_process(corpus, tmp_path, capfd):
+    ref, run = tmp_path / "ref", tmp_path / "dp"
+    assert main(_first_run(corpus, ref, steps=4)) == 0  # one process, 4 sequences a step
+    # 2 ranks x 2 sequences = the same 4 sequences a step, for steps 1-2
+    assert main(_first_run(corpus, run, steps=4, extra=["--nproc", "2", "--dp", "2", "--train.micro_batch", "2",
+                                                        "--train.max_steps_this_run", "2"])) == 0
+    capfd.readouterr()
+    # on one process the saved micro-batch of 2 would halve the batch: the run says so in one line
+    assert main(["train", "--out", str(run), "--resume", "--nproc", "1", "--dp", "1", "--train.max_steps_this_run",
+                 "1", "--checkpoint.at_end", "false"]) == 0
+    err = capfd.readouterr().err
+    assert ("the checkpoint trained 4 sequences per step (micro_batch 2 x grad_accum 1 x dp 2); this run trains 2 "
+            "(micro_batch 2 x grad_accum 1 x dp 1)") in err and "--train.global_batch 4" in err
+    # --train.global_batch keeps it: grad_accum 2 is derived, and the losses are the reference run's
+    assert main(["train", "--out", str(run), "--resume", "--nproc", "1", "--dp", "1", "--train.global_batch", "4"]) == 0
+    err = capfd.readouterr().err
+    assert "sequences per step" not in err
+    state = json.loads((run / "checkpoints" / "step_00000004" / "train_state.json").read_text())
+    assert state["global_batch"] == 4 and state["config"]["train"]["grad_accum"] == 2
+    rows, want = _rows(run), _rows(ref)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for a, b in zip(rows, want):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * b["loss"], (a, b)
+    w, wref = full_weights(run / "checkpoints" / "step_00000004"), full_weights(ref / "checkpoints" / "step_00000004")
+    # summation order differs (2 micro-batches of 2 vs one of 4): test_train's accumulation tolerance
+    assert max((w[k] - wref[k]).abs().max().item() for k in wref) <= 3e-5
+
+
+def test_a_global_batch_that_does_not_divide_is_one_line(corpus, tmp_path, capfd):
+    assert main(_first_run(corpus, tmp_path / "r", extra=["--train.global_batch", "6"])) == 2
+    assert ("train.global_batch = 6: is not a multiple of micro_batch x dp = 4 x 1 = 4; use a multiple of 4 (e.g. 8)"
+            in _error_line(capfd))
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()
+
+
+def test_old_configs_with_a_bool_resume_still_load(tmp_path):
+    from plait.config import build_config, config_from_dict
+    from plait.resume import resumed_config
+
+    assert config_from_dict({"checkpoint": {"resume": False}}).checkpoint.resume is False
+    assert build_config({"checkpoint": {"resume": "auto"}}).checkpoint.resume == "auto"
+    assert build_config({"checkpoint": {"resume": "true"}}).checkpoint.resume is True
+    cfg, changed = resumed_config({"checkpoint": {"resume": False, "every": 7}, "train": {"gone_field": 1}},
+                                  {"checkpoint": {"resume": "auto"}})
+    assert cfg.checkpoint.resume == "auto" and cfg.checkpoint.every == 7 and changed == []
