@@ -30,8 +30,34 @@ def test_predicted_state_bytes_and_traffic_equal_the_run(zero, capsys):
     assert rows["step time (s)"]["comparable"] is False  # a CPU run is not a GPU prediction
 
 
+@pytest.mark.parametrize("zero", ["0", "3"])
+def test_tensor_parallel_prediction_equals_the_run(zero, capsys):
+    """tp 2 x dp 2 with SP: model-state bytes per rank and every byte sent (the planner counts the
+    layers', the vocabulary's and the partial gradients' tp traffic) against a 4-process run."""
+    argv = list(SHAPE)
+    argv[argv.index("--gpus-per-node") + 1] = "4"
+    argv[argv.index("--global-batch") + 1] = "8"
+    assert main(["plan", *argv, "--tp", "2", "--zero", zero]) == 0
+    rows = {r["quantity"]: r for r in json.loads(capsys.readouterr().out)["comparison"]}
+    for name in ("parameters (bytes)", "gradients (bytes)", "master + optimizer (bytes)"):
+        r = rows[name]
+        # padding: ZeRO units to a multiple of N, the vocabulary to a multiple of tp
+        assert abs(r["measured"] - r["predicted"]) <= 0.01 * r["predicted"], (name, r)
+    sent = rows["sent per GPU per step (bytes)"]
+    stats = 2 * 12 * 3 / 4  # the 12-byte statistics all-reduce over the 4 ranks
+    if zero == "0":
+        assert sent["measured"] == sent["predicted"] + stats, sent
+    else:
+        # ZeRO-3 keeps its root unit (untied embedding and output: 2 x 128 x 64 rows of the split
+        # vocabulary, and 5 norm gains of 64) gathered from forward into backward: one gather fewer
+        # per micro-batch (2 here) over the 2 shards; the shards split the partial gradients'
+        # all-reduce unevenly (at most its 5 x 64 fp32 differ)
+        root = (2 * 128 * 64 + 5 * 64) * 4 * (2 - 1) / 2
+        assert abs(sent["measured"] - (sent["predicted"] - 2 * root + stats)) <= 5 * 64 * 4, sent
+
+
 def test_validate_refuses_layouts_without_an_engine(capsys):
     argv = [a for a in SHAPE if a != "--json"]
     argv[argv.index("--dp") + 1] = "1"
-    assert main(["plan", *argv, "--tp", "2"]) == 2
-    assert "tp 2" in capsys.readouterr().err
+    assert main(["plan", *argv, "--pp", "2"]) == 2
+    assert "pp 2" in capsys.readouterr().err

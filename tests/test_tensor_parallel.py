@@ -188,10 +188,12 @@ def test_tp_traffic_to_the_byte(runs, name):
         assert sent == pytest.approx(sum(ring[op] * v["bytes"] for op, v in want.items()))
 
 
-@pytest.mark.parametrize("name", ["tp2", "tp2-sp", "tp2-full", "tp2-sp-full", "tp4-sp", "tp4-full", "tp2-sp-accum"])
-def test_per_layer_tp_traffic_equals_the_planner(runs, name):
-    """The planner's tp traffic (per layer and micro-batch, seeds 000/001, `plait plan`) is the
-    layers' part of what the ledger counted, call for call and byte for byte."""
+@pytest.mark.parametrize("name", ["tp2", "tp2-sp", "tp2-full", "tp2-sp-full", "tp4-sp", "tp4-full", "tp2-sp-accum",
+                                  "tp2-dp2-z0"])
+def test_tp_traffic_equals_the_planner(runs, name):
+    """The planner's tp traffic for the layout (`plait plan`: per layer and micro-batch as seeds
+    000/001 count it, plus the vocabulary's and the partial gradients') is what the ledger counted,
+    call for call and byte for byte."""
     from plait.config import build_config
     from plait.planner.costs import ModelDims
     from plait.planner.hardware import cluster
@@ -199,17 +201,16 @@ def test_per_layer_tp_traffic_equals_the_planner(runs, name):
     from plait.planner.predict import predict
 
     layout, tp, sp, zero, rc, accum, model = RUNS[name]
+    dp = _dp(layout)
     d = ModelDims.from_config(build_config({"model": MODELS[model]}).model, seq=SEQ)
-    lay = Layout(tp=tp, sp=sp == "on", recompute=rc, micro_batch=MICRO)
-    pred = predict(d, lay, cluster("h100", 1, tp), MICRO * accum, prec="fp32").traffic["tp"]
-    layers, rest = _tp_traffic(name)
+    lay = Layout(tp=tp, sp=sp == "on", recompute=rc, micro_batch=MICRO, dp_shard=dp, zero=zero)
+    pred = predict(d, lay, cluster("h100", 1, tp * dp), MICRO * accum * dp, prec="fp32").traffic["tp"]
     got = next(r for r in runs[0] if name in r)[name]["ledger"][0]["tp"]
-    counted = {op: got[op]["bytes"] - rest.get(op, {}).get("bytes", 0) for op in layers}
-    assert counted == {op: v["bytes"] for op, v in layers.items()}
-    for op, v in layers.items():
+    for op in ("all_reduce", "all_gather", "reduce_scatter"):
         planned = [c for c in pred.collectives if c.op == op]
-        assert sum(c.count for c in planned) == v["calls"]
-        assert sum(c.count * c.size_bytes for c in planned) == v["bytes"]
+        assert sum(c.count for c in planned) == got.get(op, {}).get("calls", 0), op
+        assert sum(c.count * c.size_bytes for c in planned) == got.get(op, {}).get("bytes", 0), op
+    assert pred.bytes_per_device == pytest.approx(got["sent_bytes"])
 
 
 @pytest.mark.parametrize("name", ["tp2", "tp4-sp", "tp2-dp2-z0", "tp2-dp2-z1", "tp2-dp2-z3"])

@@ -91,6 +91,23 @@ def head_params(d: ModelDims) -> int:
     return norm + (0 if d.tie_embeddings else d.vocab * d.hidden)
 
 
+def tp_share(d: ModelDims, tp: int) -> tuple[float, float, float]:
+    """(one block's, the embedding's, the head's) parameters on one tensor-parallel rank.
+
+    plait's Llama (plait/parallel/tensor.py): the matrices split over tp, the norm gains whole,
+    K and V whole when tp > kv_heads (the heads are replicated), the vocabulary padded to a
+    multiple of tp. Other architectures: everything divided by tp (Megatron's GPT)."""
+    if tp == 1:
+        return float(layer_params(d)), float(embedding_params(d)), float(head_params(d))
+    if d.arch != "llama":
+        return layer_params(d) / tp, embedding_params(d) / tp, head_params(d) / tp
+    h, f = d.hidden, d.ffn
+    kv = 2 * h * d.kv_dim / tp if d.kv_heads >= tp else 2 * h * d.kv_dim
+    vocab_rows = -(-d.vocab // tp)
+    block = 2 * h * h / tp + kv + 3 * h * f / tp + 2 * h
+    return block, float(vocab_rows * h), h + (0.0 if d.tie_embeddings else float(vocab_rows * h))
+
+
 def param_count(d: ModelDims) -> int:
     """Every parameter of the model, each counted once (a tied matrix once)."""
     return d.layers * layer_params(d) + embedding_params(d) + head_params(d)

@@ -142,7 +142,7 @@ def _memory(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, sc: StageCos
     sp, shard = lay.seq_parallel, lay.shard_group
     wfrac = memory.wgrad_fraction(d)
     per_layer = memory.layer_activation_bytes(d, d.seq // cp, b, tp, sp, lay.recompute, e)
-    layer_w = costs.layer_params(d) / tp
+    layer_w = costs.tp_share(d, tp)[0]
     best: tuple[float, int, dict] = (-1.0, 0, {})
     for r in range(pp):
         st = memory.state_bytes(sc.rank_params[r], lay.zero, shard, prec, shard_is_master=True)  # plait's ZeRO-3
@@ -168,6 +168,32 @@ def _memory(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, sc: StageCos
     return best[1], best[2]
 
 
+def _tp_ends(d: ModelDims, lay: Layout, prec: Precision, m: int) -> tuple[Collective, ...]:
+    """TP traffic outside the layers (plait/parallel/tensor.py), on a pipeline's first rank:
+    per micro-batch the vocab-parallel embedding leaves its region and the loss enters one (an
+    all-reduce each, or with SP a reduce-scatter and an all-gather each), and the loss all-gathers
+    every rank's logsumexp and target logit (2 fp32 per token); per step the gradients of
+    replicated weights that are partial sums over tp (SP's norm gains, shared K/V heads) are
+    all-reduced, on this rank's ZeRO shard of them."""
+    tp, tokens = lay.tp, lay.micro_batch * d.seq // lay.cp
+    act = tokens * d.hidden * prec.act_bytes
+    n = 2 if lay.pp == 1 else 1  # a pipeline's first rank holds the embedding only
+    ends = ((Collective("reduce_scatter", act, tp, n * m, "vocab-parallel embedding out, loss in (SP)"),
+             Collective("all_gather", act, tp, n * m, "vocab-parallel embedding out, loss in (SP)"))
+            if lay.seq_parallel else
+            (Collective("all_reduce", act, tp, n * m, "vocab-parallel embedding out, loss in"),))
+    if lay.pp == 1:
+        ends += (Collective("all_gather", 2 * 4 * tokens * tp, tp, m, "vocab-parallel loss: logsumexp, target logit"),)
+    partial = (2 * d.layers + 1) * d.hidden if lay.seq_parallel else 0
+    if d.kv_heads < tp:
+        partial += 2 * d.layers * d.head_dim * d.hidden * d.kv_heads
+    if partial:
+        shards = lay.shard_group if lay.zero >= 1 else 1
+        ends += (Collective("all_reduce", partial * prec.grad_bytes / shards, tp, 1,
+                            "partial gradients of replicated weights"),)
+    return ends
+
+
 def _traffic(d: ModelDims, lay: Layout, prec: Precision, sc: StageCosts, m: int) -> dict[str, DimTraffic]:
     """Per mesh dim, per step, what rank 0 of the pipeline sends (a middle stage for PP)."""
     out: dict[str, DimTraffic] = {}
@@ -177,7 +203,7 @@ def _traffic(d: ModelDims, lay: Layout, prec: Precision, sc: StageCosts, m: int)
         replay = sc.tp_replay if lay.recompute == "full" else ()  # what a recomputed forward runs again
         out["tp"] = DimTraffic("tp", lay.tp, *sc.links["tp"], tuple(
             Collective(x.op, x.size_bytes, lay.tp, x.count * nl * m, x.what)
-            for x in sc.tp_forward + sc.tp_forward + replay))
+            for x in sc.tp_forward + sc.tp_forward + replay) + _tp_ends(d, lay, prec, m))
     if lay.cp > 1:
         out["cp"] = DimTraffic("cp", lay.cp, *sc.links["cp"], (Collective(
             "send_recv", sc.kv_chunk_bytes, lay.cp, 3 * (lay.cp - 1) * nl * m,

@@ -66,14 +66,14 @@ def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision) -> Stage
 
     # parameters per pipeline rank: layers; the embedding on rank 0; the head on the last rank,
     # which also keeps its own copy of a tied embedding matrix when the two ends are different ranks
-    lp = costs.layer_params(d)
-    tied_copy = d.vocab * d.hidden if (d.tie_embeddings and pp > 1) else 0
+    block_t, embed_t, head_t = costs.tp_share(d, tp)  # per tensor-parallel rank
+    tied_copy = embed_t if (d.tie_embeddings and pp > 1) else 0
     rank_params = []
     for r in range(pp):
-        n = sum(layers[ch * pp + r] for ch in range(v)) * lp
-        n += costs.embedding_params(d) if r == 0 else 0
-        n += (costs.head_params(d) + tied_copy) if r == pp - 1 else 0
-        rank_params.append(n / tp)
+        n = sum(layers[ch * pp + r] for ch in range(v)) * block_t
+        n += embed_t if r == 0 else 0
+        n += (head_t + tied_copy) if r == pp - 1 else 0
+        rank_params.append(n)
 
     lt = roofline.layer_times(d, tokens, c, tp)
     head_f, head_b = roofline.head_times(d, tokens, c, tp)
@@ -104,8 +104,8 @@ def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision) -> Stage
     z3_f = z3_b = 0.0
     if lay.zero == 3 and shard > 1:
         link = links["shard"][0]
-        ag = Collective("all_gather", lp / tp * prec.param_bytes, shard, 1, "").time_s(link)
-        rs = Collective("reduce_scatter", lp / tp * prec.wire_grad_bytes, shard, 1, "").time_s(link)
+        ag = Collective("all_gather", block_t * prec.param_bytes, shard, 1, "").time_s(link)
+        rs = Collective("reduce_scatter", block_t * prec.wire_grad_bytes, shard, 1, "").time_s(link)
         z3_f = max(0.0, ag - lt.forward_s)
         z3_b = max(0.0, ag + rs - lt.backward_s)
 

@@ -49,17 +49,17 @@ def measure(preset: str | None, d, lay, global_batch: int, steps: int) -> dict:
     from plait.config import build_config
     from plait.run import launch_training
 
-    if lay.tp > 1 or lay.pp > 1 or lay.cp > 1:
-        raise UserError(f"--validate runs layouts plait can train today (data parallel, ZeRO, HSDP); "
-                        f"tp {lay.tp} x pp {lay.pp} x cp {lay.cp} needs engines not built yet: set them to 1")
+    if lay.pp > 1 or lay.cp > 1:
+        raise UserError(f"--validate runs layouts plait can train today (data and tensor parallelism, ZeRO, "
+                        f"HSDP); pp {lay.pp} x cp {lay.cp} needs engines not built yet: set them to 1")
     per_step = lay.micro_batch * lay.dp
     if global_batch % per_step:
         raise bad_value("--global-batch", global_batch,
                         f"must be a multiple of micro-batch x dp = {per_step} to be run as given")
     model, seq = _model_section(preset, d), d.seq
     cuda = torch.cuda.is_available()
-    if cuda and torch.cuda.device_count() < lay.dp:
-        raise bad_value("--dp", lay.dp, f"needs {lay.dp} GPUs to validate; this machine has {torch.cuda.device_count()}")
+    if cuda and torch.cuda.device_count() < lay.n_gpus:
+        raise UserError(f"the layout needs {lay.n_gpus} GPUs to validate; this machine has {torch.cuda.device_count()}")
     with tempfile.TemporaryDirectory(prefix="plait-validate-") as tmp:
         vocab = build_config({"model": model}).model.vocab_size
         data = _random_tokens(Path(tmp), vocab, max(1 << 16, 4 * per_step * (seq + 1)))
@@ -68,10 +68,12 @@ def measure(preset: str | None, d, lay, global_batch: int, steps: int) -> dict:
             "data": {"path": str(data)},
             "train": {"steps": steps, "micro_batch": lay.micro_batch, "grad_accum": global_batch // per_step,
                       "seq_len": seq, "eval_every": 0, "eval_batches": 1, "sample_tokens": 0, "progress": False,
-                      "tensorboard": False, "out": str(Path(tmp) / "run"), "warmup_steps": 0},
+                      "tensorboard": False, "out": str(Path(tmp) / "run"), "warmup_steps": 0,
+                      "recompute": lay.recompute},
             "checkpoint": {"at_end": False},
-            "parallel": {"nproc": lay.dp, "dp_shard": lay.dp_shard, "dp_replicate": lay.dp_replicate,
-                         "zero": lay.zero},
+            "parallel": {"nproc": lay.n_gpus, "dp_shard": lay.dp_shard, "dp_replicate": lay.dp_replicate,
+                         "zero": lay.zero, "tp": lay.tp, "sp": "on" if lay.seq_parallel else "off",
+                         "gpus_per_node": max(lay.n_gpus, 1)},
         })
         summary = launch_training(cfg)
         rows = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
