@@ -151,6 +151,8 @@ class TrainConfig:
     """Sequences per optimizer step over all data-parallel ranks (0 = micro_batch x grad_accum x dp). When set, grad_accum is derived as global_batch / (micro_batch x dp), so a run keeps its batch when the layout changes."""
     wandb: str = ""
     """Weights & Biases project to log to (needs the wandb package; WANDB_MODE=offline logs to files only); empty = off."""
+    profile_steps: str = ""
+    """"A:B" = record a torch profiler trace of optimizer steps A..B (Chrome/Perfetto JSON) and, on CUDA, a memory snapshot, under <out>/profile/; empty = off."""
 
 
 @dataclass

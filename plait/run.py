@@ -6,6 +6,7 @@ layout costs one line and exit code 2 before any worker starts. Then:
     job pays nothing for distribution);
   - otherwise `plait.launch.run` starts `parallel.nproc` workers (or joins the ones torchrun/srun
     started); each joins the process group, builds the mesh and trains its part.
+A CUDA out-of-memory error in training becomes one line naming the memory snapshot it wrote.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import sys
 
 from plait.config import Config
+from plait.profile import snapshot_on_oom
 from plait.train import preflight, resolve_device, train
 
 
@@ -28,7 +30,8 @@ def launch_training(cfg: Config, note: str | None = None) -> dict | None:
     p = cfg.parallel
     device_type = resolve_device(cfg).type
     if le is None and p.nproc == 1 and p.zero == 0:
-        return train(cfg)
+        with snapshot_on_oom(cfg.train.out, 0):
+            return train(cfg)
     results = run(_worker, (cfg, device_type), nproc=p.nproc, device_type=device_type)
     main = [r for r in results if r and r.get("main")]
     return main[0] if main else None
@@ -37,4 +40,6 @@ def launch_training(cfg: Config, note: str | None = None) -> dict | None:
 def _worker(cfg: Config, device_type: str) -> dict:
     from plait.launch import init_distributed
 
-    return train(cfg, init_distributed(cfg.parallel, device_type))
+    dims = init_distributed(cfg.parallel, device_type)
+    with snapshot_on_oom(cfg.train.out, dims.rank):
+        return train(cfg, dims)

@@ -28,6 +28,7 @@ from plait.optim import lr_at
 from plait.parallel import sharded_state
 from plait.parallel.build import parallelize
 from plait.parallel.engine import Engine
+from plait.profile import StepProfiler
 from plait.resume import (check_model_shape, global_batch_note, global_batch_of, saved_global_batch,
                           trim_metrics)
 from plait.validate import data_parallel_size, validate_config
@@ -249,8 +250,10 @@ def train(cfg: Config, dims=None) -> dict:
     val_loss, losses = None, []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    prof = StepProfiler(t.profile_steps, out / "profile", rank, device, say=_warn if is_main else None)
     t_run = time.perf_counter()
     for step in range(start, end):
+        prof.step(step + 1)  # starts, marks or ends --train.profile_steps; outside the step's timing
         t0 = time.perf_counter()
         lr = lr_at(step, t)
         batches = [tuple(a.to(device, non_blocking=True) for a in
@@ -276,6 +279,7 @@ def train(cfg: Config, dims=None) -> dict:
         if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or (done == end and cfg.checkpoint.at_end):
             folder = save_checkpoint(saver, done, cfg, engine, tokenizer, device, val_loss, par.data_size)
             bar.message(f"saved checkpoint {folder}")
+    prof.close()
     bar.close()
     log.close()
     summary = {"out": str(out), "steps": end, "losses": losses, "val_loss": val_loss,

@@ -75,6 +75,10 @@ def validate_config(cfg: Config) -> Config:
                             "give one of them (add that folder to the mix with a weight)")
         parse_mix(cfg.data.mix)  # syntax and weights; the folders are opened with the data
     _positive("train.global_batch", t.global_batch, allow_zero=True)
+    if t.profile_steps:
+        from plait.profile import parse_steps
+
+        parse_steps(t.profile_steps, t.steps)
     c = cfg.checkpoint
     _positive("checkpoint.every", c.every, allow_zero=True)
     _positive("checkpoint.keep_last", c.keep_last)
