@@ -22,7 +22,7 @@ def _pick(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Gener
 @torch.no_grad()
 def sample(model: Transformer, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
            top_k: int = 0, seed: int = 0) -> list[int]:
-    """Extend `prompt_ids` by `max_new_tokens`. temperature 0 = greedy (deterministic).
+    """Extend `prompt_ids` (at least one token) by `max_new_tokens`. temperature 0 = greedy (deterministic).
 
     The prompt runs once and fills the cache; each new token then runs one position. While the text
     fits `max_seq_len` this gives the logits of a full pass over it. Past that, the cache is rebuilt
@@ -39,7 +39,9 @@ def _sample(model, prompt_ids, max_new_tokens, temperature, top_k, seed) -> list
     device = next(model.parameters()).device
     window = model.cfg.max_seq_len
     keep = max(1, window - max(1, window // 4))
-    ids = list(prompt_ids or [0])
+    if not prompt_ids:  # a model continues text: with none, a caller chooses what stands for "nothing yet"
+        raise ValueError("sample needs at least one prompt token (e.g. the tokenizer's EOS for a new document)")
+    ids = list(prompt_ids)
     n_prompt = len(ids)
     gen = torch.Generator(device=device).manual_seed(seed)
     # no bigger than this generation needs (an 8b model's full window is 1 GB of cache)

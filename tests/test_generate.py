@@ -79,3 +79,51 @@ def test_a_prompt_longer_than_the_window_keeps_its_end(model):
     prompt = [i % 97 for i in range(30)]
     out = sample(model, prompt, 3)
     assert out[0] == int(_full_logits(model, prompt[-24:])[-1].argmax())
+
+
+def test_sampling_needs_a_prompt_token(model):
+    with pytest.raises(ValueError, match="at least one prompt token"):
+        sample(model, [], 3)
+
+
+@pytest.fixture(scope="module")
+def run(corpus, tmp_path_factory):
+    """A checkpoint of the micro model after two steps (enough to generate from)."""
+    from conftest import micro_config
+    from plait.train import preflight, train
+
+    out = tmp_path_factory.mktemp("gen") / "run"
+    train(preflight(micro_config(corpus, out, train={"steps": 2})))
+    return out
+
+
+def _generate(capsys, *argv):
+    from plait.cli import main
+
+    rc = main(["generate", *argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_an_empty_prompt_starts_a_document(run, capsys):
+    """Every document of the byte corpus follows a newline: an empty prompt generates what follows
+    one, as `--prompt "\\n"` does (it once continued a NUL byte the model never saw: U+FFFD garbage)."""
+    from plait.commands.generate import document_start
+    from plait.tokenizer import ByteTokenizer
+
+    assert document_start(ByteTokenizer()) == ord("\n")
+    rc, empty, _ = _generate(capsys, "--checkpoint", str(run), "--prompt", "", "--max-new-tokens", "16")
+    _, newline, _ = _generate(capsys, "--checkpoint", str(run), "--prompt", "\n", "--max-new-tokens", "16")
+    assert rc == 0 and empty == newline[1:] and len(empty) > 1
+
+
+@pytest.mark.parametrize("device, needle", [
+    ("cuda", "--device = 'cuda': no CUDA device is visible on this machine; use --device cpu"),
+    ("cuda:1", "--device = 'cuda:1': no CUDA device is visible"),
+    ("gpu", "--device = 'gpu': is not a device; use cpu, cuda or cuda:N"),
+    ("meta", "--device = 'meta': is not supported"),
+])
+def test_a_device_that_is_not_there_is_one_line(run, capsys, monkeypatch, device, needle):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU-only machine, wherever this runs
+    rc, out, err = _generate(capsys, "--checkpoint", str(run), "--device", device)
+    assert rc == 2 and out == "" and err.count("\n") == 1 and needle in err, err

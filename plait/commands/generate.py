@@ -8,12 +8,12 @@ HELP = "sample text from a trained checkpoint"
 
 def add_arguments(p) -> None:
     p.add_argument("--checkpoint", required=True, help="a step_XXXXXXXX folder, or a run folder (newest valid checkpoint)")
-    p.add_argument("--prompt", default="def ", help="text to continue")
+    p.add_argument("--prompt", default="def ", help="text to continue (empty: start a new document)")
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="sample only among the k most likely tokens (0 = all)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
 
 
 def run(args, extra) -> int:
@@ -28,8 +28,38 @@ def run(args, extra) -> int:
     from plait.generate import sample
     from plait.train import model_from_checkpoint
 
-    model, tokenizer, _ = model_from_checkpoint(args.checkpoint, args.device)
-    prompt = [int(i) for i in tokenizer.encode(args.prompt)]
+    device = _device(args.device)
+    model, tokenizer, _ = model_from_checkpoint(args.checkpoint, device)
+    prompt = [int(i) for i in tokenizer.encode(args.prompt)] or [document_start(tokenizer)]
     ids = sample(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
     print(args.prompt + tokenizer.decode(ids))
     return 0
+
+
+def document_start(tokenizer) -> int:
+    """The token an empty prompt stands for: what precedes every document in plait's data, the
+    tokenizer's EOS, or the newline that ends each document of a tokenizer without one (bytes).
+    (Token 0 instead is a NUL byte, which the model never saw and continues with garbage.)"""
+    eos = getattr(tokenizer, "eos_id", None)
+    return int(eos) if eos is not None else int(tokenizer.encode("\n")[-1])
+
+
+def _device(name: str):
+    """The torch device --device names, or one line saying why it cannot be used here."""
+    import torch
+
+    from plait.errors import bad_value
+
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise bad_value("--device", name, "is not a device; use cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise bad_value("--device", name, "is not supported; use cpu, cuda or cuda:N")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise bad_value("--device", name, "no CUDA device is visible on this machine; use --device cpu")
+        if (device.index or 0) >= torch.cuda.device_count():
+            raise bad_value("--device", name, f"only {torch.cuda.device_count()} CUDA device(s) are visible; "
+                            f"use cuda:0..cuda:{torch.cuda.device_count() - 1}")
+    return device
