@@ -7,6 +7,7 @@ rotate-half layout as HF Llama, so weights map one to one with no permutation.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -167,4 +168,15 @@ def save_hf(weights: dict[str, torch.Tensor], cfg: ModelConfig, out: str | Path,
         (out / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
     (out / "config.json").write_text(json.dumps(hf_config_dict(cfg, dtype), indent=1))
+    for f in out.glob("*.safetensors"):
+        # safetensors writes a private temporary file (mode 0600) and renames it: other users of a
+        # shared machine could not read the weights. Give them the mode any new file gets here.
+        f.chmod(0o666 & ~_umask())
     return out
+
+
+def _umask() -> int:
+    """This process's umask (reading it means setting it: put it straight back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask

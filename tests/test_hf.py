@@ -54,3 +54,26 @@ def test_sharded_export_and_load(tmp_path, monkeypatch):
     assert (tmp_path / "x" / "model.safetensors.index.json").is_file()
     back = load_hf_weights(tmp_path / "x", config_from_hf(tmp_path / "x"))
     assert all(torch.equal(back[n], p) for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o002, 0o664), (0o077, 0o600)])
+def test_exported_weights_get_the_usual_file_mode(tmp_path, monkeypatch, umask, mode):
+    """Other users of a shared machine read the export as they read any file of its owner's."""
+    import os
+
+    import plait.hf
+    from plait.config import ModelConfig
+
+    cfg = ModelConfig(preset="custom", vocab_size=50, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48)
+    model = build_model(cfg, seed=1)
+    old = os.umask(umask)
+    try:
+        save_hf(dict(model.named_parameters()), cfg, tmp_path / "one")
+        monkeypatch.setattr(plait.hf, "MAX_SHARD_BYTES", 20_000)
+        save_hf(dict(model.named_parameters()), cfg, tmp_path / "sharded")
+    finally:
+        os.umask(old)
+    files = [tmp_path / "one" / "model.safetensors", *sorted((tmp_path / "sharded").glob("*.safetensors"))]
+    assert len(files) > 2
+    assert {f: f.stat().st_mode & 0o777 for f in files} == {f: mode for f in files}
+    assert (tmp_path / "one" / "config.json").stat().st_mode & 0o777 == mode
