@@ -309,8 +309,9 @@ def _explain(d, lay, c, prec, gb, m, sc, mem_rank, sched_name, makespan, bubble,
                        f"{sc.layer['zero3'] * 1e3:.3f} ms (F + B; peak {c.peak_flops / 1e12:.0f} TFLOP/s x "
                        f"{c.matmul_efficiency:g}, HBM {c.gpu.hbm_gbps:g} GB/s x {c.hbm_efficiency:g})"),
         ("pipeline", f"{sched_name} pp = {pp}, m = {m}, v = {v}: makespan {makespan * 1e3:.2f} ms, bubble "
-                     f"{bubble:.2%} (even stages, free P2P: (p-1)/(v m + p-1) = "
-                     f"{(pp - 1) / (v * m + pp - 1):.2%})"),
+                     f"{bubble:.2%} of all ranks' time as simulated (these stages and P2P times); the "
+                     f"textbook (p-1)/(v m + p-1) for even stages and free P2P would be "
+                     f"{(pp - 1) / (v * m + pp - 1):.2%}"),
         ("step time", f"makespan + exposed gradient sync {dp_exposed * 1e3:.2f} ms + optimizer "
                       f"{opt_s * 1e3:.2f} ms = {step * 1e3:.2f} ms"),
         ("MFU", f"{model_flops:.4g} FLOP / ({step:.4g} s x {c.n_gpus} GPUs x {c.peak_flops:.4g} FLOP/s) "

@@ -93,6 +93,10 @@ def title(d: ModelDims, c: Cluster, global_batch: int, precision: str) -> str:
             f"{c.gpu.name}; global batch {global_batch} x {d.seq} tokens; precision {precision}")
 
 
+# how the step-time parts read in text (the JSON keeps the short keys)
+PART_NAMES = {"bubble": "idle in the pipeline", "dp_sync": "exposed dp sync", "zero3": "zero3 gathers"}
+
+
 def breakdown_text(p: Prediction, explain: bool = False) -> str:
     lay = p.layout
     lines = [f"layout: {lay.describe()}  ({p.microbatches} micro-batches of {lay.micro_batch} per step)", "",
@@ -112,10 +116,14 @@ def breakdown_text(p: Prediction, explain: bool = False) -> str:
                      f"{', crosses nodes' if t.crosses_nodes else ''}): {_bytes(t.bytes_per_device)} in "
                      f"{t.count:g} collectives, {t.time_s:.3f} s if nothing overlapped")
     t = p.step_time_s
-    parts = ", ".join(f"{k} {v / t:.1%}" for k, v in p.time_s.items() if v / t >= 0.001)
-    lines += ["", f"step time   {t:.3f} s  ({parts})",
-              f"bubble      {p.bubble:.2%} of the pipeline ranks' time (simulated schedule)"
-              if p.exact else f"bubble      {p.bubble:.2%} (closed-form estimate)",
+    parts = ", ".join(f"{PART_NAMES.get(k, k)} {v / t:.1%}" for k, v in p.time_s.items() if v / t >= 0.001)
+    # Two different bubbles, each named: the mean over every pipeline rank (the schedule's figure,
+    # as in the papers) and the idle time of the busiest rank, which is what lengthens the step.
+    idle = p.time_s.get("bubble", 0.0) / t
+    how = "simulated schedule" if p.exact else "closed-form estimate"
+    lines += ["", f"step time   {t:.3f} s  (on the busiest rank: {parts})",
+              f"bubble      {p.bubble:.2%} of all pipeline ranks' time ({how}); the busiest rank idles "
+              f"{idle:.2%} of the step" if lay.pp > 1 else "bubble      none (one pipeline stage)",
               f"throughput  {p.tokens_per_s:,.0f} tokens/s; MFU {p.mfu:.1%} (HFU {p.hfu:.1%})"]
     if explain:
         lines += ["", "how these numbers come out:"]
