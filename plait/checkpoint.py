@@ -101,49 +101,137 @@ def latest_valid(root: Path, log=print) -> Path | None:
     return None
 
 
+class CheckpointWriteError(UserError):
+    """A checkpoint could not be written (disk full, folder read-only, ...): one line naming the
+    folder and the cause. The partial write is removed; earlier checkpoints are untouched."""
+
+
+def write_error(step: int, folder: Path, e: BaseException) -> CheckpointWriteError:
+    """The error for a failed write into `folder` (a temporary folder of the save, or inside one)."""
+    root = Path(folder)
+    while root.name.startswith("."):
+        root = root.parent
+    return CheckpointWriteError(f"cannot write checkpoint {step_dir_name(step)} in {root}: "
+                                f"{_cause(Path(folder), e)}; earlier checkpoints are intact (free space or "
+                                "make the folder writable, then continue with --resume)")
+
+
+def is_write_failure(e: BaseException) -> bool:
+    """OSError, or torch.save's RuntimeError for a failed write: it carries no errno, and on a full
+    disk says only "[enforce fail at inline_container.cc] unexpected pos" or "file write failed"."""
+    return isinstance(e, OSError) or (isinstance(e, RuntimeError) and any(
+        k in str(e) for k in ("inline_container", "PytorchStreamWriter", "write failed")))
+
+
+def _cause(folder: Path, e: BaseException) -> str:
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.strerror} [errno {e.errno}]"
+    try:  # torch.save says only "file write failed": a small write of our own learns why
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / ".probe"
+        with open(probe, "wb") as f:
+            f.write(b"\0" * (1 << 20))
+            f.flush()
+            os.fsync(f.fileno())
+        probe.unlink()
+    except OSError as p:
+        try:
+            (folder / ".probe").unlink()
+        except OSError:
+            pass
+        return f"{p.strerror} [errno {p.errno}]"
+    return str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+
+
+def file_entry(path: Path) -> dict:
+    """A manifest entry: the file made durable, then its size and sha256."""
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
+    return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+
+
+def commit(root: Path, tmp: Path, step: int, files: dict, info: dict, keep_last: int) -> Path:
+    """Write the manifest of a complete temporary folder, rename it into place, prune old ones."""
+    final = root / step_dir_name(step)
+    manifest = {"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "files": files, **info}
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    _fsync_dir(tmp)
+    if final.exists():
+        # never destroy an earlier save of the same step (e.g. a damaged one): set it aside
+        final.rename(final.with_name(f"{final.name}.replaced-{int(time.time())}"))
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    prune(root, keep_last)
+    return final
+
+
+def prune(root: Path, keep_last: int) -> None:
+    """Delete the oldest checkpoints beyond keep_last, counting only intact ones as kept."""
+    kept = 0
+    for _, folder in list_checkpoints(root):
+        if kept >= keep_last:
+            shutil.rmtree(folder, ignore_errors=True)
+        elif (folder / MANIFEST).is_file():
+            kept += 1
+
+
+def remove_partial(root: Path) -> list[str]:
+    """Delete what interrupted saves left (`.tmp-step_*` folders); returns their names. Call only
+    while no rank of this run writes (before workers start, or after they all ended)."""
+    if not Path(root).is_dir():
+        return []
+    gone = [p for p in Path(root).iterdir() if p.name.startswith(".tmp-") and p.is_dir()]
+    for p in gone:
+        shutil.rmtree(p, ignore_errors=True)
+    return [p.name for p in gone]
+
+
 class Saver:
-    """Writes checkpoints under `root`. In a multi-rank run every rank calls `save` with its own
-    files; `barrier` synchronises the ranks so rank 0 hashes only complete files."""
+    """Writes checkpoints under `root`, the caller waiting until it is done. In a multi-rank run
+    every rank calls `save` with its own files; `barrier` synchronises the ranks so rank 0 hashes
+    only complete files. A failed write raises `CheckpointWriteError` (rank 0 removes the partial
+    folder; earlier checkpoints are untouched)."""
 
     def __init__(self, root: Path, keep_last: int, rank: int = 0, barrier: Callable[[], None] = lambda: None):
         self.root, self.keep_last, self.rank, self.barrier = Path(root), keep_last, rank, barrier
 
+    def snapshot(self, engine) -> Callable[[Path], None]:
+        """What writes the engine's state: the live state itself, as the caller waits for the save."""
+        return engine.save
+
+    def poll(self) -> None:
+        """Nothing runs in the background (the interface of `plait.async_checkpoint.AsyncSaver`)."""
+
+    close = poll
+
     def save(self, step: int, write: Callable[[Path], None], info: dict) -> Path:
         """`write(tmp_folder)` writes this rank's files; `info` goes into the manifest."""
-        final = self.root / step_dir_name(step)
+        from plait import faults
+
         tmp = self.root / f".tmp-{step_dir_name(step)}"
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
+            self._guarded(step, tmp, lambda: tmp.mkdir(parents=True))
         self.barrier()
-        write(tmp)
+        self._guarded(step, tmp, lambda: (write(tmp), faults.at("write", step, tmp)))
         self.barrier()
+        final = self.root / step_dir_name(step)
         if self.rank == 0:
-            files = {}
-            for f in sorted(tmp.iterdir()):
-                with open(f, "rb") as fh:
-                    os.fsync(fh.fileno())
-                files[f.name] = {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
-            manifest = {"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "files": files, **info}
-            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-            _fsync_dir(tmp)
-            if final.exists():
-                # never destroy an earlier save of the same step (e.g. a damaged one): set it aside
-                final.rename(final.with_name(f"{final.name}.replaced-{int(time.time())}"))
-            os.replace(tmp, final)
-            _fsync_dir(self.root)
-            self._prune()
+            self._guarded(step, tmp, lambda: commit(self.root, tmp, step, {f.name: file_entry(f) for f in
+                                                                           sorted(tmp.iterdir())}, info, self.keep_last))
         self.barrier()
         return final
 
-    def _prune(self) -> None:
-        """Delete the oldest checkpoints beyond keep_last, counting only intact ones as kept."""
-        kept = 0
-        for _, folder in list_checkpoints(self.root):
-            if kept >= self.keep_last:
-                shutil.rmtree(folder, ignore_errors=True)
-            elif (folder / MANIFEST).is_file():
-                kept += 1
+    def _guarded(self, step: int, tmp: Path, fn) -> None:
+        try:
+            fn()
+        except Exception as e:
+            if not is_write_failure(e):
+                raise
+            err = write_error(step, tmp, e)
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise err from None
 
 
 def load_manifest(folder: Path) -> dict:
