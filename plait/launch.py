@@ -42,6 +42,7 @@ import time
 import traceback
 from contextlib import contextmanager
 
+from plait import lifeline
 from plait.errors import UserError, bad_value
 from plait.launch_env import (  # noqa: F401  (re-exported: the launch API in one place)
     LaunchEnv,
@@ -151,15 +152,16 @@ def shutdown() -> None:
 # ---- starting processes ------------------------------------------------------------------------------
 
 
-def run(entry, args=(), nproc: int = 1, device_type: str = "cpu", **kw) -> list:
-    """Run `entry(*args)` on every rank: here if already launched (or nproc is 1), else via `spawn`."""
+def run(entry, args=(), nproc: int = 1, device_type: str = "cpu", isolate: bool = False, **kw) -> list:
+    """Run `entry(*args)` on every rank: here if already launched (or nproc is 1 and not `isolate`),
+    else via `spawn` (`isolate`: even one rank gets its own process, which may die without us)."""
     le = detect_launch()
     if le is not None and le.launcher != "plait":
         if nproc > 1 and nproc != le.local_world_size:
             raise bad_value("parallel.nproc", nproc, f"{le.launcher} already started {le.local_world_size} "
                             f"process(es) on this node; drop --nproc when launching with {le.launcher}")
         return [_call(entry, args)]
-    if nproc == 1:
+    if nproc == 1 and not isolate:
         return [_call(entry, args)]
     return spawn(entry, args, nproc, device_type=device_type, **kw)
 
@@ -190,7 +192,7 @@ def spawn(entry, args=(), nproc: int = 2, *, device_type: str = "cpu", timeout_s
         raise bad_value("parallel.nproc", nproc, f"only {torch.cuda.device_count()} GPU(s) are visible; "
                         f"start at most one process per GPU")
     child_env = dict(os.environ)
-    child_env.update(env or {}, PLAIT_SPAWNED="1")
+    child_env.update(env or {}, PLAIT_SPAWNED="1", PLAIT_LAUNCHER_PID=str(os.getpid()))
     _loopback_env(child_env)
     if device_type == "cpu" and "OMP_NUM_THREADS" not in child_env:
         # nproc ranks share the cores: oversubscribed intra-op threads slow every rank down
@@ -254,12 +256,16 @@ def _quietly(fn) -> None:
 def _worker(entry, args, env, timeout_s, workdir, stdout_fd=None, stderr_fd=None):
     for k, v in env.items():  # the fork server's environment is from when it started, not from now
         os.environ.setdefault(k, v)
+    for k in [k for k in os.environ if k.startswith("PLAIT_")]:  # ... but plait's own say this launch
+        del os.environ[k]
+    os.environ.update({k: v for k, v in env.items() if k.startswith("PLAIT_")})
     # ... and so are its stdout/stderr: write where the caller's go now (a terminal, a log, pytest's capture)
     for fd, target in ((stdout_fd, 1), (stderr_fd, 2)):
         if fd is not None:
             os.dup2(fd, target)
             os.close(fd)
     rank = int(os.environ.get("RANK", 0))
+    lifeline.watch(int(os.environ.get("PLAIT_LAUNCHER_PID") or 0), rank)  # end with the launcher
     if os.environ.get("OMP_NUM_THREADS"):
         import torch
 
@@ -270,7 +276,8 @@ def _worker(entry, args, env, timeout_s, workdir, stdout_fd=None, stderr_fd=None
     try:
         return entry(*args)
     except BaseException as e:
-        _write_report(workdir, rank, f"{type(e).__name__}: {e}", traceback.format_exc())
+        kind = "UserError" if isinstance(e, UserError) else type(e).__name__  # subclasses too: one line, exit 2
+        _write_report(workdir, rank, f"{kind}: {e}", traceback.format_exc())
         raise
     finally:
         done.set()

@@ -1,0 +1,75 @@
+"""Workers end when their launcher does.
+
+Killing `plait train --nproc N` (kill -9, its terminal closed) used to leave its workers running:
+they trained a few steps, then waited for ever for a launcher that was gone. Now each worker of
+plait's own launcher watches two things and ends itself within about a second:
+  - its parent process: the fork server, which exits as soon as the launcher's end of its pipe
+    closes. On Linux the kernel sends the parent-death signal (prctl PR_SET_PDEATHSIG, SIGKILL) at
+    once; a thread checks `getppid()` every `interval` seconds as well (other systems, and the race
+    where the parent ended before prctl ran);
+  - the launcher itself (its pid), in case the fork server outlives it.
+A worker that ends this way is killed, not stopped cleanly: its peers are going too, so there is no
+one to finish a collective with. Checkpoints stay valid because they only ever appear by an atomic
+rename; a half-written one is left under a `.tmp-` name, which the next start removes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+PR_SET_PDEATHSIG = 1
+
+
+def _set_parent_death_signal(sig: int) -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs; a zombie (ended, not yet reaped by its parent) counts as gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:
+        pass
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def watch(launcher_pid: int | None, rank: int, interval: float = 0.5) -> None:
+    """Arm the parent-death signal and start the watching thread (call first thing in a worker)."""
+    parent = os.getppid()
+    _set_parent_death_signal(signal.SIGKILL)
+
+    def gone() -> str | None:
+        if os.getppid() != parent:
+            return f"its parent process {parent} ended"
+        if launcher_pid and not alive(launcher_pid):
+            return f"the launcher (pid {launcher_pid}) ended"
+        return None
+
+    def loop() -> None:
+        while (why := gone()) is None:
+            time.sleep(interval)
+        print(f"plait: rank {rank} stops: {why}", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=loop, name="plait-lifeline", daemon=True).start()
