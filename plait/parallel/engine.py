@@ -102,12 +102,19 @@ class Engine:
     def _finish(self, lr: float, loss_sum, segments: list[tuple[int, torch.Tensor]] | None = None):
         """The shared end of a step once the data-parallel reduction is done: sum partial gradients
         over tp, take the global statistics, update. `segments`: (offset in the owned space,
-        gradient) pieces covering it (default: the optimizer's own gradient range)."""
+        gradient) pieces covering it (default: the optimizer's own gradient range).
+
+        A non-finite loss or gradient norm skips the update: weights, moments and the optimizer's
+        step count stay as they were (the caller sees the non-finite numbers it returns). Every
+        rank holds the same all-reduced statistics, and a NaN or inf in any rank's gradient makes
+        the global norm non-finite, so all ranks skip alike without another collective. The check
+        costs one host sync per step, before the update's kernels are launched."""
         segments = [(0, self.opt.grad_range())] if segments is None else segments
         if self._partial and self.tp_size > 1:
             self._sum_partials_over_tp(segments)
         norm, loss = self._statistics(segments, loss_sum)
-        self.opt.step(lr, grad=segments, norm=norm)
+        if bool(torch.isfinite(norm) & torch.isfinite(loss)):
+            self.opt.step(lr, grad=segments, norm=norm)
         return loss, norm
 
     def _sum_partials_over_tp(self, segments) -> None:
@@ -136,6 +143,12 @@ class Engine:
         if self.comm is not None:
             self.comm.all_reduce(t, self.groups.stats)
         return (t[0] / t[1].clamp(min=1)).item()
+
+    def replicated(self) -> tuple[list[torch.Tensor], str]:
+        """The state every data-parallel replica of this rank must hold bit for bit - its fp32
+        masters (the weights themselves in fp32) - and the group of those replicas. The replica
+        check (`plait.replica`) compares a checksum of it over that group."""
+        return [self.opt.master], self.groups.grad
 
     # ---- state ---------------------------------------------------------------------------------------
 
@@ -228,6 +241,9 @@ class Sharded(Engine):
         self.replicas = comm.size(groups.replicate)
         # replicas hold the same shard after their all-reduce: only the first counts and writes it
         self.norm_owner = comm.rank(groups.replicate) == 0
+
+    def replicated(self):
+        return [self.opt.master], self.groups.replicate  # a shard has copies only on the other HSDP replicas
 
     def _update_from_shards(self, lr, loss_sum):
         """For engines that reduce-scatter during backward (ZeRO-2, ZeRO-3): finish the in-flight
