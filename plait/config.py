@@ -145,6 +145,18 @@ class TrainConfig:
     """Start from these weights instead of random ones: a HuggingFace Llama folder (its config.json replaces [model]) or a plait checkpoint."""
     max_steps_this_run: int = 0
     """Stop after this many steps in this process (0 = run to `steps`); the LR schedule still follows `steps`."""
+    max_restarts: int = 0
+    """Restart the workers from the newest valid checkpoint up to this many times when one dies, hangs past parallel.timeout_s or fails a collective (plait's own launcher; under torchrun give torchrun --max-restarts instead)."""
+    max_bad_steps: int = 5
+    """Stop after this many consecutive steps with a non-finite loss or gradient norm (each is skipped: weights and optimizer untouched), saving the state of the last good step."""
+    spike_factor: float = 0.0
+    """Warn about a loss spike when a step's loss exceeds this multiple of the median of the last 100 losses (0 = off; e.g. 2)."""
+    replica_check_every: int = 0
+    """Every this many steps and before each checkpoint, data-parallel replicas compare a checksum of their parameters; a mismatch stops the run naming the ranks (0 = off)."""
+    straggler_every: int = 0
+    """Every this many steps, compare each rank's CPU time per step and warn about a rank slower than the median by more than straggler_threshold (0 = off)."""
+    straggler_threshold: float = 0.2
+    """How much slower than the median a rank may be before it is named (0.2 = 20%)."""
     recompute: str = "none"
     """Activation recomputation: none, selective (keep matmul and attention outputs, recompute norms, SwiGLU and RoPE) or full (keep only each block's input)."""
     global_batch: int = 0
@@ -161,6 +173,10 @@ class CheckpointConfig:
     """Save every this many steps (0 = only at the end)."""
     at_end: bool = True
     """Save a checkpoint when the run ends (off for throwaway runs such as `plait plan --validate`)."""
+    every_minutes: float = 0.0
+    """Also save every this many minutes (0 = off); the ranks agree on when."""
+    async_save: bool = False
+    """Write checkpoints in a background thread from a copy in host memory, so training waits only for the copy (`--checkpoint.async true`)."""
     keep_last: int = 3
     """Keep the newest K valid checkpoints; older ones are deleted after a successful save."""
     resume: bool | str = False
@@ -293,9 +309,19 @@ def _unknown(kind: str, name: str, choices) -> UserError:
     return UserError(f"unknown {kind} {name!r}: {hint}")
 
 
+# other names a field answers to: `async` is a Python keyword, so no dataclass field can have it
+KEY_ALIASES = {("checkpoint", "async"): "async_save"}
+
+
+def dealias(raw: dict) -> dict:
+    """{section: {key: value}} with every alias replaced by its field's name."""
+    return {s: {KEY_ALIASES.get((s, k), k): v for k, v in values.items()} if isinstance(values, dict) else values
+            for s, values in raw.items()}
+
+
 def build_config(raw: dict[str, dict[str, Any]] | None = None) -> Config:
     """Build a Config from nested {section: {key: value}} (TOML or overrides), presets applied."""
-    raw = raw or {}
+    raw = dealias(raw or {})
     for section, values in raw.items():
         if section not in _SECTION_TYPES:
             raise _unknown("config section", section, _SECTION_TYPES)
@@ -324,9 +350,11 @@ def load_toml(path: str | Path) -> dict[str, dict[str, Any]]:
     if not p.is_file():
         raise bad_value("--config", str(path), "no such file; give the path of a TOML config")
     try:
-        return tomllib.loads(p.read_text())
+        return dealias(tomllib.loads(p.read_text()))
     except tomllib.TOMLDecodeError as e:
         raise bad_value("--config", str(path), f"not valid TOML ({e})") from None
+    except UnicodeDecodeError:
+        raise bad_value("--config", str(path), "is not a text file; give the path of a TOML config") from None
 
 
 def dotted_pairs(args: list[str], example: str) -> list[tuple[str, str]]:
@@ -355,7 +383,7 @@ def parse_overrides(args: list[str]) -> dict[str, dict[str, Any]]:
     for name, value in dotted_pairs(args, "--section.key VALUE (e.g. --train.steps 20)"):
         section, key = name.split(".", 1)
         out.setdefault(section, {})[key.replace("-", "_")] = value
-    return out
+    return dealias(out)
 
 
 def merge(base: dict, extra: dict) -> dict:

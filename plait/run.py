@@ -22,17 +22,22 @@ def launch_training(cfg: Config, note: str | None = None) -> dict | None:
     """Preflight once, then train; returns rank 0's summary (None on other ranks under torchrun).
     `note`: a line about the config (where a resumed run's came from), said once the config passed."""
     from plait.launch import detect_launch, run
+    from plait.run_folder import RunFolder
+    from plait.supervise import resume_after_outer_restart, run_workers
 
-    cfg = preflight(cfg)
+    cfg = preflight(resume_after_outer_restart(cfg))
     le = detect_launch()
     if note and (le is None or le.rank == 0):
         print(f"plait: {note}", file=sys.stderr)
     p = cfg.parallel
     device_type = resolve_device(cfg).type
-    if le is None and p.nproc == 1 and p.zero == 0:
-        with snapshot_on_oom(cfg.train.out, 0):
-            return train(cfg)
-    results = run(_worker, (cfg, device_type), nproc=p.nproc, device_type=device_type)
+    # one run per folder (a lock), room for a checkpoint, no leftovers of a crash; restarts inside
+    with RunFolder(cfg, holder=le is None or le.rank == 0):
+        if le is None and p.nproc == 1 and p.zero == 0 and not cfg.train.max_restarts:
+            with snapshot_on_oom(cfg.train.out, 0):
+                return train(cfg)
+        results = run_workers(cfg, lambda c, env: run(_worker, (c, device_type), nproc=p.nproc, device_type=device_type,
+                                                      isolate=c.train.max_restarts > 0, env=env))
     main = [r for r in results if r and r.get("main")]
     return main[0] if main else None
 

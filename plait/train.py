@@ -17,6 +17,9 @@ from pathlib import Path
 import torch
 
 from plait import checkpoint as ckpt
+from plait import faults, supervise
+from plait.bad_steps import StepHealth
+from plait.checkpointer import Checkpointer
 from plait.config import Config, config_from_dict
 from plait.data import default_corpus_dir, open_data
 from plait.errors import bad_value
@@ -28,6 +31,8 @@ from plait.optim import lr_at
 from plait.parallel import sharded_state
 from plait.parallel.build import parallelize
 from plait.parallel.engine import Engine
+from plait.replica import ReplicaCheck
+from plait.straggler import StragglerReport
 from plait.profile import StepProfiler
 from plait.resume import (check_model_shape, global_batch_note, global_batch_of, saved_global_batch,
                           trim_metrics)
@@ -155,11 +160,13 @@ def save_checkpoint(saver: ckpt.Saver, step: int, cfg: Config, engine: Engine, t
     """Every rank writes its state files (the engine decides which); rank 0 adds the rest.
     data_size: data-parallel ranks (the global batch a resume compares against is recorded)."""
     batch, terms = global_batch_of(cfg.train.micro_batch, cfg.train.grad_accum, data_size)
+    state, rng = saver.snapshot(engine), _rng_state(device)  # taken now: an async save writes them later
+
     def write(folder: Path) -> None:
-        engine.save(folder)
+        state(folder)
         if saver.rank != 0:
             return
-        torch.save(_rng_state(device), folder / "rng.pt")
+        torch.save(rng, folder / "rng.pt")
         (folder / "train_state.json").write_text(json.dumps(
             {"step": step, "config": cfg.to_dict(), "tokenizer": tokenizer.spec, "val_loss": val_loss,
              "layout": layout_of(cfg, engine), "global_batch": batch, "global_batch_terms": terms},
@@ -220,7 +227,8 @@ def train(cfg: Config, dims=None) -> dict:
     rank = dims.rank if dims is not None else 0
     is_main = rank == 0
     barrier = (lambda: comm.barrier("world")) if comm is not None else (lambda: None)
-    saver = ckpt.Saver(out / "checkpoints", cfg.checkpoint.keep_last, rank=rank, barrier=barrier)
+    ckpts = Checkpointer(cfg, out / "checkpoints", rank, world, comm, barrier, device)  # when, sync or async
+    saver = ckpts.saver
     start = 0
     if cfg.checkpoint.resume:
         folder = ckpt.latest_valid(out / "checkpoints", log=lambda m: None)  # preflight named the damaged ones
@@ -230,6 +238,12 @@ def train(cfg: Config, dims=None) -> dict:
                 _warn(f"resumed from {folder} (step {start})")
     if start == 0 and t.init_from:
         engine.load_weights(init_weights_from(t.init_from, cfg.model), "train.init_from", t.init_from)
+    ckpts.saved.add(start)
+    restart = supervise.restart_note(out, start) if is_main else None  # the first record after a restart says why
+    faults.install(rank, model, engine)  # a test hook: nothing unless PLAIT_FAULTS is set
+    health = StepHealth(t.max_bad_steps, t.spike_factor, start, say=_warn if is_main else (lambda m: None))
+    replicas = ReplicaCheck(engine, comm, t.replica_check_every)
+    stragglers = StragglerReport(comm, t.straggler_every, t.straggler_threshold, device, is_main)
 
     if is_main:
         (out / "config.toml").write_text(cfg.to_toml())
@@ -255,6 +269,8 @@ def train(cfg: Config, dims=None) -> dict:
     for step in range(start, end):
         prof.step(step + 1)  # starts, marks or ends --train.profile_steps; outside the step's timing
         t0 = time.perf_counter()
+        stragglers.begin()
+        faults.at("step", step + 1)
         lr = lr_at(step, t)
         batches = [tuple(a.to(device, non_blocking=True) for a in
                          data.batch(step, micro, micro_batch=t.micro_batch, grad_accum=t.grad_accum,
@@ -274,18 +290,33 @@ def train(cfg: Config, dims=None) -> dict:
             val_loss = evaluate(par, data, cfg, device)
             record["val_loss"] = val_loss
             bar.message(f"step {done}: val loss {val_loss:.4f} (train {loss_val:.4f})")
+        record.update(health.check(done, loss_val, record["grad_norm"]))  # a skipped update, a loss spike
+        stragglers.end(done, record)
+        ckpts.poll(record)  # a background save that failed raises here
+        if restart:
+            record["restart"], restart = restart, None
+        saving = ckpts.due(done, end) and not health.stop
+        if replicas.due(done, saving):  # before a checkpoint is written from a corrupted replica
+            replicas.check(done, before_raise=ckpts.close)
+        if saving:
+            with ckpts.timed(done, record):
+                folder = save_checkpoint(saver, done, cfg, engine, tokenizer, device, val_loss, par.data_size)
+            bar.message(f"saved checkpoint {folder}" + (" (writing in the background)" if ckpts.is_async else ""))
         log.log(record)
         bar.update(done, loss_val, record["tokens_per_s"])
-        if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or (done == end and cfg.checkpoint.at_end):
-            folder = save_checkpoint(saver, done, cfg, engine, tokenizer, device, val_loss, par.data_size)
-            bar.message(f"saved checkpoint {folder}")
+        if health.stop:  # the weights are still those of the last good step: keep them, then stop
+            last = health.last_good
+            folder = ckpts.keep(last, lambda: save_checkpoint(saver, last, cfg, engine, tokenizer, device,
+                                                              val_loss, par.data_size))
+            raise health.error(done, folder)
     prof.close()
+    ckpts.close()  # the last background save must be complete when the run ends
     bar.close()
     log.close()
     summary = {"out": str(out), "steps": end, "losses": losses, "val_loss": val_loss,
                "seconds": time.perf_counter() - t_run, "main": is_main,
                # bytes of parameters, gradients and optimizer state this rank holds at the update (plan --validate)
-               "state_bytes": engine.state_bytes()}
+               "state_bytes": engine.state_bytes(), "checkpoint_stall_s": ckpts.stalls}
     if t.sample_tokens and end > start:
         engine.gather_for_inference()  # ZeRO-3: every rank takes part in gathering the model
         if is_main or cfg.parallel.tp > 1:  # tensor-parallel ranks generate together (same seed, same tokens)

@@ -80,6 +80,7 @@ def validate_config(cfg: Config) -> Config:
 
         parse_steps(t.profile_steps, t.steps)
     c = cfg.checkpoint
+    validate_resilience(cfg)
     _positive("checkpoint.every", c.every, allow_zero=True)
     _positive("checkpoint.keep_last", c.keep_last)
     dims = validate_parallel(cfg)
@@ -160,3 +161,34 @@ def validate_parallel(cfg: Config):
     dims = ParallelDims.from_config(p, world)
     dims.check_placement(per_node, p.allow_cross_node_tp)  # refuses; a permitted crossing warns in the workers
     return dims
+
+
+def validate_resilience(cfg: Config) -> None:
+    """The fault-tolerance fields: restarts, bad steps, replica and straggler checks, checkpoint timing."""
+    from plait.errors import UserError
+    from plait.launch_env import detect_launch, planned_world
+    from plait.parallel.dims import ParallelDims
+
+    t, c = cfg.train, cfg.checkpoint
+    for name in ("max_restarts", "replica_check_every", "straggler_every"):
+        _positive(f"train.{name}", getattr(t, name), allow_zero=True)
+    _positive("train.max_bad_steps", t.max_bad_steps)
+    _positive("train.straggler_threshold", t.straggler_threshold)
+    _positive("checkpoint.every_minutes", c.every_minutes, allow_zero=True)
+    if t.spike_factor != 0 and not t.spike_factor > 1:
+        raise bad_value("train.spike_factor", t.spike_factor, "must be above 1 (a multiple of the median loss), or 0 = off")
+    le = detect_launch()
+    if t.max_restarts and le is not None and le.launcher != "plait":
+        how = "sbatch --requeue" if le.launcher == "slurm" else f"torchrun --max-restarts {t.max_restarts}"
+        raise bad_value("train.max_restarts", t.max_restarts, f"{le.launcher} started these processes, so it must "
+                        f"restart them: use {how} and drop this option (plait resumes by itself after a restart)")
+    if t.replica_check_every:
+        try:
+            dims = ParallelDims.from_config(cfg.parallel, planned_world(cfg.parallel)[0])
+        except UserError:
+            return  # validate_parallel names what is wrong with the layout
+        replicas = dims.dp_replicate * dims.dp_shard if cfg.parallel.zero == 0 else dims.dp_replicate
+        if replicas < 2:
+            raise bad_value("train.replica_check_every", t.replica_check_every, "this layout keeps no two copies of "
+                            "the same parameters (one data-parallel rank, or ZeRO shards them); use --zero 0 with "
+                            "--dp 2 or more, or --parallel.dp_replicate 2 or more")

@@ -1,0 +1,115 @@
+"""In-job restarts (`--train.max_restarts K`): when a worker dies (kill -9, out of memory), hangs
+past `parallel.timeout_s` or fails a collective, the launcher's elastic agent stops every worker;
+plait then starts them all again from the newest valid checkpoint, up to K times.
+
+What is not restarted, because the same would happen again or a person should look first: a user
+error (a bad value, a full or read-only disk, `train.max_bad_steps` reached) and a replica mismatch.
+
+Each restart is reported twice: one line on stderr when it happens, and in metrics.jsonl a
+`"restart"` object in the first step record the restarted run logs - {"count", "max", "cause",
+"rank", "from_step", "steps_lost", "detected_at"} - so it survives the trimming of the entries past
+the checkpoint that a resume does. Before each start, `.tmp-` folders that the failed attempt left
+are removed, so no half-written checkpoint stays behind.
+
+Under an outer launcher - torchrun with `--max-restarts`, SLURM with `--requeue` - that launcher
+restarts the processes. plait sees TORCHELASTIC_RESTART_COUNT / SLURM_RESTART_COUNT above 0,
+resumes from the newest valid checkpoint without being told, and logs the restart the same way
+(the cause is in the outer launcher's log, not known to plait).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from plait import checkpoint as ckpt
+from plait.errors import UserError
+
+NOT_RESTARTED = ("ReplicaMismatch",)
+OUTER = (("TORCHELASTIC_RESTART_COUNT", "torchrun"), ("SLURM_RESTART_COUNT", "SLURM"))
+
+
+def outer_restart(env=None) -> tuple[str, int] | None:
+    """(launcher, count) when torchrun or SLURM restarted this process; None on a first start."""
+    env = os.environ if env is None else env
+    for var, who in OUTER:
+        if int(env.get(var) or 0) > 0:
+            return who, int(env[var])
+    return None
+
+
+def resume_after_outer_restart(cfg):
+    """A restarted process resumes whatever its command line says (it is the same command)."""
+    if outer_restart() is not None and not cfg.checkpoint.resume:
+        cfg.checkpoint.resume = "auto"
+    return cfg
+
+
+def run_workers(cfg, attempt_fn) -> list:
+    """`attempt_fn(cfg, env)` runs every worker once (`plait.launch.run`); on a restartable
+    failure run it again, from the newest valid checkpoint, up to `train.max_restarts` times."""
+    from plait.launch import SpawnError
+
+    limit = cfg.train.max_restarts
+    root = Path(cfg.train.out).expanduser() / "checkpoints"
+    env = {"PLAIT_ATTEMPT": "0"}
+    for attempt in range(limit + 1):
+        try:
+            return attempt_fn(cfg, env)
+        except (SpawnError, UserError) as e:
+            ckpt.remove_partial(root)  # every worker has ended: what they left half-written goes
+            if attempt == limit or not isinstance(e, SpawnError) or str(e.message).startswith(NOT_RESTARTED):
+                raise
+            note = _restart_note(cfg, e, attempt + 1, limit, root)
+            print(f"plait: restart {note['count']} of {limit}: {note['cause']}; resuming from step "
+                  f"{note['from_step']} ({note['steps_lost']} step(s) to redo)", file=sys.stderr, flush=True)
+            cfg = copy.deepcopy(cfg)
+            if not cfg.checkpoint.resume:
+                cfg.checkpoint.resume = "auto"  # no checkpoint yet: start over
+            env = {"PLAIT_ATTEMPT": str(attempt + 1), "PLAIT_RESTART": json.dumps(note)}
+    raise AssertionError("unreachable")
+
+
+def _restart_note(cfg, e, count: int, limit: int, root: Path) -> dict:
+    folder = ckpt.latest_valid(root, log=lambda m: None)
+    from_step = ckpt.load_manifest(folder)["step"] if folder is not None else 0
+    last = last_logged_step(Path(cfg.train.out).expanduser() / "metrics.jsonl")
+    return {"count": count, "max": limit, "cause": str(e), "rank": e.rank, "from_step": from_step,
+            "steps_lost": max(0, last - from_step), "detected_at": time.time()}
+
+
+def last_logged_step(path: Path) -> int:
+    """The last step metrics.jsonl records (0 if none); a line cut short by a kill is skipped."""
+    last = 0
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return 0
+    for line in lines:
+        try:
+            step = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(step, int):
+            last = step
+    return last
+
+
+def restart_note(out: Path, start: int) -> dict | None:
+    """In a worker (rank 0), before the resume trims metrics.jsonl: what the first step record
+    after a restart carries; None on a first start. `start`: the step resumed from."""
+    if os.environ.get("PLAIT_RESTART"):
+        return json.loads(os.environ["PLAIT_RESTART"])
+    outer = outer_restart()
+    if outer is None:
+        return None
+    who, count = outer
+    lost = max(0, last_logged_step(Path(out) / "metrics.jsonl") - start)
+    print(f"plait: restart {count} by {who}; resumed from step {start} ({lost} step(s) to redo)",
+          file=sys.stderr, flush=True)
+    return {"count": count, "by": who, "cause": f"restarted by {who} (its log names the failure)",
+            "from_step": start, "steps_lost": lost, "detected_at": time.time()}

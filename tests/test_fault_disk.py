@@ -1,0 +1,119 @@
+"""Disk faults and folder ownership: a disk that fills up mid-run (a real small tmpfs, mounted in a
+user + mount namespace) or an injected ENOSPC in an asynchronous write, a read-only --out, too
+little space for one checkpoint, and a second run on a folder in use: one line each, a non-zero
+exit, every earlier checkpoint still loadable."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from fault_runs import assert_no_workers_left, bounded, rows, step_dir, train_args
+from plait import checkpoint as ckpt
+from plait.cli import main
+from plait.config import build_config
+from plait.parallel.sharded_state import full_weights
+from plait.run_folder import RunFolder
+
+
+def _namespaces_work() -> bool:
+    if not shutil.which("unshare"):
+        return False
+    probe = "d=$(mktemp -d) && mount -t tmpfs -o size=64k tmpfs $d && umount $d && rmdir $d"
+    return subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", probe],
+                          capture_output=True).returncode == 0
+
+
+needs_namespaces = pytest.mark.skipif(not _namespaces_work(), reason="cannot mount a tmpfs in a user namespace here")
+
+
+def _in_namespace(tmp_path, setup: str, cmd: list[str], copy_from: str, timeout=120) -> tuple[int, str]:
+    """Run `cmd` after the shell `setup` (mounts) in a fresh user + mount namespace; the mounts vanish
+    with it, so `copy_from` is copied to tmp_path/"copy" first. Returns (exit code, stderr)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PLAIT_")}
+    script = (f"set -e; {setup}; set +e; {shlex.join(cmd)} 2> {tmp_path}/err; rc=$?; "
+              f"cp -a {copy_from} {tmp_path}/copy; exit $rc")
+    p = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "bash", "-c", script], env=env,
+                       timeout=timeout)
+    return p.returncode, (tmp_path / "err").read_text()
+
+
+def _cli(corpus, out, steps, extra=()) -> list[str]:
+    return [sys.executable, "-m", "plait.cli"] + train_args(corpus, out, steps, nproc=2, zero=3, extra=extra)
+
+
+def _one_error_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.startswith("plait train: error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@needs_namespaces
+def test_a_disk_that_fills_up_mid_run_ends_in_one_line_and_keeps_earlier_checkpoints(corpus, tmp_path):
+    # ~0.85 MB a checkpoint (68K parameters x 12 bytes): a 1.4 MB disk holds the one of step 2, not step 4's
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    run = disk / "run"
+    rc, err = _in_namespace(tmp_path, f"mount -t tmpfs -o size=1400k tmpfs {disk}",
+                            _cli(corpus, run, 6, ["--checkpoint.every", "2"]), run)
+    line = _one_error_line(err)
+    assert rc == 2 and "cannot write checkpoint step_00000004 in" in line and "No space left on device" in line, err
+    copy = tmp_path / "copy"
+    assert sorted(p.name for p in (copy / "checkpoints").iterdir()) == ["step_00000002"]  # no partial folder
+    assert ckpt.verify(step_dir(copy, 2)) is None and len(full_weights(step_dir(copy, 2))) > 0
+    assert [r["step"] for r in rows(copy)][-1] == 3  # a step is logged once its checkpoint is written
+    assert_no_workers_left()
+
+
+@needs_namespaces
+def test_a_read_only_out_is_refused_before_training(corpus, tmp_path):
+    run = tmp_path / "run"
+    with bounded(60):
+        assert main(train_args(corpus, run, 2)) == 0
+    before = {f: f.read_bytes() for f in step_dir(run, 2).iterdir()}
+    rc, err = _in_namespace(tmp_path, f"mount --bind {run} {run} && mount -o remount,ro,bind {run}",
+                            [sys.executable, "-m", "plait.cli"] + train_args(corpus, run, 4, extra=["--resume"]), run)
+    line = _one_error_line(err)
+    assert rc == 2 and f"train.out = '{run}': cannot write there (Read-only file system)" in line, err
+    assert {f: f.read_bytes() for f in step_dir(run, 2).iterdir()} == before
+    assert ckpt.verify(step_dir(run, 2)) is None
+
+
+def test_too_little_space_for_one_checkpoint_is_refused_before_training(corpus, tmp_path, monkeypatch, capfd):
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr("plait.run_folder.shutil.disk_usage", lambda p: usage._replace(free=256 << 10))
+    assert main(train_args(corpus, tmp_path / "run", 2, nproc=2, zero=3)) == 2
+    line = _one_error_line(capfd.readouterr().err)
+    assert "has 0.25 MiB free but one checkpoint of this model needs about 0.84 MiB" in line, line
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before any worker started
+
+
+def test_a_failed_async_write_ends_in_one_line_and_keeps_earlier_checkpoints(corpus, tmp_path, monkeypatch, capfd):
+    monkeypatch.setenv("PLAIT_FAULTS", "enospc@rank=1,step=4")  # rank 1's background write of step 4 fails
+    run = tmp_path / "run"
+    with bounded(90):
+        code = main(train_args(corpus, run, 6, nproc=2, zero=3,
+                               extra=["--checkpoint.every", "2", "--checkpoint.async", "true"]))
+    line = _one_error_line(capfd.readouterr().err)
+    assert code == 2 and line.startswith("plait train: error: rank 1: cannot write checkpoint step_00000004 in "
+                                         f"{run / 'checkpoints'}: No space left on device"), line
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000002"]
+    assert ckpt.verify(step_dir(run, 2)) is None
+    assert_no_workers_left()
+
+
+def test_a_second_run_on_a_folder_in_use_is_refused(corpus, tmp_path, capfd):
+    run = tmp_path / "run"
+    cfg = build_config({"train": {"out": str(run)}})
+    run.mkdir()
+    with RunFolder(cfg):  # another run holds the folder
+        assert main(train_args(corpus, run, 2)) == 2
+        line = _one_error_line(capfd.readouterr().err)
+        assert f"train.out = '{run}': is in use by another plait run (pid {os.getpid()} on" in line
+    assert not (run / "metrics.jsonl").exists()
+    assert main(train_args(corpus, run, 2)) == 0  # free again once the holder is done

@@ -1,0 +1,100 @@
+"""In-job restarts: a rank killed with SIGKILL (at a random step, or while it writes an asynchronous
+checkpoint) or hanging inside a collective is detected, every worker is stopped, and the run goes on
+from the newest valid checkpoint - ending bitwise where an uninterrupted run ends."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+from fault_runs import (assert_no_workers_left, assert_same_state, bounded, fault_log, losses, rows, step_dir,
+                        train_args)
+from plait.cli import main
+
+STEPS = 10
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory):
+    """An uninterrupted 4-process ZeRO-3 run: the outcome every interrupted one must reproduce."""
+    out = tmp_path_factory.mktemp("ref") / "run"
+    with bounded(120):
+        assert main(train_args(corpus, out, STEPS, nproc=4, zero=3, extra=["--checkpoint.every", "3"])) == 0
+    return out
+
+
+def _restart(run) -> tuple[int, dict]:
+    """(the step whose record carries it, the restart note) of the run's single restart."""
+    found = [(r["step"], r["restart"]) for r in rows(run) if "restart" in r]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def _assert_equal_after_restart(run, reference) -> None:
+    first, note = _restart(run)
+    assert first == note["from_step"] + 1  # the first record after the restart carries it
+    ref, got = losses(reference), losses(run)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    # every loss logged after the restart, bit for bit (floats written by json round-trip exactly)
+    assert {s: got[s] for s in got if s >= first} == {s: ref[s] for s in ref if s >= first}
+    assert_same_state(step_dir(run, STEPS), step_dir(reference, STEPS))
+
+
+def test_kill9_of_a_rank_at_a_random_step_restarts_and_ends_bitwise(corpus, tmp_path, monkeypatch, reference,
+                                                                   capfd):
+    rng = random.Random(os.urandom(8))
+    rank, step = rng.randrange(4), rng.randrange(2, STEPS)
+    monkeypatch.setenv("PLAIT_FAULTS", f"kill@rank={rank},step={step}")
+    monkeypatch.setenv("PLAIT_FAULTS_LOG", str(tmp_path / "faults.jsonl"))
+    run = tmp_path / "run"
+    with bounded(150):
+        assert main(train_args(corpus, run, STEPS, nproc=4, zero=3,
+                               extra=["--checkpoint.every", "3", "--train.max_restarts", "2"])) == 0, (rank, step)
+    assert [(f["kind"], f["rank"], f["step"]) for f in fault_log(tmp_path / "faults.jsonl")] == [("kill", rank, step)]
+    _, note = _restart(run)
+    assert note["rank"] == rank and "SIGKILL" in note["cause"], note
+    assert note["from_step"] == (step - 1) // 3 * 3 and note["steps_lost"] == step - 1 - note["from_step"], note
+    assert f"plait: restart 1 of 2: rank {rank} failed" in capfd.readouterr().err
+    _assert_equal_after_restart(run, reference)
+    assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
+    assert_no_workers_left()
+
+
+def test_kill9_during_an_async_checkpoint_write_uses_the_previous_one(corpus, tmp_path, monkeypatch, reference):
+    # rank 2 dies after writing its files of step 6, before the checkpoint is committed: step 6 never
+    # appears, the restart resumes from step 3 and redoes 4..6
+    monkeypatch.setenv("PLAIT_FAULTS", "kill@rank=2,step=6,during=write")
+    monkeypatch.setenv("PLAIT_FAULTS_LOG", str(tmp_path / "faults.jsonl"))
+    run = tmp_path / "run"
+    with bounded(150):
+        assert main(train_args(corpus, run, STEPS, nproc=4, zero=3, extra=[
+            "--checkpoint.every", "3", "--checkpoint.async", "true", "--train.max_restarts", "1"])) == 0
+    assert [(f["kind"], f["step"], f["during"]) for f in fault_log(tmp_path / "faults.jsonl")] == [("kill", 6, "write")]
+    _, note = _restart(run)
+    assert note["from_step"] == 3 and note["rank"] == 2, note
+    _assert_equal_after_restart(run, reference)
+    assert all(r.get("checkpoint_async") for r in rows(run) if "checkpoint_stall_s" in r)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000006", "step_00000009",
+                                                                       "step_00000010"]
+    assert_no_workers_left()
+
+
+def test_a_rank_hanging_in_a_collective_is_detected_within_the_timeout_and_restarted(corpus, tmp_path,
+                                                                                      monkeypatch):
+    # rank 1 sleeps inside step 4's backward while rank 0 waits in the reduce-scatter
+    monkeypatch.setenv("PLAIT_FAULTS", "hang@rank=1,step=4,s=600")
+    monkeypatch.setenv("PLAIT_FAULTS_LOG", str(tmp_path / "faults.jsonl"))
+    run = tmp_path / "run"
+    timeout = 3
+    with bounded(120):
+        assert main(train_args(corpus, run, 6, nproc=2, zero=3, extra=[
+            "--checkpoint.every", "2", "--train.max_restarts", "1", "--parallel.timeout_s", timeout])) == 0
+    (hang,) = fault_log(tmp_path / "faults.jsonl")
+    _, note = _restart(run)
+    assert "CollectiveError" in note["cause"] and f"parallel.timeout_s = {timeout} s" in note["cause"], note
+    latency = note["detected_at"] - hang["time"]
+    assert timeout <= latency < timeout + 5, latency  # the collective's timeout, not a harness bound
+    assert note["from_step"] == 2 and sorted(losses(run)) == list(range(1, 7))
+    assert_no_workers_left()
