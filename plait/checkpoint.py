@@ -52,6 +52,16 @@ def _fsync_dir(path: Path) -> None:
         pass  # not every filesystem lets a directory be fsynced; the rename is still atomic
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """Replace a small file whole: a crash mid-write leaves the old version, never half of the new."""
+    part = Path(path).with_name(Path(path).name + ".part")
+    with open(part, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(part, path)
+
+
 def check_writable(folder: Path, field: str) -> None:
     """Fail before training, not at the first save an hour in."""
     try:

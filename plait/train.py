@@ -246,7 +246,7 @@ def train(cfg: Config, dims=None) -> dict:
     stragglers = StragglerReport(comm, t.straggler_every, t.straggler_threshold, device, is_main)
 
     if is_main:
-        (out / "config.toml").write_text(cfg.to_toml())
+        ckpt.write_atomic(out / "config.toml", cfg.to_toml())  # a resume reads it: never half of it
         if dropped := trim_metrics(out / "metrics.jsonl", start):  # one curve: the resumed segment replaces them
             _warn(f"metrics.jsonl: dropped {dropped} entries past step {start}, logged after that checkpoint")
     log = MetricsLog(out if is_main else None, t.tensorboard, wandb_project=t.wandb, run_name=out.name,

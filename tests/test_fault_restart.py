@@ -13,7 +13,7 @@ from fault_runs import (assert_no_workers_left, assert_same_state, bounded, faul
                         train_args)
 from plait.cli import main
 
-STEPS = 10
+STEPS = 8
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +76,8 @@ def test_kill9_during_an_async_checkpoint_write_uses_the_previous_one(corpus, tm
     assert note["from_step"] == 3 and note["rank"] == 2, note
     _assert_equal_after_restart(run, reference)
     assert all(r.get("checkpoint_async") for r in rows(run) if "checkpoint_stall_s" in r)
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000006", "step_00000009",
-                                                                       "step_00000010"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000003", "step_00000006",
+                                                                       "step_00000008"]
     assert_no_workers_left()
 
 
@@ -98,3 +98,29 @@ def test_a_rank_hanging_in_a_collective_is_detected_within_the_timeout_and_resta
     assert timeout <= latency < timeout + 5, latency  # the collective's timeout, not a harness bound
     assert note["from_step"] == 2 and sorted(losses(run)) == list(range(1, 7))
     assert_no_workers_left()
+
+
+def test_a_restart_by_torchrun_or_slurm_resumes_by_itself_and_is_logged(tmp_path, monkeypatch, capsys, corpus):
+    from plait.config import build_config
+    from plait.supervise import restart_note, resume_after_outer_restart
+
+    for var in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT", "PLAIT_RESTART"):
+        monkeypatch.delenv(var, raising=False)
+    assert not resume_after_outer_restart(build_config({})).checkpoint.resume  # a first start
+    assert restart_note(tmp_path, 0) is None
+    (tmp_path / "metrics.jsonl").write_text("".join(f'{{"step": {s}, "loss": 1.0}}\n' for s in range(1, 8)) + '{"st')
+    for var, who in (("TORCHELASTIC_RESTART_COUNT", "torchrun"), ("SLURM_RESTART_COUNT", "SLURM")):
+        monkeypatch.setenv(var, "2")
+        assert resume_after_outer_restart(build_config({})).checkpoint.resume == "auto"
+        note = restart_note(tmp_path, 4)
+        assert {k: note[k] for k in ("count", "by", "from_step", "steps_lost")} == \
+            {"count": 2, "by": who, "from_step": 4, "steps_lost": 3}
+        assert f"plait: restart 2 by {who}; resumed from step 4 (3 step(s) to redo)" in capsys.readouterr().err
+        monkeypatch.delenv(var)
+    # the outer launcher restarts its processes: plait's own restarts are refused there
+    for k, v in dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29999",
+                     TORCHELASTIC_RUN_ID="t").items():
+        monkeypatch.setenv(k, v)
+    assert main(train_args(corpus, tmp_path / "r", 2, extra=["--train.max_restarts", "2"])) == 2
+    assert "train.max_restarts = 2: torchrun started these processes, so it must restart them: use torchrun " \
+           "--max-restarts 2" in capsys.readouterr().err
