@@ -295,7 +295,8 @@ def train(cfg: Config, dims=None) -> dict:
         ckpts.poll(record)  # a background save that failed raises here
         if restart:
             record["restart"], restart = restart, None
-        saving = ckpts.due(done, end) and not health.stop
+        # no checkpoint at a skipped step (but at the end): the newest one is then always the last good state's
+        saving = ckpts.due(done, end) and not health.stop and (not health.bad or done == end)
         if replicas.due(done, saving):  # before a checkpoint is written from a corrupted replica
             replicas.check(done, before_raise=ckpts.close)
         if saving:
