@@ -227,8 +227,8 @@ class Saver:
         self.barrier()
         final = self.root / step_dir_name(step)
         if self.rank == 0:
-            self._guarded(step, tmp, lambda: commit(self.root, tmp, step, {f.name: file_entry(f) for f in
-                                                                           sorted(tmp.iterdir())}, info, self.keep_last))
+            files = lambda: {f.name: file_entry(f) for f in sorted(tmp.iterdir())}  # noqa: E731
+            self._guarded(step, tmp, lambda: commit(self.root, tmp, step, files(), info, self.keep_last))
         self.barrier()
         return final
 

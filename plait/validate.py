@@ -176,7 +176,8 @@ def validate_resilience(cfg: Config) -> None:
     _positive("train.straggler_threshold", t.straggler_threshold)
     _positive("checkpoint.every_minutes", c.every_minutes, allow_zero=True)
     if t.spike_factor != 0 and not t.spike_factor > 1:
-        raise bad_value("train.spike_factor", t.spike_factor, "must be above 1 (a multiple of the median loss), or 0 = off")
+        raise bad_value("train.spike_factor", t.spike_factor,
+                        "must be above 1 (a multiple of the median loss), or 0 = off")
     le = detect_launch()
     if t.max_restarts and le is not None and le.launcher != "plait":
         how = "sbatch --requeue" if le.launcher == "slurm" else f"torchrun --max-restarts {t.max_restarts}"
