@@ -14,6 +14,7 @@ allocation, so plait does not do it unasked).
 
 from __future__ import annotations
 
+import re
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -84,7 +85,8 @@ class StepProfiler:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
         if self.cuda:
             torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES)
-        self.prof = profile(activities=activities, record_shapes=True, profile_memory=True)
+        # one window per run: acc_events keeps torch from warning that a later cycle would clear it
+        self.prof = profile(activities=activities, record_shapes=True, profile_memory=True, acc_events=True)
         self.prof.start()
 
     def _stop(self) -> None:
@@ -106,6 +108,15 @@ class StepProfiler:
             self.say("; ".join(written))
 
 
+def _what_failed(message: str) -> str:
+    """The allocation that failed, from torch's out-of-memory message (a paragraph of advice)."""
+    asked = re.search(r"Tried to allocate ([\d.]+ \w+)", message)
+    free = re.search(r"of which ([\d.]+ \w+) is free", message)
+    if asked:
+        return f"tried to allocate {asked.group(1)}" + (f" with {free.group(1)} free" if free else "")
+    return message.strip().splitlines()[0][:200] if message.strip() else "no detail"
+
+
 def oom_snapshot_path(out: Path, rank: int) -> Path:
     return Path(out) / "profile" / f"oom_memory_rank{rank}.pickle"
 
@@ -124,7 +135,6 @@ def snapshot_on_oom(out: Path, rank: int):
             where = f"memory snapshot in {path} (open it at https://pytorch.org/memory_viz)"
         except Exception as dump_error:  # no CUDA context left to ask: still say what happened
             where = f"no memory snapshot ({dump_error})"
-        first = str(e).strip().splitlines()[0] if str(e).strip() else "out of memory"
-        raise UserError(f"CUDA out of memory ({first}); {where}; lower --train.micro_batch, "
+        raise UserError(f"CUDA out of memory ({_what_failed(str(e))}); {where}; lower --train.micro_batch, "
                         "raise --zero, use --train.recompute selective|full, or profile a step with "
                         "--train.profile_steps N:N to record which code allocated what") from None

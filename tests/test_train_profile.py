@@ -57,9 +57,10 @@ def test_out_of_memory_writes_the_allocator_snapshot_and_says_where(tmp_path, mo
     written = []
     monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda path: written.append(path) or open(path, "wb").close())
     with pytest.raises(UserError) as e, snapshot_on_oom(tmp_path, 3):
-        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\nmore detail")
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB. GPU 0 has a total capacity of "
+                                          "79.18 GiB of which 3.00 GiB is free. Including non-PyTorch memory, ...")
     path = tmp_path / "profile" / "oom_memory_rank3.pickle"
     assert written == [str(path)] and path.is_file()
     msg = str(e.value)
-    assert msg.startswith("CUDA out of memory (CUDA out of memory. Tried to allocate 2.00 GiB.); memory snapshot in "
+    assert msg.startswith("CUDA out of memory (tried to allocate 4.00 GiB with 3.00 GiB free); memory snapshot in "
                           f"{path}") and "\n" not in msg and "--train.micro_batch" in msg
