@@ -180,7 +180,7 @@ class CheckpointConfig:
     keep_last: int = 3
     """Keep the newest K valid checkpoints; older ones are deleted after a successful save."""
     resume: bool | str = False
-    """Resume from the newest valid checkpoint in the run folder: true (refuse when there is none), auto (start fresh when there is none) or false. `plait train --resume` starts from the config saved with the run; options given on the command line override it."""
+    """Resume from the newest valid checkpoint in the run folder: true (refuse when there is none), auto (start fresh when there is none) or false. `plait train --resume` starts from the config saved with the run (the layout, [parallel], excepted: it comes from the command line); options given on the command line override it."""
 
 
 @dataclass

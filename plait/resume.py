@@ -4,8 +4,11 @@ checks that a checkpoint fits the run about to continue it.
 `plait train --out RUN --resume` starts from RUN's own config (RUN/config.toml, written when the
 run last started; else the config in its newest checkpoint), not from the defaults, so continuing a
 `small` run needs no `--model.preset small`. Options given on the command line (or in `--config`)
-override it, and the run names the ones that change something in one line. A few fields describe
-one invocation rather than the run (`PER_INVOCATION`); they start from their defaults again.
+override it, and the run names the ones that change something in one line. What describes this
+invocation rather than the run starts from the defaults again, as for any command: the layout
+([parallel]: processes, degrees, ZeRO stage; a checkpoint loads at any layout, so it is chosen for
+the machine at hand) and `PER_INVOCATION`'s fields. `--train.global_batch` keeps the batch when the
+layout changes, and the run says when it does not.
 
 Whatever the config, a checkpoint whose weights have another shape than the model the config
 builds is refused before any worker starts, and a change of the global batch is named.
@@ -21,7 +24,8 @@ from plait import checkpoint as ckpt
 from plait.config import Config, ModelConfig, build_config, config_from_dict, merge
 from plait.errors import bad_value
 
-# fields that say how this one command runs, not what the run is
+# what says how this one command runs, not what the run is: sections, then single fields
+PER_INVOCATION_SECTIONS = ("parallel",)
 PER_INVOCATION = (("checkpoint", "resume"), ("train", "max_steps_this_run"))
 # the model fields that decide the shape of some weight (rope_theta, max_seq_len... do not)
 SHAPE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "tie_embeddings")
@@ -64,7 +68,7 @@ def resumed_config(saved: dict, explicit: dict) -> tuple[Config, list[str]]:
     explicit model fields), not the saved shape with a new label: the shape check then says whether
     the checkpoint fits it.
     """
-    base = _known(saved)
+    base = {s: v for s, v in _known(saved).items() if s not in PER_INVOCATION_SECTIONS}
     for section, key in PER_INVOCATION:
         base.get(section, {}).pop(key, None)
     was = config_from_dict(base)
@@ -76,7 +80,8 @@ def resumed_config(saved: dict, explicit: dict) -> tuple[Config, list[str]]:
     for section, values in explicit.items():
         for key in values:
             old, new = getattr(getattr(was, section), key), getattr(getattr(cfg, section), key)
-            if (section, key) not in PER_INVOCATION + (("train", "out"),) and old != new:
+            per_invocation = section in PER_INVOCATION_SECTIONS or (section, key) in PER_INVOCATION
+            if not per_invocation and (section, key) != ("train", "out") and old != new:
                 changed.append(f"{section}.{key} {old!r} -> {new!r}")
     return cfg, sorted(changed)
 

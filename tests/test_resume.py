@@ -106,20 +106,22 @@ def test_global_batch_survives_resuming_a_two_rank_run_on_one_process(corpus, tm
     assert main(_first_run(corpus, run, steps=4, extra=["--nproc", "2", "--dp", "2", "--train.micro_batch", "2",
                                                         "--train.max_steps_this_run", "2"])) == 0
     capfd.readouterr()
-    # on one process the saved micro-batch of 2 would halve the batch: the run says so in one line
-    assert main(["train", "--out", str(run), "--resume", "--nproc", "1", "--dp", "1", "--train.max_steps_this_run",
-                 "1", "--checkpoint.at_end", "false"]) == 0
+    # the layout is the command line's, not the run's: without --nproc this resume runs in one process,
+    # where the saved micro-batch of 2 would halve the batch; the run says so in one line
+    assert main(["train", "--out", str(run), "--resume", "--train.max_steps_this_run", "1",
+                 "--checkpoint.at_end", "false"]) == 0
     err = capfd.readouterr().err
     assert ("the checkpoint trained 4 sequences per step (micro_batch 2 x grad_accum 1 x dp 2); this run trains 2 "
             "(micro_batch 2 x grad_accum 1 x dp 1)") in err and "--train.global_batch 4" in err
     # --train.global_batch keeps it: grad_accum 2 is derived, and the losses are the reference run's
-    assert main(["train", "--out", str(run), "--resume", "--nproc", "1", "--dp", "1", "--train.global_batch", "4"]) == 0
+    assert main(["train", "--out", str(run), "--resume", "--train.global_batch", "4"]) == 0
     err = capfd.readouterr().err
     assert "sequences per step" not in err
     state = json.loads((run / "checkpoints" / "step_00000004" / "train_state.json").read_text())
     assert state["global_batch"] == 4 and state["config"]["train"]["grad_accum"] == 2
     rows, want = _rows(run), _rows(ref)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert "comm_sent_bytes" in rows[1] and "comm_sent_bytes" not in rows[2]  # 2 processes, then 1
     for a, b in zip(rows, want):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * b["loss"], (a, b)
     w, wref = full_weights(run / "checkpoints" / "step_00000004"), full_weights(ref / "checkpoints" / "step_00000004")
