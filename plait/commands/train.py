@@ -21,7 +21,8 @@ def add_arguments(p) -> None:
     p.add_argument("--out", help="run folder (default runs/<timestamp>)")
     p.add_argument("--resume", nargs="?", const=True, metavar="auto",
                    help="continue the run in --out from its newest valid checkpoint, with the config it was saved "
-                        "with (options given here override it); `--resume auto` starts fresh when there is none")
+                        "with (options given here override it; the layout is this command's); `--resume auto` "
+                        "starts fresh when there is none")
     p.add_argument("--steps", help="optimizer steps (train.steps)")
     p.add_argument("--preset", help="model preset (model.preset)")
     p.add_argument("--nproc", help="processes to start on this machine")
