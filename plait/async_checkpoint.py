@@ -66,10 +66,13 @@ class AsyncSaver:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._report: dict | None = None
+        self.waited_s = 0.0  # how long the last snapshot waited for the previous write
 
     def snapshot(self, engine) -> Callable[[Path], None]:
         """The engine's own `save`, reading a host copy of its optimizer state taken now."""
+        t0 = time.perf_counter()
         self.wait()  # the previous write still reads the host buffers
+        self.waited_s = time.perf_counter() - t0
         frozen = copy.copy(engine)  # a shallow copy: same pieces, shard and writer role ...
         frozen.opt = self.host.take(engine.opt)  # ... but the state as it is at this step boundary
         return frozen.save

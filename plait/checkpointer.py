@@ -8,7 +8,8 @@ with one all-reduce of one number per step (only when minutes are set).
 `saver` is a `plait.checkpoint.Saver` (the loop waits for the write) or, with
 `--checkpoint.async true`, a `plait.async_checkpoint.AsyncSaver` (the loop waits only for a copy
 to host memory). `timed` measures the stall either way, so the two can be compared
-(`bench/checkpoint_stall.py`).
+(`bench/checkpoint_stall.py`); an asynchronous save due while the previous one is still being
+written waits for it, and says how long (`checkpoint_wait_s`).
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ class Checkpointer:
         self.saved.add(step)
         self.last = time.monotonic()
         record.update(checkpoint_stall_s=stall, checkpoint_async=self.is_async)
+        if self.is_async:  # the part of the stall spent waiting for the previous write: saves too close together
+            record["checkpoint_wait_s"] = self.saver.waited_s
 
     def keep(self, step: int, save) -> Path | None:
         """Make sure a complete checkpoint of `step` exists before the run stops: `save()` writes it
