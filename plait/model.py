@@ -239,25 +239,36 @@ class Transformer(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
-    def hidden(self, tokens: torch.Tensor, h: torch.Tensor | None = None,
-               positions: torch.Tensor | None = None, cache=None) -> torch.Tensor:
-        """Run embedding (first stage) and this module's blocks; returns (B, T, dim)."""
-        if self.embed is not None:
+    def hidden(self, tokens: torch.Tensor | None, h: torch.Tensor | None = None,
+               positions: torch.Tensor | None = None, cache=None, layers=None,
+               seq_len: int | None = None) -> torch.Tensor:
+        """Run the embedding (given tokens and no hidden states: the first stage) and the blocks
+        `layers` (their keys; default all of this module's); returns (B, T, dim), or (B*T/tp, dim)
+        with sequence parallelism - give `seq_len` then when there are no tokens."""
+        if h is None:
             h = self.tp.embed(self.embed, tokens)  # (B, T, dim); (B*T/tp, dim) with sequence parallelism
-        T = tokens.shape[1] if tokens is not None else h.shape[1]
+        T = seq_len or (tokens.shape[1] if tokens is not None else h.shape[1])
         if cache is not None:  # the new tokens continue the cached positions
             positions = torch.arange(cache.pos, cache.pos + T, device=h.device)
         # cast once to the compute dtype here, not in every layer: each cast would be a copy that
         # every layer's RoPE keeps for its backward
         cos = (self.rope_cos[:T] if positions is None else self.rope_cos[positions]).to(h.dtype)
         sin = (self.rope_sin[:T] if positions is None else self.rope_sin[positions]).to(h.dtype)
-        for i, block in enumerate(self.layers.values()):
+        for i, key in enumerate(self.layers.keys() if layers is None else layers):
+            block = self.layers[key]
             # with a cache, `forward` directly: shapes change every token (a compiled block would
             # recompile), and engines drop their hooks before inference (`gather_for_inference`)
             h = block(h, cos, sin) if cache is None else block.forward(h, cos, sin, cache.layer(i))
         if cache is not None:
             cache.advance(T)
         return h
+
+    def head(self, h: torch.Tensor, targets: torch.Tensor | None = None, seq_len: int | None = None):
+        """The last stage's end: final norm, then the fused loss against `targets`, or the logits."""
+        h = self.norm(h)
+        if targets is None:
+            return self.tp.logits(h, self.output.weight, seq_len)
+        return self.tp.loss(h, self.output.weight, targets, self.ce_chunk_fn)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
                 h: torch.Tensor | None = None, positions: torch.Tensor | None = None, cache=None):
@@ -270,10 +281,7 @@ class Transformer(nn.Module):
         h = self.hidden(tokens, h, positions, cache)
         if self.norm is None:
             return h
-        h = self.norm(h)
-        if targets is None:
-            return self.tp.logits(h, self.output.weight, tokens.shape[1] if tokens is not None else None)
-        return self.tp.loss(h, self.output.weight, targets, self.ce_chunk_fn)
+        return self.head(h, targets, tokens.shape[1] if tokens is not None else None)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

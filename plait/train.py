@@ -145,7 +145,8 @@ def evaluate(par, data, cfg: Config, device) -> float:
               for x, y in data.val_batches(cfg.train.eval_batches, micro_batch=cfg.train.micro_batch,
                                            dp_rank=par.data_rank, dp_size=par.data_size,
                                            seq_len=cfg.train.seq_len, seed=cfg.train.seed)]
-    return par.engine.global_mean(torch.stack(losses).mean().item())
+    # under a pipeline only the last stage holds the loss; global_mean counts the ranks that do
+    return par.engine.global_mean(torch.stack(losses).mean().item() if losses[0] is not None else None)
 
 
 def _rng_state(device: torch.device) -> dict:
@@ -318,7 +319,11 @@ def train(cfg: Config, dims=None) -> dict:
                "seconds": time.perf_counter() - t_run, "main": is_main,
                # bytes of parameters, gradients and optimizer state this rank holds at the update (plan --validate)
                "state_bytes": engine.state_bytes(), "checkpoint_stall_s": ckpts.stalls}
-    if t.sample_tokens and end > start:
+    if t.sample_tokens and end > start and cfg.parallel.pp > 1:
+        if is_main:
+            _warn(f"no sample at the end of a pipelined run (each rank holds some layers): sample its "
+                  f"checkpoint with `plait generate --checkpoint {out}`")
+    elif t.sample_tokens and end > start:
         engine.gather_for_inference()  # ZeRO-3: every rank takes part in gathering the model
         if is_main or cfg.parallel.tp > 1:  # tensor-parallel ranks generate together (same seed, same tokens)
             ids = sample(model, [int(i) for i in tokenizer.encode(SAMPLE_PROMPT)], t.sample_tokens,

@@ -85,7 +85,36 @@ def validate_config(cfg: Config) -> Config:
     _positive("checkpoint.keep_last", c.keep_last)
     dims = validate_parallel(cfg)
     derive_grad_accum(cfg, dims.dp_replicate * dims.dp_shard)
+    validate_pipeline(cfg)
     return cfg
+
+
+def validate_pipeline(cfg: Config) -> None:
+    """Schedule, micro-batches and stage split of a pipelined run (`parallel.microbatches` is
+    train.grad_accum's name there: the micro-batches every pipeline runs per step)."""
+    from plait.parallel.schedules import check_args
+    from plait.parallel.stages import parse_counts
+
+    p, t, m = cfg.parallel, cfg.train, cfg.model
+    if p.pp == 1:
+        if p.v != 1 or p.stage_layers:
+            name, value = ("parallel.v", p.v) if p.v != 1 else ("parallel.stage_layers", p.stage_layers)
+            raise bad_value(name, value, "splits a pipeline: it needs --pp > 1")
+        return
+    if p.microbatches:
+        if t.grad_accum not in (1, p.microbatches):
+            raise bad_value("parallel.microbatches", p.microbatches, f"differs from train.grad_accum = {t.grad_accum} "
+                            "(the micro-batches of a step under a pipeline): give one of them")
+        t.grad_accum = p.microbatches
+    p.schedule = check_args(p.schedule, p.pp, t.grad_accum, p.v)
+    counts = parse_counts(p.stage_layers, m.n_layers, p.pp * p.v)
+    if counts is None and m.n_layers % (p.pp * p.v) and p.v > 1:
+        raise bad_value("parallel.v", p.v, f"pp x v = {p.pp * p.v} stages do not divide the {m.n_layers} layers "
+                        "evenly; give --parallel.stage_layers (a count per stage) or another v")
+    if m.tie_embeddings and p.zero >= 2:
+        raise bad_value("parallel.zero", p.zero, "with pp > 1 a tied embedding has two copies (first and last "
+                        "stage) whose whole gradients are added before the data-parallel split; use --zero 0 "
+                        "or 1, or model.tie_embeddings false")
 
 
 def derive_grad_accum(cfg: Config, dp: int) -> None:
@@ -113,7 +142,7 @@ def data_parallel_size(cfg: Config) -> int:
 
 
 # parallelisms whose engines are not wired into `plait train` yet
-NOT_YET = ("pp", "cp")
+NOT_YET = ("cp",)
 
 
 def validate_parallel(cfg: Config):
@@ -142,7 +171,7 @@ def validate_parallel(cfg: Config):
     for name in NOT_YET:
         if getattr(p, name) != 1:
             raise bad_value(f"parallel.{name}", getattr(p, name), "is not wired into `plait train` yet; "
-                            "train with data and tensor parallelism (--nproc N --dp D --tp T --zero 0|1|2|3)")
+                            "train with data, tensor and pipeline parallelism (--dp, --tp, --pp, --zero)")
     rules.check_split(heads=m.n_heads, kv_heads=m.n_kv_heads, ffn=m.ffn_dim, layers=m.n_layers,
                       seq=cfg.train.seq_len, tp=p.tp, pp=p.pp, v=p.v, cp=p.cp, sp=p.sp)
     # Under torchrun/srun the world is what they started; locally it is nproc, all on this node, so

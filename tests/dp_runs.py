@@ -43,13 +43,15 @@ def config(corpus, micro_batch=MICRO, zero=0, grad_accum=1, dtype="fp32", steps=
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def train(cfg, comm=None, out: Path | None = None, engine_hook=None, before_step=None, step_fn=None) -> dict:
+def train(cfg, comm=None, out: Path | None = None, engine_hook=None, before_step=None, step_fn=None,
+          par_hook=None) -> dict:
     """The trainer's model, engine and step (`plait.parallel.build.parallelize`) for cfg.train.steps
     steps on cfg's data; returns losses, grad norms and the ledger of every step. Saves the final
     state into `out`. engine_hook(engine) runs after the last step; before_step(engine) before every
     update, when backward has reduced the gradients and the optimizer has not consumed them yet (the
     peak of model-state memory: ZeRO-3 frees its gradient chunks in the update). step_fn(par,
-    batches, lr) replaces the runner's step (e.g. to run backwards in another order)."""
+    batches, lr) replaces the runner's step (e.g. to run backwards in another order); par_hook(par)
+    sees the model, engine and runner after the last step."""
     t = cfg.train
     data = TokenData(cfg.data.path)
     par = parallelize(cfg, comm, torch.device("cpu"), DTYPES[t.dtype], compile=False)
@@ -73,6 +75,8 @@ def train(cfg, comm=None, out: Path | None = None, engine_hook=None, before_step
         engine.save(out)
     if engine_hook is not None:
         engine_hook(engine)
+    if par_hook is not None:
+        par_hook(par)
     ledger = [comm.ledger.summary(i) for i in range(len(comm.ledger.steps))] if comm is not None else None
     return {"losses": losses, "norms": norms, "ledger": ledger}
 
@@ -96,14 +100,22 @@ class Groups:
         self.single = [dist.new_group([r]) for r in range(world)]
         self.pair = [dist.new_group([0, 1]), dist.new_group([2, 3])] if world == 4 else []
         self.cross = [dist.new_group([0, 2]), dist.new_group([1, 3])] if world == 4 else []
+        self.ends = dist.new_group([0, 3]) if world == 4 else None  # a 4-stage pipeline's first and last
 
     def comm(self, layout: str) -> Comm:
         """'pair': two DP groups of 2 ({0,1} and {2,3}); 'world': one of 4; 'hsdp': shard {0,1}/{2,3},
         replicate {0,2}/{1,3}. Tensor-parallel: 'tp-pair': two TP groups of 2; 'tp-world': TP over 4;
-        'tp-dp': TP {0,1}/{2,3} x DP {0,2}/{1,3}."""
+        'tp-dp': TP {0,1}/{2,3} x DP {0,2}/{1,3}. Pipelines: 'pp-pair': two of 2 stages; 'pp-world': one
+        of 4 (its tied-embedding ends {0, 3})."""
         r = dist.get_rank()
-        one = {"tp": self.single[r]}
-        alone = {"dp": self.single[r], "dp_shard": self.single[r], "dp_replicate": self.single[r]}
+        one = {"tp": self.single[r], "pp": self.single[r]}
+        alone = {"dp": self.single[r], "dp_shard": self.single[r], "dp_replicate": self.single[r], "pp": self.single[r]}
+        if layout == "pp-pair":  # two 2-stage pipelines
+            g = self.pair[r // 2]
+            return Comm(None, Ledger(), groups={**alone, "tp": self.single[r], "pp": g, "pp_ends": g, "world": g})
+        if layout == "pp-world":  # one 4-stage pipeline
+            ends = {"pp_ends": self.ends} if r in (0, 3) else {}
+            return Comm(None, Ledger(), groups={**alone, "tp": self.single[r], "pp": dist.group.WORLD, **ends})
         if layout == "tp-pair":
             return Comm(None, Ledger(), groups={**alone, "tp": self.pair[r // 2], "world": self.pair[r // 2]})
         if layout == "tp-world":
@@ -111,7 +123,7 @@ class Groups:
         if layout == "tp-dp":
             dp = self.cross[r % 2]
             return Comm(None, Ledger(), groups={"tp": self.pair[r // 2], "dp": dp, "dp_shard": dp,
-                                                "dp_replicate": self.single[r]})
+                                                "dp_replicate": self.single[r], "pp": self.single[r]})
         if layout == "pair":
             g = self.pair[r // 2]
             groups = {"dp": g, "dp_shard": g, "dp_replicate": self.single[r], "world": g}

@@ -1,7 +1,8 @@
 """`parallelize`: the one place that turns a config and a mesh into what a rank trains.
 
 The order is fixed, and each step depends on the ones before it:
-  1. build on the meta device     no memory, no time, whatever the model's size
+  1. build on the meta device     no memory, no time, whatever the model's size; with a pipeline
+                                  only this rank's stages (`plait.parallel.stages`)
   2. tensor parallelism (+ SP)    swaps full weights for this rank's shards while they are still
                                   shapes only, so no rank ever holds a full copy
   3. recomputation                wraps each block's inner forward: hooks added later (ZeRO-3's
@@ -10,15 +11,19 @@ The order is fixed, and each step depends on the ones before it:
                                   its box: every layout starts from the single-device model
   5. compute dtype                bf16 weights on GPU; the engine keeps fp32 masters
   6. compile                      per block, after every structural change and before the engine's
-                                  hooks, so ZeRO-3's hooks run eagerly around the compiled code
+                                  hooks, so ZeRO-3's hooks run eagerly around the compiled code (a
+                                  zero-bubble pipeline defers weight gradients from inside backward,
+                                  which a compiled block cannot: its blocks stay eager)
   7. data parallelism / ZeRO      the engine over this rank's (local) parameters, told how tensor
-                                  parallelism cut them
-Pipeline stages (between 1 and 2) and context parallelism (after 2) slot into this order.
+                                  parallelism cut them and which matrix is a tied copy
+and the step runner: the plain micro-batch loop, or the pipeline executor over the schedule.
+Context parallelism (after 2) slots into this order.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -52,28 +57,29 @@ def apply_compile(model: Transformer, hooks_outside: bool = False) -> None:
     """Compile each block on its own: identical blocks share one compiled graph, so compile time
     does not grow with depth, and the fused loss gets its softmax/one-hot arithmetic fused.
     `hooks_outside`: compile only `forward`, so module hooks (ZeRO-3's gather/free) run eagerly."""
-    from plait.loss import ce_chunk
-
     for block in model.layers.values():
         if hooks_outside:
             block.forward = torch.compile(block.forward)
         else:
             block.compile()
-    model.ce_chunk_fn = torch.compile(ce_chunk)
-    model.tp.compile_kernels()
+    compile_loss(model)
 
 
 def parallelize(cfg: Config, comm, device: torch.device, dtype: torch.dtype, compile: bool,
                 groups: Groups = Groups()) -> Parallelized:
     """Build this rank's part of the model and its engine (comm=None: one device, no process group)."""
     t, p = cfg.train, cfg.parallel
-    with torch.device("meta"):  # 1
-        model = Transformer(cfg.model)
+    pp = comm.size(groups.pp) if comm is not None else 1
+    stage = _stage(cfg, comm.rank(groups.pp), pp) if pp > 1 else None
+    with torch.device("meta"):  # 1 (and the pipeline's split: only this rank's stages are built)
+        model = Transformer(cfg.model) if stage is None else Transformer(cfg.model, **stage["build"])
     split = TensorSplit()
     if comm is not None and comm.size(groups.tp) > 1:  # 2
         from plait.parallel.tensor import apply_tp
 
         split = apply_tp(model, comm, groups.tp, sequence_parallel(cfg))
+    if stage is not None:
+        split = dataclasses.replace(split, **stage["tied"])
     if t.recompute != "none":  # 3
         from plait.parallel.recompute import apply_recompute
 
@@ -82,11 +88,59 @@ def parallelize(cfg: Config, comm, device: torch.device, dtype: torch.dtype, com
     model.tie()
     model.init_weights(t.seed)
     model.to(dtype)  # 5
+    store = None
+    if stage is not None and p.schedule == "zb":  # weight gradients deferred: blocks stay eager
+        from plait.parallel.wgrad import WeightGradStore
+
+        store = WeightGradStore()
+        for block in model.layers.values():
+            for lin in (block.attn.wq, block.attn.wk, block.attn.wv, block.attn.wo, block.mlp.w1, block.mlp.w2,
+                        block.mlp.w3):
+                store.serve(lin)
     if compile:  # 6
-        apply_compile(model, hooks_outside=comm is not None and p.zero == 3)
-    engine = apply_data_parallel(model, cfg, comm, groups, compile=compile, split=split)  # 7
+        if store is None:
+            apply_compile(model, hooks_outside=comm is not None and p.zero == 3)
+        else:
+            compile_loss(model)
+    engine = apply_data_parallel(model, cfg, comm, groups, compile=compile, split=split,  # 7
+                                 pipeline=stage is not None)
     data_rank, data_size = (comm.rank("dp"), comm.size("dp")) if comm is not None else (0, 1)
-    return Parallelized(model, engine, Runner(model, engine, autocast_for(dtype, device)), data_rank, data_size)
+    autocast = autocast_for(dtype, device)
+    if stage is None:
+        runner = Runner(model, engine, autocast)
+    else:
+        from plait.parallel.pipeline import PipelineRunner
+
+        tp, dim, sp = comm.size(groups.tp), cfg.model.dim, sequence_parallel(cfg)
+        act_shape = (lambda b, s: (b * s // tp, dim)) if sp else (lambda b, s: (b, s, dim))
+        runner = PipelineRunner(model, engine, comm, p.schedule, pp, p.v, comm.rank(groups.pp), stage["chunks"],
+                                autocast, act_shape, dtype, store, groups.pp)
+    return Parallelized(model, engine, runner, data_rank, data_size)
+
+
+def _stage(cfg: Config, rank: int, pp: int) -> dict:
+    """What pipeline rank `rank` builds: its layers (by global id), whether it holds the embedding
+    (stage 0) and the head (the last stage), its chunks' layer keys, and the tied-copy bookkeeping."""
+    from plait.parallel.stages import parse_counts, rank_chunks, stage_layer_ids
+
+    p, L = cfg.parallel, cfg.model.n_layers
+    per_stage = stage_layer_ids(L, pp * p.v, parse_counts(p.stage_layers, L, pp * p.v))
+    chunks = rank_chunks(pp, p.v, rank, per_stage)
+    first, last = rank == 0, rank == pp - 1
+    tied: dict = {}
+    if cfg.model.tie_embeddings:  # two copies: stage 0's embedding, the last stage's output matrix
+        tied = {"tied": frozenset({"embed.weight"})} if first else {}
+        if last:
+            tied = {"tied": frozenset({"output.weight"}), "aliases": {"output.weight": "embed.weight"}}
+    return {"build": {"layer_ids": sorted(i for c in chunks for i in c), "first": first, "last": last},
+            "chunks": [[str(i) for i in c] for c in chunks], "tied": tied}
+
+
+def compile_loss(model: Transformer) -> None:
+    from plait.loss import ce_chunk
+
+    model.ce_chunk_fn = torch.compile(ce_chunk)
+    model.tp.compile_kernels()
 
 
 def sequence_parallel(cfg: Config) -> bool:

@@ -26,12 +26,13 @@ from plait.parallel.engine import Engine, Groups, Local, TensorSplit, reduce_dty
 
 
 def apply_data_parallel(model, cfg, comm=None, groups: Groups = Groups(), compile: bool = False,
-                        split: TensorSplit = TensorSplit()) -> Engine:
+                        split: TensorSplit = TensorSplit(), pipeline: bool = False) -> Engine:
     """Wrap `model` (parameters already in the compute dtype) in the engine its layout needs.
 
     comm=None is one device. Otherwise `cfg.parallel.zero` picks DDP or a ZeRO stage over
     `groups.shard`, replicated over `groups.replicate` (HSDP) when that group has more than one rank.
-    `split`: how tensor parallelism cut the parameters (none by default).
+    `split`: how tensor parallelism cut the parameters (none by default). `pipeline`: the model is
+    a pipeline stage (ZeRO-3 keeps it gathered through a step: `plait.parallel.fsdp.Zero3`).
     """
     t, p = cfg.train, cfg.parallel
     named = list(model.named_parameters())
@@ -54,4 +55,4 @@ def apply_data_parallel(model, cfg, comm=None, groups: Groups = Groups(), compil
         return zero.Zero2(model, named, t, comm, groups, cap, reduce_dtype, compile, split)
     from plait.parallel.fsdp import Zero3
 
-    return Zero3(model, t, comm, groups, reduce_dtype, compile, split)
+    return Zero3(model, t, comm, groups, reduce_dtype, compile, split, keep=pipeline)

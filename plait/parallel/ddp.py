@@ -46,6 +46,7 @@ class DDP(Engine):
         self.ready.flush()  # buckets whose parameters got no gradient still take part
         self.inflight.wait_all()
         self.ready.reset()
+        self._sum_tied()
         out = self._finish(lr, loss_sum)
         self.flat.zero_grad()
         self.sync = True

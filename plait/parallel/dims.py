@@ -50,6 +50,7 @@ class ParallelDims:
     """The collective timeout the groups were given (named in timeout errors)."""
     _mesh: object = field(default=None, init=False, repr=False, compare=False)
     _flat: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _ends: object = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
@@ -241,9 +242,27 @@ class ParallelDims:
                 # world_size / size new process groups, which is most of the build time at scale.
                 flat[name] = mesh[used[0] if used else parts[-1]]
         self._mesh, self._flat, self.timeout_s = mesh, flat, timeout_s
+        self._ends = self._pipeline_ends(dist, timeout_s)
         if timeout_s is not None:
             set_timeout(self.all_groups(), timeout_s)
         return mesh
+
+    def _pipeline_ends(self, dist, timeout_s):
+        """The group of the first and the last pipeline rank that share every other coordinate
+        (they hold the two copies of tied embeddings). Every rank creates every such group."""
+        if self.pp == 1:
+            return None
+        mine = None
+        for r in range(self.world_size):
+            c = self.coords(r)
+            if c["pp"] != 0:
+                continue
+            pair = [r, self.rank_at({**c, "pp": self.pp - 1})]
+            kw = {"timeout": timedelta(seconds=timeout_s)} if timeout_s is not None else {}
+            g = dist.new_group(pair, **kw)
+            if self.rank in pair:
+                mine = g
+        return mine
 
     @property
     def mesh(self):
@@ -281,6 +300,11 @@ class ParallelDims:
         if name == "world":
             self.mesh  # noqa: B018
             return dist.group.WORLD
+        if name == "pp_ends":
+            self.mesh  # noqa: B018
+            if self._ends is None:
+                raise ValueError("pp_ends exists only with pp > 1")
+            return self._ends
         return self.submesh(name).get_group()
 
     def all_groups(self) -> list:
@@ -288,6 +312,8 @@ class ParallelDims:
 
         groups = [dist.group.WORLD] + list(self.mesh.get_all_groups())
         groups += [m.get_group() for m in self._flat.values()]
+        if self._ends is not None:
+            groups.append(self._ends)
         unique = {id(g): g for g in groups}
         return list(unique.values())
 

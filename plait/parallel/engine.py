@@ -56,6 +56,8 @@ class Groups:
     replicate: str = "dp_replicate"
     tp: str = "tp"
     stats: str = "world"
+    pp: str = "pp"
+    tied: str = "pp_ends"
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,12 @@ class TensorSplit:
 
     boxes: dict[str, Box] = field(default_factory=dict)
     partial: frozenset[str] = frozenset()
+    # pipeline parallelism: parameters that are one of two copies of a tied matrix (the first
+    # stage's embedding, the last stage's output), whose gradients are summed over `Groups.tied`;
+    # and local names that checkpoints know by another name (the last stage's copy: embed.weight),
+    # which this rank neither writes nor counts in the gradient norm (the first stage does)
+    tied: frozenset[str] = frozenset()
+    aliases: dict[str, str] = field(default_factory=dict)
 
 
 class Engine:
@@ -80,18 +88,41 @@ class Engine:
         self.model, self.opt, self.comm, self.groups, self.split = model, opt, comm, groups, split
         self.tp_rank = comm.rank(groups.tp) if comm else 0
         self.tp_size = comm.size(groups.tp) if comm else 1
+        self.pp_rank = comm.rank(groups.pp) if comm else 0
+        self.pp_size = comm.size(groups.pp) if comm else 1
         pieces = pieces if pieces is not None else sharded_state.flat_pieces(opt.flat, opt.lo, opt.hi)
-        self.pieces = [replace(p, box=split.boxes[p.name]) if p.name in split.boxes else p for p in pieces]
+        pieces = [replace(p, box=split.boxes[p.name]) if p.name in split.boxes else p for p in pieces]
+        self._partial = _ranges(p for p in pieces if p.name in split.partial)
+        # owned ranges this rank adds to the squared norm: on tp rank 0 all but a copy another stage
+        # counts, elsewhere only the tensor-parallel shards
+        self._counted = _ranges(p for p in pieces if p.name not in split.aliases
+                                and (self.tp_rank == 0 or p.name in split.boxes))
+        if self._counted == _ranges(pieces):
+            self._counted = None  # everything: the plain (chunked) sum over the segments
+        self._copies = {p.offset for p in pieces if p.name in split.aliases}  # read under another name, never written
+        self.pieces = [replace(p, name=split.aliases[p.name]) if p.name in split.aliases else p for p in pieces]
+        self.tied_params = [p for n, p in model.named_parameters() if n in split.tied]
         # the rank that counts (and writes) this rank's gradient / state: replicas hold copies
         self.norm_owner = True
-        self._partial = _ranges(p for p in self.pieces if p.name in split.partial)
-        # owned ranges this rank adds to the squared norm: all of them on tp rank 0, else the split ones
-        self._counted = None if self.tp_rank == 0 else _ranges(p for p in self.pieces if p.name in split.boxes)
 
     # ---- the step ------------------------------------------------------------------------------------
 
     def before_backward(self, first: bool, last: bool) -> None:
         """Called before each micro-batch's backward of this model part (see the module docstring)."""
+
+    def begin_step(self) -> None:
+        """Called by a pipeline executor before a step's first forward (ZeRO-3 gathers its stage)."""
+
+    def _sum_tied(self) -> None:
+        """The two copies of a tied matrix (first and last pipeline stage) add their full local
+        gradients - after the data-parallel average, which commutes with the sum - so both take
+        the same update and stay equal. (Engines whose gradients are whole at step time call it.)"""
+        if self.tied_params and self.pp_size > 1:
+            grads = [p.grad for p in self.tied_params]
+            packed = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1)
+            self.comm.all_reduce(packed, self.groups.tied)
+            if len(grads) > 1:
+                torch._foreach_copy_(grads, [t.view_as(g) for t, g in zip(packed.split([g.numel() for g in grads]), grads)])
 
     def step(self, lr: float, loss_sum: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Finish reducing gradients, clip by the global norm, update. `loss_sum`: this rank's loss
@@ -155,19 +186,19 @@ class Engine:
     @property
     def shard(self) -> tuple[int, int] | None:
         """(index, count) of the shard files this rank writes; None = the full form (one writer)."""
-        if self.tp_size == 1:
+        if self.tp_size == 1 and self.pp_size == 1:
             return None
-        return (self.tp_rank, self.tp_size)
+        return (self.pp_rank * self.tp_size + self.tp_rank, self.pp_size * self.tp_size)
 
     @property
     def writes_state(self) -> bool:
         return self.norm_owner
 
     def written_pieces(self) -> list:
-        """What this rank writes: a replicated parameter only from tp rank 0, so no element is stored twice."""
-        if self.tp_rank == 0:
-            return self.pieces
-        return [p for p in self.pieces if p.name in self.split.boxes]
+        """What this rank writes: a replicated parameter only from tp rank 0, a tied matrix only from
+        the first pipeline stage, so no element is stored twice."""
+        split = {self.split.aliases.get(n, n) for n in self.split.boxes}
+        return [p for p in self.pieces if p.offset not in self._copies and (self.tp_rank == 0 or p.name in split)]
 
     def save(self, folder: Path) -> None:
         if self.writes_state:
@@ -263,4 +294,5 @@ class Sharded(Engine):
 
     @property
     def shard(self):
-        return (self.r * self.tp_size + self.tp_rank, self.n * self.tp_size)
+        per = self.pp_size * self.tp_size
+        return (self.r * per + self.pp_rank * self.tp_size + self.tp_rank, self.n * per)

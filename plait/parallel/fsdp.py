@@ -78,9 +78,17 @@ def units_of(model) -> list[list[tuple[str, torch.nn.Parameter]]]:
 
 
 class Zero3(Sharded):
+    """keep: a pipeline stage's policy. A stage runs many forwards and backwards per step, in the
+    schedule's order; gathering every block for each of them would multiply ZeRO-3's traffic by the
+    number of micro-batches. So the stage's units are gathered once when the step begins
+    (`begin_step`) and released after the update; gradients accumulate in full per-unit buffers and
+    are reduce-scattered once, from the step's last backward on. Between steps a rank still holds
+    only its shards (fp32 masters, moments): 12 of the 16 bytes per parameter stay divided by N."""
+
     def __init__(self, model, t, comm, groups: Groups, reduce_dtype: torch.dtype, compile: bool,
-                 split: TensorSplit = TensorSplit()):
+                 split: TensorSplit = TensorSplit(), keep: bool = False):
         n, r = comm.size(groups.shard), comm.rank(groups.shard)
+        self.keep, self.sync = keep, True
         self.blocks = list(model.layers.values())
         units = units_of(model)
         layout = ShardLayout(units, n, r)
@@ -109,8 +117,11 @@ class Zero3(Sharded):
         for i, block in enumerate(self.blocks):
             self.hooks += [block.register_forward_pre_hook(functools.partial(self._block_pre, i)),
                            block.register_forward_hook(functools.partial(self._block_post, i))]
-        self.hooks += [p.register_post_accumulate_grad_hook(lambda p: self.ready.arrived(id(p)))
-                       for u in layout.units for p in u.params]
+        self.hooks += [p.register_post_accumulate_grad_hook(self._arrived) for u in layout.units for p in u.params]
+
+    def _arrived(self, p) -> None:
+        if self.sync:
+            self.ready.arrived(id(p))
 
     # ---- forward -----------------------------------------------------------------------------------
 
@@ -131,19 +142,30 @@ class Zero3(Sharded):
             return (_OnBackward.apply(args[0], self._left_block, i),) + tuple(args[1:])
 
     def _block_post(self, i, module, args, out):
-        self.gather.free(i)
+        if not self.keep:
+            self.gather.free(i)
         if torch.is_grad_enabled() and out.requires_grad:
             return _OnBackward.apply(out, self._entering_block, i)
 
     # ---- backward ----------------------------------------------------------------------------------
 
     def before_backward(self, first, last):
+        if self.keep:  # gradients accumulate; reduce from the step's last backward on
+            self.sync = last
+            return
         if not first:  # every backward is reduced: finish the previous one's buckets, count afresh
             self.ready.flush()
             self.ready.reset()
         # The root (norm gains, output) is released once its gradients are reduced; a backward that
-        # follows another without a forward in between (a pipeline's order) needs it back.
+        # follows another without a forward in between needs it back.
         self.gather.wait(self.root)
+
+    def begin_step(self):
+        if self.keep:
+            for i in range(len(self.gather)):
+                self.gather.gather(i)
+            for i in range(len(self.gather)):
+                self.gather.wait(i)
 
     def _backward_begins(self, grad):
         self.gather.gather(self.root - 1)
@@ -154,7 +176,8 @@ class Zero3(Sharded):
         self.gather.gather(i - 1)
 
     def _left_block(self, i: int) -> None:
-        self.gather.free(i)  # every backward op reading block i's weights has run
+        if not self.keep:
+            self.gather.free(i)  # every backward op reading block i's weights has run
 
     def _bind_grads(self, i: int) -> None:
         """A zeroed gradient buffer for unit i, its parameters' .grad as views: autograd accumulates
@@ -193,7 +216,7 @@ class Zero3(Sharded):
             h = self.comm.reduce_scatter(src, shard, op="avg", out=part, async_op=True)
             self.inflight.add(h, lambda out=out, part=part: out.add_(part), keep=(src,))
         self.gather._log("reduce", i)
-        if i == self.root:
+        if i == self.root and not self.keep:
             self.gather.free(self.root)
         self.inflight.wait_all(keep_last=2)
 
@@ -207,6 +230,9 @@ class Zero3(Sharded):
         out = self._update_from_shards(lr, loss_sum)
         self.at_update = tensor_bytes(self.memory())  # the gradient chunks' last moment
         self.gshards = [None] * len(self.gshards)
+        if self.keep:
+            self.sync_params()  # the stage is gathered anew from the updated shards at the next step
+            self.sync = True
         return out
 
     def state_bytes(self):

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from plait.errors import UserError, bad_value
 from plait.parallel import rules
+from plait.parallel.stages import stage_layers  # noqa: F401  (the split the runtime uses)
 from plait.parallel.schedules import SCHEDULES, check_args
 from plait.planner.costs import RECOMPUTE, ModelDims
 from plait.planner.hardware import Cluster
@@ -107,14 +108,3 @@ def check_layout(d: ModelDims, lay: Layout, c: Cluster, global_batch: int) -> in
     if lay.pp > 1:
         check_args(lay.schedule, lay.pp, m, lay.v)
     return m
-
-
-def stage_layers(layers: int, stages: int) -> list[int]:
-    """Layers of each of `stages` consecutive stages: as even as possible, extras to the middle
-    stages (the first holds the embedding and the last the output head, so they get no extra)."""
-    base, extra = divmod(layers, stages)
-    counts = [base] * stages
-    order = sorted(range(stages), key=lambda i: (i in (0, stages - 1), abs(i - (stages - 1) / 2)))
-    for i in order[:extra]:
-        counts[i] += 1
-    return counts

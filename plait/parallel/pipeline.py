@@ -1,0 +1,220 @@
+"""The pipeline executor: one loop that runs any schedule's per-rank action list.
+
+A schedule (`plait.parallel.schedules`) is data: for this rank, an ordered list of F, B, W and
+SEND_F / RECV_F / SEND_B / RECV_B actions. The executor walks it:
+  - a run of consecutive sends and receives goes out as one batched non-blocking P2P call (its
+    receive buffers allocated from the known activation shape) and is completed before the next
+    compute action - exactly the rendezvous execution `schedules.check` proves deadlock-free;
+  - F runs a chunk's layers on the received activation (stage 0: on the tokens; the last stage adds
+    the loss of the micro-batch, divided by the number of micro-batches);
+  - B runs backward from the chunk's output with the received gradient (the last stage: from the
+    loss) and leaves the gradient of the chunk's input to be sent; in a zero-bubble schedule B
+    computes input gradients only and W the deferred weight gradients (`plait.parallel.wgrad`);
+  - before every action that produces parameter gradients the engine is told whether it is the
+    first / last of the step for this rank (`Engine.before_backward`), in the order they run.
+No global synchronisation between actions; nothing is kept for a micro-batch once its backward ran:
+its input, output and received gradient are dropped, and a sent activation's storage is released
+once the send completed when nothing of autograd reads it.
+
+Statistics: the last stage's loss is the only loss; the engine's step sums squared norms over every
+stage (its statistics all-reduce spans the job). Tied embeddings: stage 0's embedding and the last
+stage's output matrix are two copies; the engine adds their gradients over the `pp_ends` group and
+both take the same update.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from plait.parallel.schedules import COMPUTE, Schedule, build_schedule, check
+
+
+@functools.lru_cache(maxsize=64)
+def checked_schedule(name: str, pp: int, m: int, v: int) -> Schedule:
+    """The schedule's lists, proven well formed and deadlock-free (`schedules.check`) before any rank
+    runs them: a wrongly ordered list raises here, on every rank alike, instead of hanging."""
+    sched = build_schedule(name, pp, m, v)
+    check(sched)
+    return sched
+
+
+@dataclass
+class Timeline:
+    """Start and end (seconds from the step's start) of every compute action of recorded steps."""
+
+    enabled: bool = False
+    steps: list = field(default_factory=list)
+
+    def begin(self, device) -> None:
+        self._device = device
+        self._sync()
+        self._t0 = time.perf_counter()
+        self.current: list = []
+
+    def _sync(self) -> None:
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+
+    def record(self, action, start: float) -> None:
+        self._sync()
+        self.current.append((action.kind, action.microbatch, action.chunk, start - self._t0, time.perf_counter() - self._t0))
+
+    def now(self) -> float:
+        self._sync()
+        return time.perf_counter()
+
+    def end(self) -> None:
+        self._sync()
+        self.steps.append({"actions": self.current, "step_s": time.perf_counter() - self._t0})
+
+
+class PipelineRunner:
+    """`step(micro_batches, lr)` for this pipeline rank's chunks and engine (see the module docstring).
+
+    chunks: per local chunk, the keys of its layers in `model.layers`; stage of chunk c = c*pp + rank.
+    act_shape(batch, seq) -> the shape of an activation crossing stages (SP: (B*T/tp, dim)).
+    """
+
+    def __init__(self, model, engine, comm, schedule_name: str, pp: int, v: int, rank: int, chunks,
+                 autocast, act_shape, dtype, store=None, pp_dim: str = "pp"):
+        self.model, self.engine, self.comm, self.autocast = model, engine, comm, autocast
+        self.name, self.pp, self.v, self.rank, self.chunks = schedule_name, pp, v, rank, chunks
+        self.S = pp * v
+        self.act_shape, self.dtype, self.store, self.pp_dim = act_shape, dtype, store, pp_dim
+        self.timeline = Timeline()
+        self.in_flight_peak = 0  # most micro-batch chunks held between F and B in a step (checked by tests)
+
+    def schedule(self, m: int) -> Schedule:
+        return checked_schedule(self.name, self.pp, m, self.v)
+
+    def stage(self, chunk: int) -> int:
+        return chunk * self.pp + self.rank
+
+    # ---- one optimizer step --------------------------------------------------------------------------
+
+    def step(self, micro_batches, lr: float):
+        m = len(micro_batches)
+        actions = self.schedule(m).ranks[self.rank]
+        grad_acts = [i for i, a in enumerate(actions) if a.kind in ("B", "W")]
+        first_grad, last_grad = grad_acts[0], grad_acts[-1]
+        device = micro_batches[0][0].device
+        seq = micro_batches[0][0].shape[1]
+        inputs, outputs, grads_in, to_send = {}, {}, {}, {}
+        loss_sum = None
+        held = peak = 0
+        batch: list = []
+        self.engine.begin_step()
+        if self.timeline.enabled:
+            self.timeline.begin(device)
+
+        def flush():
+            if batch:
+                self._exchange(batch, inputs, outputs, grads_in, to_send, micro_batches, seq, device)
+                batch.clear()
+
+        for i, a in enumerate(actions):
+            if a.kind not in COMPUTE:
+                batch.append(a)
+                continue
+            flush()
+            t0 = self.timeline.now() if self.timeline.enabled else 0.0
+            key, s = (a.chunk, a.microbatch), self.stage(a.chunk)
+            if a.kind == "F":
+                x, y = micro_batches[a.microbatch]
+                with self.autocast():
+                    h = self.model.hidden(x if s == 0 else None, None if s == 0 else inputs[key],
+                                          layers=self.chunks[a.chunk], seq_len=seq)
+                    if s == self.S - 1:
+                        out = self.model.head(h, y, seq) / m
+                        loss_sum = out.detach().float() if loss_sum is None else loss_sum + out.detach().float()
+                    else:
+                        out = h
+                        to_send[("act", key)] = h.detach()  # an alias, not a copy
+                outputs[key] = out
+                held += 1
+                peak = max(peak, held)
+            elif a.kind == "B":
+                self.engine.before_backward(first=i == first_grad, last=i == last_grad)
+                out = outputs.pop(key)
+                grad = None if s == self.S - 1 else grads_in.pop(key)
+                if self.store is not None:
+                    with self.store.input_grads_only(key):
+                        torch.autograd.backward(out, grad)
+                else:
+                    torch.autograd.backward(out, grad)
+                if s > 0:
+                    to_send[("grad", key)] = inputs.pop(key).grad
+                held -= 1
+            else:  # W: the weight gradients B deferred
+                self.engine.before_backward(first=i == first_grad, last=i == last_grad)
+                self.store.run(key)
+            if self.timeline.enabled:
+                self.timeline.record(a, t0)
+        flush()
+        self.in_flight_peak = max(self.in_flight_peak, peak)
+        if self.timeline.enabled:
+            self.timeline.end()
+        return self.engine.step(lr, loss_sum)
+
+    @torch.no_grad()
+    def loss(self, x, y):
+        """The loss of one held-out batch, forward through every stage in order (evaluation): the
+        last stage returns it, every other rank None."""
+        was = self.model.training
+        self.model.eval()
+        seq, out, h = x.shape[1], None, None
+        nxt, prv = (self.rank + 1) % self.pp, (self.rank - 1) % self.pp
+        try:
+            for s in range(self.S):
+                if s % self.pp != self.rank:
+                    continue
+                if s > 0:
+                    h = torch.empty(self.act_shape(x.shape[0], seq), dtype=self.dtype, device=x.device)
+                    self.comm.send_recv(self.pp_dim, recvs=[(h, prv)])
+                with self.autocast():
+                    h = self.model.hidden(x if s == 0 else None, h, layers=self.chunks[s // self.pp], seq_len=seq)
+                    if s == self.S - 1:
+                        out = self.model.head(h, y, seq).float()
+                if s < self.S - 1:
+                    self.comm.send_recv(self.pp_dim, sends=[(h, nxt)])
+        finally:
+            self.model.train(was)
+        return out
+
+    def _exchange(self, batch, inputs, outputs, grads_in, to_send, micro_batches, seq, device) -> None:
+        """Post one batch of sends and receives, complete it, file what arrived."""
+        sends, recvs, filed, sent = [], [], [], []
+        for a in batch:
+            key = (a.chunk, a.microbatch)
+            if a.kind in ("SEND_F", "SEND_B"):
+                t = to_send.pop(("act" if a.kind == "SEND_F" else "grad", key))
+                sends.append((t, a.peer))
+                sent.append(t)
+            else:
+                b = micro_batches[a.microbatch][0].shape[0]
+                buf = torch.empty(self.act_shape(b, seq), dtype=self.dtype, device=device)
+                recvs.append((buf, a.peer))
+                filed.append((a, buf))
+        self.comm.send_recv(self.pp_dim, sends=sends, recvs=recvs)
+        for a, buf in filed:
+            key = (a.chunk, a.microbatch)
+            if a.kind == "RECV_F":
+                inputs[key] = buf.requires_grad_()
+            else:
+                grads_in[key] = buf
+        del sent  # the sent tensors' last references here: activations live on only as autograd needs them
+        for a in batch:
+            if a.kind == "SEND_F":
+                release(outputs.get((a.chunk, a.microbatch)))
+
+
+def release(out) -> None:
+    """Free a sent activation's storage when backward cannot read it: the output of the residual add
+    that ends every block (its backward needs no values; autograd keeps only the graph and the shape).
+    A compiled block's output may be saved inside its graph, so it is kept."""
+    if out is not None and out._base is None and type(out.grad_fn).__name__ == "AddBackward0":
+        out.untyped_storage().resize_(0)
