@@ -267,8 +267,11 @@ def train(cfg: Config, dims=None) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     prof = StepProfiler(t.profile_steps, out / "profile", rank, device, say=_warn if is_main else None)
     t_run = time.perf_counter()
+    timeline = getattr(par.runner, "timeline", None)  # a pipeline records per-action times while profiled
     for step in range(start, end):
         prof.step(step + 1)  # starts, marks or ends --train.profile_steps; outside the step's timing
+        if timeline is not None:
+            timeline.enabled = prof.window is not None and prof.window[0] <= step + 1 <= prof.window[1]
         t0 = time.perf_counter()
         stragglers.begin()
         faults.at("step", step + 1)
@@ -312,6 +315,11 @@ def train(cfg: Config, dims=None) -> dict:
                                                               val_loss, par.data_size))
             raise health.error(done, folder)
     prof.close()
+    if timeline is not None and timeline.steps:
+        report = par.runner.write_timeline(out / "profile", is_main, t.grad_accum)
+        if report is not None:
+            _warn(f"pipeline timeline in {out / 'profile'}: measured bubble {report['measured_bubble']:.1%} "
+                  f"(the schedule simulated with equal costs: {report['simulated_bubble']:.1%})")
     ckpts.close()  # the last background save must be complete when the run ends
     bar.close()
     log.close()

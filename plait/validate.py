@@ -102,9 +102,9 @@ def validate_pipeline(cfg: Config) -> None:
             raise bad_value(name, value, "splits a pipeline: it needs --pp > 1")
         return
     if p.microbatches:
-        if t.grad_accum not in (1, p.microbatches):
-            raise bad_value("parallel.microbatches", p.microbatches, f"differs from train.grad_accum = {t.grad_accum} "
-                            "(the micro-batches of a step under a pipeline): give one of them")
+        if t.global_batch and t.grad_accum != p.microbatches:
+            raise bad_value("parallel.microbatches", p.microbatches, f"contradicts train.global_batch = "
+                            f"{t.global_batch}, which makes {t.grad_accum} micro-batches a step here: give one of them")
         t.grad_accum = p.microbatches
     p.schedule = check_args(p.schedule, p.pp, t.grad_accum, p.v)
     counts = parse_counts(p.stage_layers, m.n_layers, p.pp * p.v)

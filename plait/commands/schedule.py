@@ -16,6 +16,7 @@ def add_arguments(p) -> None:
                    help="backward cost (default 2 x f; for zb the input-gradient half, default f)")
     p.add_argument("--w", type=float, default=None, help="zb only: weight-gradient cost (default f)")
     p.add_argument("--actions", action="store_true", help="also list every rank's actions, sends and receives")
+    p.add_argument("--png", help="also draw the timeline into this PNG file (needs matplotlib)")
 
 
 def run(args, extra) -> int:
@@ -51,4 +52,10 @@ def run(args, extra) -> int:
     if args.actions:
         for r, acts in enumerate(sched.ranks):
             print(f"rank {r}: " + " ".join(str(a) for a in acts))
+    if args.png:
+        from plait.timeline import draw
+
+        spans = [(s.rank, s.start_s, s.end_s, s.action.kind, s.action.microbatch, s.action.chunk) for s in tl.spans]
+        title = f"{name}, pp {p}, {m} micro-batches" + (f", v {v}" if v > 1 else "") + f": bubble {tl.bubble_fraction:.1%}"
+        print(f"wrote {draw(spans, p, v, args.png, title, unit='units of --f')}")
     return 0

@@ -49,9 +49,11 @@ class Timeline:
     enabled: bool = False
     steps: list = field(default_factory=list)
 
-    def begin(self, device) -> None:
+    def begin(self, device, barrier=None) -> None:
         self._device = device
         self._sync()
+        if barrier is not None:  # the ranks start the step together, so their timelines line up
+            barrier()
         self._t0 = time.perf_counter()
         self.current: list = []
 
@@ -109,7 +111,7 @@ class PipelineRunner:
         batch: list = []
         self.engine.begin_step()
         if self.timeline.enabled:
-            self.timeline.begin(device)
+            self.timeline.begin(device, lambda: self.comm.barrier(self.pp_dim))
 
         def flush():
             if batch:
@@ -159,6 +161,40 @@ class PipelineRunner:
         if self.timeline.enabled:
             self.timeline.end()
         return self.engine.step(lr, loss_sum)
+
+    def write_timeline(self, folder, is_main: bool, m: int) -> dict | None:
+        """The recorded steps' per-action times: every rank writes its own JSON into `folder`; the
+        main rank then merges the pipeline's ranks (the last recorded step), draws the PNG and
+        returns the measured bubble beside the schedule's (simulated with unit costs and textbook)."""
+        import json
+        from pathlib import Path
+
+        from plait import timeline as tl
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"pipeline-rank{self.rank}.json").write_text(json.dumps(
+            {"rank": self.rank, "pp": self.pp, "v": self.v, "schedule": self.name, "steps": self.timeline.steps}))
+        self.comm.barrier(self.pp_dim)
+        if not is_main:
+            return None
+        ranks = [json.loads((folder / f"pipeline-rank{r}.json").read_text()) for r in range(self.pp)]
+        spans = [(r["rank"], a[3], a[4], a[0], a[1], a[2]) for r in ranks for a in r["steps"][-1]["actions"]]
+        measured = tl.bubble(spans, self.pp)
+        from plait.planner.simulate import simulate
+
+        simulated = simulate(self.schedule(m)).bubble_fraction
+        out = {"schedule": self.name, "pp": self.pp, "v": self.v, "microbatches": m, "measured_bubble": measured,
+               "simulated_bubble": simulated, "textbook_bubble": tl.textbook(self.name, self.pp, m, self.v),
+               "step_s": max(r["steps"][-1]["step_s"] for r in ranks)}
+        (folder / "pipeline.json").write_text(json.dumps({**out, "spans": spans}, indent=1))
+        try:
+            tl.draw(spans, self.pp, self.v, folder / "pipeline.png",
+                    f"measured {self.name}, pp {self.pp}, {m} micro-batches: bubble {measured:.1%} "
+                    f"(simulated {simulated:.1%})")
+        except Exception as e:  # noqa: BLE001 (no matplotlib: the JSON holds everything)
+            out["png"] = f"not drawn: {e}"
+        return out
 
     @torch.no_grad()
     def loss(self, x, y):

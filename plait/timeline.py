@@ -1,0 +1,63 @@
+"""A pipeline timeline - simulated by the planner or measured by the executor - as numbers and a PNG.
+
+A span is (rank, start s, end s, kind, micro-batch, chunk): one compute action. The bubble is the
+ranks' idle share of the step: 1 - sum(busy) / (pp x makespan), the same definition as the
+simulator's (`plait.planner.simulate.Timeline.bubble_fraction`), so a measured bubble and a
+predicted one compare directly. Drawing needs matplotlib (the `plot` extra).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from plait.errors import UserError
+
+COLOURS = {"F": "#4c78a8", "B": "#f58518", "W": "#54a24b"}
+
+
+def bubble(spans, pp: int) -> float:
+    """Idle share of `pp` ranks' time over the spans' makespan."""
+    if not spans:
+        return 0.0
+    start = min(s[1] for s in spans)
+    makespan = max(s[2] for s in spans) - start
+    busy = sum(s[2] - s[1] for s in spans)
+    return 1.0 - busy / (pp * makespan) if makespan > 0 else 0.0
+
+
+def textbook(name: str, pp: int, m: int, v: int = 1) -> float | None:
+    """The closed-form bubble of GPipe / 1F1B, (p - 1) / (m + p - 1), and of interleaving, with v m:
+    idle over the whole step when F and B take the same time on every rank (ZB has none)."""
+    if name in ("gpipe", "1f1b"):
+        return (pp - 1) / (m + pp - 1)
+    if name == "interleaved":
+        return (pp - 1) / (v * m + pp - 1)
+    return None
+
+
+def draw(spans, pp: int, v: int, path: str | Path, title: str, unit: str = "s") -> Path:
+    """One row per rank, one box per compute action (F blue, B orange, W green, micro-batch inside)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UserError("drawing a timeline needs matplotlib: pip install 'plait[plot]'") from None
+    start = min(s[1] for s in spans)
+    fig, ax = plt.subplots(figsize=(12, 0.5 + 0.6 * pp))
+    for rank, a, b, kind, mb, chunk in spans:
+        ax.barh(rank, b - a, left=a - start, height=0.8, color=COLOURS.get(kind, "grey"), edgecolor="white",
+                linewidth=0.3)
+        label = f"{kind}{mb}" + ("abcdefgh"[chunk] if v > 1 else "")
+        ax.text(a - start + (b - a) / 2, rank, label, ha="center", va="center", fontsize=6, color="white")
+    ax.set_yticks(range(pp), [f"rank {r}" for r in range(pp)])
+    ax.invert_yaxis()
+    ax.set_xlabel(f"time ({unit})")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,89 @@
+"""`plait train --pp` end to end: a 2-stage x 2-replica run saves, resumes as a 4-stage pipeline and
+on one process with the losses of an uninterrupted run; profiled steps leave a measured timeline;
+`plait generate` reads the checkpoint; `plait schedule --png` draws; bad pipeline input is one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from plait.cli import main
+from plait.parallel.sharded_state import full_weights
+
+PPM = {"preset": "custom", "vocab_size": 259, "dim": 32, "n_layers": 8, "n_heads": 4, "n_kv_heads": 2,
+       "ffn_dim": 64, "max_seq_len": 64}
+
+
+def _args(corpus, out, steps=6, extra=()):
+    args = ["train", "--out", str(out), "--steps", str(steps), "--data.path", str(corpus),
+            "--train.seq_len", "32", "--train.eval_batches", "1", "--train.eval_every", "3",
+            "--train.progress", "false", "--train.sample_tokens", "0", "--train.compile", "off",
+            "--train.tensorboard", "false", "--train.device", "cpu", "--checkpoint.every", "3",
+            "--train.lr", "1e-3", "--train.micro_batch", "2"]
+    for k, v in PPM.items():
+        args += [f"--model.{k}", str(v)]
+    return args + list(extra)
+
+
+def _rows(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_resume_across_pipeline_layouts(corpus, tmp_path, capfd):
+    one = tmp_path / "one"
+    assert main(_args(corpus, one, extra=["--train.grad_accum", "4"])) == 0
+    run = tmp_path / "run"
+    # steps 1-3: 2 stages (1F1B, 2 micro-batches of 2 sequences per replica) x 2 replicas, ZeRO-1
+    assert main(_args(corpus, run, extra=["--nproc", "4", "--pp", "2", "--dp", "2", "--zero", "1",
+                                          "--microbatches", "2", "--train.max_steps_this_run", "3",
+                                          "--train.profile_steps", "2:3"])) == 0
+    report = json.loads((run / "profile" / "pipeline.json").read_text())
+    assert (run / "profile" / "pipeline.png").stat().st_size > 10_000
+    assert 0 < report["measured_bubble"] < 1 and len(report["spans"]) == 2 * 2 * 2  # 2 ranks x 2 micro x F, B
+    solo = tmp_path / "solo"
+    shutil.copytree(run, solo)
+    # steps 4-6: 4 ranks x 2 chunks = 8 stages (interleaved 1F1B, 4 micro-batches), and one process
+    assert main(_args(corpus, run, extra=["--nproc", "4", "--pp", "4", "--dp", "1", "--parallel.v", "2",
+                                          "--schedule", "interleaved", "--microbatches", "4", "--zero", "0",
+                                          "--resume"])) == 0
+    assert main(_args(corpus, solo, extra=["--nproc", "1", "--dp", "1", "--pp", "1", "--zero", "0",
+                                           "--train.grad_accum", "4", "--resume"])) == 0
+    ref = _rows(one)
+    for folder in (run, solo):
+        rows = _rows(folder)
+        assert [r["step"] for r in rows] == list(range(1, 7))
+        for a, b in zip(rows, ref):
+            assert abs(a["loss"] - b["loss"]) <= 1e-5 * b["loss"], (folder.name, a["step"])
+        w, wref = full_weights(folder / "checkpoints" / "step_00000006"), full_weights(one / "checkpoints" / "step_00000006")
+        assert w.keys() == wref.keys() and max((w[k] - wref[k]).abs().max().item() for k in w) <= 1e-5
+    capfd.readouterr()
+    assert main(["generate", "--checkpoint", str(run), "--prompt", "def ", "--max-new-tokens", "4"]) == 0
+    assert capfd.readouterr().out.startswith("def ")
+
+
+def test_schedule_png(tmp_path, capsys):
+    assert main(["schedule", "--pp", "4", "--microbatches", "8", "--schedule", "1f1b", "--png",
+                 str(tmp_path / "t.png")]) == 0
+    data = (tmp_path / "t.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    assert "bubble 27.27%" in capsys.readouterr().out  # (p-1)/(m+p-1) = 3/11 with equal costs
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--nproc", "2", "--pp", "2", "--model.n_layers", "1"], "parallel.pp = 2: pp x v = 2 stages exceed the 1 layers"),
+    (["--nproc", "2", "--pp", "2", "--schedule", "fifo"], "--schedule = 'fifo': choose one of gpipe, 1f1b"),
+    (["--nproc", "2", "--pp", "2", "--schedule", "interleaved", "--parallel.v", "2", "--microbatches", "3"],
+     "--microbatches = 3: the interleaved schedule runs micro-batches in groups of pp = 2"),
+    (["--nproc", "2", "--pp", "2", "--schedule", "interleaved", "--parallel.v", "2", "--microbatches", "2",
+      "--model.n_layers", "6"], "parallel.v = 2: pp x v = 4 stages do not divide the 6 layers"),
+    (["--nproc", "2", "--pp", "2", "--parallel.stage_layers", "3,4"], "parallel.stage_layers = '3,4': must be counts"),
+    (["--nproc", "4", "--pp", "2", "--dp", "2", "--train.global_batch", "6"], "train.global_batch = 6: is not a multiple"),
+    (["--nproc", "4", "--pp", "2", "--dp", "2", "--zero", "3"], "parallel.zero = 3: with pp > 1 a tied embedding"),
+    (["--parallel.v", "2"], "parallel.v = 2: splits a pipeline: it needs --pp > 1"),
+])
+def test_bad_pipeline_input_is_one_line(corpus, tmp_path, capfd, extra, needle):
+    assert main(_args(corpus, tmp_path / "r", extra=extra)) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
