@@ -1,0 +1,301 @@
+"""Pipeline-parallel training throughput: plait's executor against torch.distributed.pipelining.
+
+    python bench/pipeline.py --microbatches 8              # every visible GPU as pipeline stages, 8b
+
+Every variant trains the same model on the same batch (`--microbatches` x `--micro-batch` sequences
+a step), each in its own set of G worker processes.
+
+  plait-gpipe / plait-1f1b       plait's executor running plait's schedule lists (compiled blocks)
+  plait-interleaved              interleaved 1F1B, v = 2 chunks per rank
+  plait-zb                       ZB-H1: B computes input gradients, W the deferred weight gradients
+                                 (blocks run eagerly: the deferral is a side effect of backward)
+  plait-zero3                    no pipeline: ZeRO-3 over all G GPUs, the same global batch
+  torch-gpipe / torch-1f1b       torch.distributed.pipelining's ScheduleGPipe / Schedule1F1B on the
+                                 same stages (blocks compiled, fused AdamW, bf16 autocast, logits +
+                                 cross-entropy on the last stage as its examples do)
+  torch-interleaved              ScheduleInterleaved1F1B, v = 2
+  torch-zb                       ScheduleInterleavedZeroBubble, v = 2 (torch's zero-bubble schedule
+                                 needs several stages per rank; plait's ZB-H1 runs one)
+plait rows add the measured bubble of the last timed step (per-action times on every rank, synced)
+next to the schedule's simulated one.
+
+Writes bench/results/pp-<card>-<G>gpu[-<tag>].json and prints a table.
+`--device cpu --preset tiny --no-compile --gpus 4` runs the same code over gloo as a smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from data_parallel import _adamw, _cleanup, _model_cfg, _model_section, card_slug  # noqa: E402
+
+ALL = ["plait-zero3", "plait-gpipe", "plait-1f1b", "plait-interleaved", "plait-zb", "torch-gpipe", "torch-1f1b",
+       "torch-interleaved", "torch-zb"]
+
+
+def _batch(a, vocab, device):
+    import torch
+
+    g = torch.Generator().manual_seed(1000)
+    rows = torch.randint(0, vocab, (a.microbatches * a.micro_batch, a.seq + 1), generator=g)
+    return rows[:, :-1].to(device), rows[:, 1:].to(device)
+
+
+def _plait(a, variant, dims, device, comm):
+    import torch
+
+    from plait.config import build_config
+    from plait.parallel.build import parallelize
+
+    sched = variant.split("-")[1]
+    pp = a.gpus if sched != "zero3" else 1
+    cfg = build_config({"model": _model_section(a), "train": {"lr": 1e-4, "warmup_steps": 0, "micro_batch": a.micro_batch},
+                        "parallel": {"pp": pp, "schedule": sched if pp > 1 else "1f1b", "v": 2 if sched == "interleaved" else 1,
+                                     "zero": 3 if pp == 1 else 1}})
+    if pp == 1:  # the same global batch over G data-parallel ranks
+        cfg.train.grad_accum = a.microbatches // a.gpus
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    par = parallelize(cfg, comm, device, dtype, compile=a.compile)
+    x, y = _batch(a, cfg.model.vocab_size, device)
+    if pp == 1:
+        per = x.shape[0] // a.gpus
+        x, y = x[par.data_rank * per:(par.data_rank + 1) * per], y[par.data_rank * per:(par.data_rank + 1) * per]
+    micro = list(zip(x.split(a.micro_batch), y.split(a.micro_batch)))
+
+    def step():
+        return par.runner.step(micro, 1e-4)[0]
+
+    return step, par
+
+
+def _torch(a, variant, dims, device):
+    """torch.distributed.pipelining over plait's blocks, split into the same stages."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                              ScheduleInterleavedZeroBubble)
+
+    from plait.model import Transformer
+    from plait.parallel.stages import rank_chunks, stage_layer_ids
+
+    sched = variant.split("-")[1]
+    v = 2 if sched in ("interleaved", "zb") else 1
+    mcfg, pp, rank = _model_cfg(a), a.gpus, dist.get_rank()
+    chunks = rank_chunks(pp, v, rank, stage_layer_ids(mcfg.n_layers, pp * v))
+    cuda = device.type == "cuda"
+
+    class Stage(torch.nn.Module):
+        def __init__(self, lm, keys, first, last):
+            super().__init__()
+            self.lm, self.keys, self.first, self.last = lm, keys, first, last
+
+        def forward(self, x):
+            h = self.lm.embed(x) if self.first else x
+            T = h.shape[1]
+            cos, sin = self.lm.rope_cos[:T].to(h.dtype), self.lm.rope_sin[:T].to(h.dtype)
+            for k in self.keys:
+                h = self.lm.layers[k](h, cos, sin)
+            return self.lm.output(self.lm.norm(h)) if self.last else h
+
+    stages, params = [], []
+    for c, ids in enumerate(chunks):
+        s = c * pp + rank
+        with torch.device("meta"):
+            lm = Transformer(mcfg, layer_ids=ids, first=s == 0, last=s == pp * v - 1)
+        lm.to_empty(device=device)
+        lm.init_weights(0)
+        if a.compile:
+            for block in lm.layers.values():
+                block.compile()
+        stages.append(PipelineStage(Stage(lm, [str(i) for i in ids], s == 0, s == pp * v - 1), s, pp * v, device))
+        params += list(lm.parameters())
+
+    def loss_fn(logits, target):
+        return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+
+    kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
+            "zb": ScheduleInterleavedZeroBubble}[sched]
+    schedule = kind(stages if v > 1 else stages[0], a.microbatches, loss_fn=loss_fn)
+    opt = _adamw(torch.nn.ModuleList([s.submod for s in stages]), fused=cuda)
+    x, y = _batch(a, mcfg.vocab_size, device)
+    holds_last = any(s.is_last for s in stages)
+
+    def step():
+        losses = []
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            if rank == 0:
+                schedule.step(x, target=y, losses=losses)
+            else:
+                schedule.step(target=y, losses=losses)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)  # each stage its own part (no global norm: the peer's default)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss = torch.stack(losses).mean().detach().float() if holds_last else torch.zeros((), device=device)
+        dist.all_reduce(loss)
+        return loss
+
+    return step, (stages, opt)
+
+
+def _measure(a, variant, step, device, runner=None) -> dict:
+    import statistics
+
+    import torch
+
+    from plait.metrics import flops_per_token, peak_flops
+
+    cuda = device.type == "cuda"
+    t0 = time.perf_counter()
+    for _ in range(a.warmup):
+        step().item()
+    warm = time.perf_counter() - t0
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    times, losses = [], []
+    for _ in range(a.steps):
+        t = time.perf_counter()
+        losses.append(step().item())
+        times.append(time.perf_counter() - t)
+    med = statistics.median(times)
+    tok_s = a.microbatches * a.micro_batch * a.seq / med / a.gpus
+    peak = peak_flops(device, torch.bfloat16) if cuda else None
+    row = {"variant": variant, "microbatches": a.microbatches, "step_s_median": med, "step_s_min": min(times),
+           "tokens_per_s_per_gpu": tok_s, "mfu": tok_s * flops_per_token(_model_cfg(a), a.seq) / peak if peak else None,
+           "peak_mem_gb": (torch.cuda.max_memory_allocated(device) / 1e9) if cuda else 0.0,
+           "warmup_and_compile_s": warm, "losses": losses}
+    if runner is not None and hasattr(runner, "timeline"):  # one more step, timed action by action
+        runner.timeline.enabled = True
+        step().item()
+        runner.timeline.enabled = False
+        from plait import timeline as tl
+        from plait.planner.simulate import simulate
+
+        row["bubble_spans_rank"] = runner.timeline.steps[-1]["actions"]
+        row["simulated_bubble"] = simulate(runner.schedule(a.microbatches)).bubble_fraction
+        row["textbook_bubble"] = tl.textbook(runner.name, runner.pp, a.microbatches, runner.v)
+    return row
+
+
+def worker(a, variant) -> list[dict]:
+    import torch
+    import torch.distributed as dist
+
+    from plait.comm import Comm, Ledger
+    from plait.config import ParallelConfig
+    from plait.launch import init_distributed
+
+    plait_pp = variant.startswith("plait") and variant != "plait-zero3"
+    pp = a.gpus if plait_pp else 1
+    dims = init_distributed(ParallelConfig(nproc=a.gpus, pp=pp, timeout_s=900), a.device)
+    device = dims.device
+    try:
+        if variant.startswith("plait"):
+            step, par = _plait(a, variant, dims, device, Comm(dims, Ledger(enabled=False)))
+            row = _measure(a, variant, step, device, par.runner)
+        else:
+            step, keep = _torch(a, variant, dims, device)
+            row = _measure(a, variant, step, device)
+    except Exception as e:  # noqa: BLE001 (a failure every rank meets alike costs one row)
+        row = {"variant": variant, "microbatches": a.microbatches,
+               "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}",
+               "peak_mem_gb": (torch.cuda.max_memory_allocated(device) / 1e9) if device.type == "cuda" else 0.0}
+    # every rank's action times: the measured bubble needs all of them
+    spans = [None] * dims.world_size
+    dist.all_gather_object(spans, (dims.rank, row.pop("bubble_spans_rank", None)))
+    if all(s[1] for s in spans):
+        from plait import timeline as tl
+
+        flat = [(r, act[3], act[4], act[0], act[1], act[2]) for r, acts in spans for act in acts]
+        row["measured_bubble"] = tl.bubble(flat, len(spans))
+    peak = torch.tensor([row["peak_mem_gb"]], dtype=torch.float64, device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    row["peak_mem_gb_max_rank"] = peak.item()
+    if dims.rank == 0:
+        print(json.dumps({k: v for k, v in row.items() if k != "losses"}), flush=True)
+    _cleanup(device)
+    return [row]
+
+
+def _table(result) -> str:
+    rows = result["rows"]
+    z3 = next((r for r in rows if r["variant"] == "plait-zero3" and "error" not in r), None)
+    lines = [f"{result['card']}, {result['gpus']} GPUs, torch {result['torch']}, {result['config']['preset']} "
+             f"{result['config']['model']}, seq {result['config']['seq']}, micro-batch {result['config']['micro_batch']}",
+             f"{'variant':18} {'m':>3} {'tok/s/GPU':>10} {'MFU':>6} {'peak GB':>8} {'bubble':>7} {'sim.':>6} {'vs torch':>9} {'vs z3':>6}"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['variant']:18} {r['microbatches']:3} ERROR {r['error']}")
+            continue
+        tok = r["tokens_per_s_per_gpu"]
+        peer = next((p for p in rows if p["variant"] == r["variant"].replace("plait", "torch") and "error" not in p
+                     and p["microbatches"] == r["microbatches"] and p is not r), None)
+        mfu = f"{100 * r['mfu']:5.1f}%" if r.get("mfu") else "   n/a"
+        bub = f"{100 * r['measured_bubble']:6.1f}%" if "measured_bubble" in r else f"{'':7}"
+        sim = f"{100 * r['simulated_bubble']:5.1f}%" if "simulated_bubble" in r else f"{'':6}"
+        vs = f"{tok / peer['tokens_per_s_per_gpu']:8.2f}x" if peer else f"{'':9}"
+        vz = f"{tok / z3['tokens_per_s_per_gpu']:5.2f}x" if z3 else ""
+        lines.append(f"{r['variant']:18} {r['microbatches']:3} {tok:10.0f} {mfu} {r['peak_mem_gb_max_rank']:8.1f} "
+                     f"{bub} {sim} {vs} {vz}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gpus", type=int, default=0, help="processes = pipeline stages (default: every visible GPU)")
+    ap.add_argument("--preset", default="8b")
+    ap.add_argument("--model", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--micro-batch", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--variants", default=",".join(ALL))
+    ap.add_argument("--no-compile", dest="compile", action="store_false")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--out")
+    a = ap.parse_args(argv)
+    a.variants = [v for v in a.variants.split(",") if v]
+
+    import torch
+
+    from plait.launch import spawn
+
+    if a.device == "cuda" and not torch.cuda.is_available():
+        ap.error("no GPU visible; use --device cpu --preset tiny --no-compile --gpus 4 for a smoke test")
+    a.gpus = a.gpus or (torch.cuda.device_count() if a.device == "cuda" else 4)
+    card = torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu"
+    name = f"pp-{card_slug(card)}-{a.gpus}gpu" + (f"-{a.tag}" if a.tag else "")
+    out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"{name}.json"
+    result = {"benchmark": "pipeline", "card": card, "gpus": a.gpus, "torch": torch.__version__,
+              "nccl": ".".join(map(str, torch.cuda.nccl.version())) if a.device == "cuda" else None,
+              "date": time.strftime("%Y-%m-%d"), "command": " ".join(["python", "bench/pipeline.py"] + (argv or sys.argv[1:])),
+              "config": {"preset": a.preset, "model": a.model, "seq": a.seq, "micro_batch": a.micro_batch,
+                         "steps": a.steps, "warmup": a.warmup, "compile": a.compile}, "rows": []}
+    t0 = time.perf_counter()
+    for variant in a.variants:
+        try:
+            rows = spawn(worker, (a, variant), a.gpus, device_type=a.device, timeout_s=900)[0]
+        except Exception as e:  # noqa: BLE001
+            rows = [{"variant": variant, "microbatches": a.microbatches, "error": str(e).splitlines()[0][:300]}]
+        result["rows"] += rows
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({**result, "wall_s": time.perf_counter() - t0}, indent=1))
+    result["wall_s"] = time.perf_counter() - t0
+    out.write_text(json.dumps(result, indent=1))
+    print(f"\nwrote {out} in {result['wall_s']:.0f} s\n" + _table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
