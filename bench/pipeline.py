@@ -59,7 +59,8 @@ def _plait(a, variant, dims, device, comm):
     pp = a.gpus if sched != "zero3" else 1
     cfg = build_config({"model": _model_section(a), "train": {"lr": 1e-4, "warmup_steps": 0, "micro_batch": a.micro_batch},
                         "parallel": {"pp": pp, "schedule": sched if pp > 1 else "1f1b", "v": 2 if sched == "interleaved" else 1,
-                                     "zero": 3 if pp == 1 else 1}})
+                                     "zero": 3 if pp == 1 else 1,
+                                     "stage_layers": a.stage_layers if pp > 1 and sched != "interleaved" else ""}})
     if pp == 1:  # the same global batch over G data-parallel ranks
         cfg.train.grad_accum = a.microbatches // a.gpus
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -260,6 +261,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--variants", default=",".join(ALL))
+    ap.add_argument("--stage-layers", default="", help="plait's layers per stage (v = 1 schedules), e.g. 9,7")
     ap.add_argument("--no-compile", dest="compile", action="store_false")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--tag", default="")
@@ -281,6 +283,7 @@ def main(argv=None) -> int:
               "nccl": ".".join(map(str, torch.cuda.nccl.version())) if a.device == "cuda" else None,
               "date": time.strftime("%Y-%m-%d"), "command": " ".join(["python", "bench/pipeline.py"] + (argv or sys.argv[1:])),
               "config": {"preset": a.preset, "model": a.model, "seq": a.seq, "micro_batch": a.micro_batch,
+                         "stage_layers": a.stage_layers,
                          "steps": a.steps, "warmup": a.warmup, "compile": a.compile}, "rows": []}
     t0 = time.perf_counter()
     for variant in a.variants:
