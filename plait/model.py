@@ -121,6 +121,7 @@ class Attention(nn.Module):
         self.tp = DENSE
         # rows of wk/wv this rank uses when tensor parallelism replicates the KV heads (tp > kv_heads)
         self.kv_rows: slice | None = None
+        self.cp = None  # `plait.parallel.context.ContextParallel` when the sequence is split over ranks
 
     def _kv(self, proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return proj(x) if self.kv_rows is None else F.linear(x, proj.weight[self.kv_rows])
@@ -147,7 +148,10 @@ class Attention(nn.Module):
                 if T > 1:
                     qpos = torch.arange(kv.start, kv.start + T, device=x.device)
                     mask = qpos[:, None] >= torch.arange(kv.start + T, device=x.device)[None, :]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+        if self.cp is not None and kv is None:  # this rank's tokens attend over the whole sequence
+            out = self.cp.attend(q, k, v)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
         out = out.transpose(1, 2).reshape(B, T, -1)  # (B, T, n_heads/tp * head_dim)
         return self.tp.leave(self.wo(out))
 
@@ -199,6 +203,7 @@ class Transformer(nn.Module):
         self.tie()
         self.ce_chunk_fn = ce_chunk  # replaced by a compiled version when compiling
         self.tp = DENSE
+        self.cp = None  # context parallelism (`apply_cp`): forward takes this rank's chunks of each sequence
         # how tensor parallelism cut the parameters (`plait.parallel.engine.TensorSplit`): set by
         # `apply_tp`; init_weights draws each tensor in full and keeps this rank's box of it
         self.tensor_split = None
@@ -278,6 +283,10 @@ class Transformer(nn.Module):
         (B*T, vocab) logits never exist in memory. `cache` (a `plait.kv_cache.KVCache`): `tokens`
         continue the cached ones, whose keys and values are reused.
         """
+        if self.cp is not None and tokens is not None and cache is None:  # this rank's part of each sequence
+            positions = self.cp.positions(tokens.shape[1], tokens.device)
+            tokens = self.cp.local(tokens)
+            targets = self.cp.local(targets) if targets is not None else None
         h = self.hidden(tokens, h, positions, cache)
         if self.norm is None:
             return h

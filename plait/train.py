@@ -327,10 +327,10 @@ def train(cfg: Config, dims=None) -> dict:
                "seconds": time.perf_counter() - t_run, "main": is_main,
                # bytes of parameters, gradients and optimizer state this rank holds at the update (plan --validate)
                "state_bytes": engine.state_bytes(), "checkpoint_stall_s": ckpts.stalls}
-    if t.sample_tokens and end > start and cfg.parallel.pp > 1:
+    if t.sample_tokens and end > start and (cfg.parallel.pp > 1 or cfg.parallel.cp > 1):
         if is_main:
-            _warn(f"no sample at the end of a pipelined run (each rank holds some layers): sample its "
-                  f"checkpoint with `plait generate --checkpoint {out}`")
+            _warn(f"no sample at the end of a {'pipelined' if cfg.parallel.pp > 1 else 'context-parallel'} run: "
+                  f"sample its checkpoint with `plait generate --checkpoint {out}`")
     elif t.sample_tokens and end > start:
         engine.gather_for_inference()  # ZeRO-3: every rank takes part in gathering the model
         if is_main or cfg.parallel.tp > 1:  # tensor-parallel ranks generate together (same seed, same tokens)

@@ -141,10 +141,6 @@ def data_parallel_size(cfg: Config) -> int:
     return dims.dp_replicate * dims.dp_shard
 
 
-# parallelisms whose engines are not wired into `plait train` yet
-NOT_YET = ("cp",)
-
-
 def validate_parallel(cfg: Config):
     """Degrees, world size, the model's split and placement, as the launcher will see them, before
     any process starts; returns the run's `ParallelDims` (inferred degrees filled in)."""
@@ -168,10 +164,6 @@ def validate_parallel(cfg: Config):
         raise bad_value("parallel.reduce_dtype", p.reduce_dtype, "needs --zero 2 or 3 (DDP and ZeRO-1 reduce "
                         "the gradient buffer in place, in the parameters' dtype); use --zero 2 or drop it")
     p.sp = {"true": "on", "false": "off", "1": "on", "0": "off"}.get(str(p.sp).lower(), str(p.sp).lower())
-    for name in NOT_YET:
-        if getattr(p, name) != 1:
-            raise bad_value(f"parallel.{name}", getattr(p, name), "is not wired into `plait train` yet; "
-                            "train with data, tensor and pipeline parallelism (--dp, --tp, --pp, --zero)")
     rules.check_split(heads=m.n_heads, kv_heads=m.n_kv_heads, ffn=m.ffn_dim, layers=m.n_layers,
                       seq=cfg.train.seq_len, tp=p.tp, pp=p.pp, v=p.v, cp=p.cp, sp=p.sp)
     # Under torchrun/srun the world is what they started; locally it is nproc, all on this node, so

@@ -108,8 +108,9 @@ class Groups:
         'tp-dp': TP {0,1}/{2,3} x DP {0,2}/{1,3}. Pipelines: 'pp-pair': two of 2 stages; 'pp-world': one
         of 4 (its tied-embedding ends {0, 3})."""
         r = dist.get_rank()
-        one = {"tp": self.single[r], "pp": self.single[r]}
-        alone = {"dp": self.single[r], "dp_shard": self.single[r], "dp_replicate": self.single[r], "pp": self.single[r]}
+        one = {"tp": self.single[r], "pp": self.single[r], "cp": self.single[r]}
+        alone = {"dp": self.single[r], "dp_shard": self.single[r], "dp_replicate": self.single[r], "pp": self.single[r],
+                 "cp": self.single[r]}
         if layout == "pp-pair":  # two 2-stage pipelines
             g = self.pair[r // 2]
             return Comm(None, Ledger(), groups={**alone, "tp": self.single[r], "pp": g, "pp_ends": g, "world": g})
@@ -123,7 +124,8 @@ class Groups:
         if layout == "tp-dp":
             dp = self.cross[r % 2]
             return Comm(None, Ledger(), groups={"tp": self.pair[r // 2], "dp": dp, "dp_shard": dp,
-                                                "dp_replicate": self.single[r], "pp": self.single[r]})
+                                                "dp_replicate": self.single[r], "pp": self.single[r],
+                                                "cp": self.single[r]})
         if layout == "pair":
             g = self.pair[r // 2]
             groups = {"dp": g, "dp_shard": g, "dp_replicate": self.single[r], "world": g}

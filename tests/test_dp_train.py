@@ -64,7 +64,7 @@ def test_train_resume_at_another_layout_and_generate(corpus, tmp_path, capfd):
     (["--nproc", "2", "--tp", "2"], "parallel.tp = 2: must divide the 3 attention heads; choose one of 1, 3"),
     (["--tp", "3", "--model.ffn_dim", "114"], "parallel.tp = 3: needs 3 processes (one per GPU) but one would run: add --nproc 3"),
     (["--nproc", "2", "--sp"], "parallel.sp = 'on': sequence parallelism shards what tensor parallelism replicates"),
-    (["--nproc", "2", "--cp", "2"], "parallel.cp = 2: is not wired into `plait train` yet"),
+    (["--nproc", "3", "--cp", "3"], "parallel.cp = 3: the causal load balance splits each sequence into 2 x cp chunks"),
     (["--nproc", "2", "--zero", "1", "--parallel.reduce_dtype", "fp32"], "parallel.reduce_dtype = 'fp32': needs --zero 2 or 3"),
     (["--nproc", "2", "--zero", "4"], "parallel.zero = 4"),
 ])

@@ -33,6 +33,7 @@ compiled block keeps at most `none`'s bytes.
 from __future__ import annotations
 
 import gc
+import time
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -86,6 +87,14 @@ def kept_bytes(fn, *inputs: torch.Tensor) -> tuple[int, object]:
     with spy:
         out = fn(*[x * 1.0 for x in inputs])
     outs = {x.untyped_storage().data_ptr() for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)}
-    gc.collect()  # what only a reference cycle holds is garbage, not kept for backward
-    alive = {ptr: n for ptr, ref, n in spy.made if not ref.expired() and ptr not in outs}
-    return sum(alive.values()), out
+    counts = []
+    for _ in range(5):
+        # what only a reference cycle holds is garbage, not kept for backward; and a collective's
+        # backend thread (gloo) may hold a finished operation's buffers a moment longer
+        gc.collect()
+        alive = {ptr: n for ptr, ref, n in spy.made if not ref.expired() and ptr not in outs}
+        counts.append(sum(alive.values()))
+        if len(counts) > 1 and counts[-1] == counts[-2]:
+            break
+        time.sleep(0.02)
+    return counts[-1], out

@@ -5,19 +5,20 @@ The order is fixed, and each step depends on the ones before it:
                                   only this rank's stages (`plait.parallel.stages`)
   2. tensor parallelism (+ SP)    swaps full weights for this rank's shards while they are still
                                   shapes only, so no rank ever holds a full copy
-  3. recomputation                wraps each block's inner forward: hooks added later (ZeRO-3's
+  3. context parallelism          each sequence split over the cp ranks (load-balanced chunks),
+                                  attention as a ring (`plait.parallel.context`)
+  4. recomputation                wraps each block's inner forward: hooks added later (ZeRO-3's
                                   gather and free) stay outside the recomputed region
-  4. materialise + init by name   each weight is drawn in full from (seed, name) and this rank keeps
+  5. materialise + init by name   each weight is drawn in full from (seed, name) and this rank keeps
                                   its box: every layout starts from the single-device model
-  5. compute dtype                bf16 weights on GPU; the engine keeps fp32 masters
-  6. compile                      per block, after every structural change and before the engine's
+  6. compute dtype                bf16 weights on GPU; the engine keeps fp32 masters
+  7. compile                      per block, after every structural change and before the engine's
                                   hooks, so ZeRO-3's hooks run eagerly around the compiled code (a
                                   zero-bubble pipeline defers weight gradients from inside backward,
                                   which a compiled block cannot: its blocks stay eager)
-  7. data parallelism / ZeRO      the engine over this rank's (local) parameters, told how tensor
+  8. data parallelism / ZeRO      the engine over this rank's (local) parameters, told how tensor
                                   parallelism cut them and which matrix is a tied copy
 and the step runner: the plain micro-batch loop, or the pipeline executor over the schedule.
-Context parallelism (after 2) slots into this order.
 """
 
 from __future__ import annotations
@@ -80,14 +81,21 @@ def parallelize(cfg: Config, comm, device: torch.device, dtype: torch.dtype, com
         split = apply_tp(model, comm, groups.tp, sequence_parallel(cfg))
     if stage is not None:
         split = dataclasses.replace(split, **stage["tied"])
-    if t.recompute != "none":  # 3
+    if comm is not None and comm.size(groups.cp) > 1:  # 3: context parallelism (the ring attention)
+        from plait.parallel.context import apply_cp
+
+        apply_cp(model, comm, groups.cp)
+        # the cp ranks hold the same parameters and see different tokens of the same sequences:
+        # gradients average, and ZeRO shards, over dp x cp (the data split stays over dp)
+        groups = dataclasses.replace(groups, grad="dp_cp", shard="dp_shard_cp")
+    if t.recompute != "none":  # 4
         from plait.parallel.recompute import apply_recompute
 
         apply_recompute(model, t.recompute)
-    model.to_empty(device=device)  # 4
+    model.to_empty(device=device)  # 5
     model.tie()
     model.init_weights(t.seed)
-    model.to(dtype)  # 5
+    model.to(dtype)  # 6
     store = None
     if stage is not None and p.schedule == "zb":  # weight gradients deferred: blocks stay eager
         from plait.parallel.wgrad import WeightGradStore
@@ -97,12 +105,12 @@ def parallelize(cfg: Config, comm, device: torch.device, dtype: torch.dtype, com
             for lin in (block.attn.wq, block.attn.wk, block.attn.wv, block.attn.wo, block.mlp.w1, block.mlp.w2,
                         block.mlp.w3):
                 store.serve(lin)
-    if compile:  # 6
+    if compile:  # 7
         if store is None:
             apply_compile(model, hooks_outside=comm is not None and p.zero == 3)
         else:
             compile_loss(model)
-    engine = apply_data_parallel(model, cfg, comm, groups, compile=compile, split=split,  # 7
+    engine = apply_data_parallel(model, cfg, comm, groups, compile=compile, split=split,  # 8
                                  pipeline=stage is not None)
     data_rank, data_size = (comm.rank("dp"), comm.size("dp")) if comm is not None else (0, 1)
     autocast = autocast_for(dtype, device)
@@ -111,8 +119,9 @@ def parallelize(cfg: Config, comm, device: torch.device, dtype: torch.dtype, com
     else:
         from plait.parallel.pipeline import PipelineRunner
 
-        tp, dim, sp = comm.size(groups.tp), cfg.model.dim, sequence_parallel(cfg)
-        act_shape = (lambda b, s: (b * s // tp, dim)) if sp else (lambda b, s: (b, s, dim))
+        tp, cp, dim, sp = comm.size(groups.tp), comm.size(groups.cp), cfg.model.dim, sequence_parallel(cfg)
+        # what crosses a stage boundary: this rank's tokens (1/cp of each sequence, 1/tp of them with SP)
+        act_shape = (lambda b, s: (b * s // cp // tp, dim)) if sp else (lambda b, s: (b, s // cp, dim))
         runner = PipelineRunner(model, engine, comm, p.schedule, pp, p.v, comm.rank(groups.pp), stage["chunks"],
                                 autocast, act_shape, dtype, store, groups.pp)
     return Parallelized(model, engine, runner, data_rank, data_size)

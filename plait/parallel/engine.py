@@ -58,6 +58,7 @@ class Groups:
     stats: str = "world"
     pp: str = "pp"
     tied: str = "pp_ends"
+    cp: str = "cp"
 
 
 @dataclass(frozen=True)

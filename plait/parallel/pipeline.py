@@ -135,12 +135,12 @@ class PipelineRunner:
             t0 = self.timeline.now() if self.timeline.enabled else 0.0
             key, s = (a.chunk, a.microbatch), self.stage(a.chunk)
             if a.kind == "F":
-                x, y = micro_batches[a.microbatch]
+                x, y, pos, seq_l = self._local(micro_batches[a.microbatch], seq)
                 with self.autocast():
-                    h = self.model.hidden(x if s == 0 else None, None if s == 0 else inputs[key],
-                                          layers=self.chunks[a.chunk], seq_len=seq)
+                    h = self.model.hidden(x if s == 0 else None, None if s == 0 else inputs[key], positions=pos,
+                                          layers=self.chunks[a.chunk], seq_len=seq_l)
                     if s == self.S - 1:
-                        out = self.model.head(h, y, seq) / m
+                        out = self.model.head(h, y, seq_l) / m
                         loss_sum = out.detach().float() if loss_sum is None else loss_sum + out.detach().float()
                     else:
                         out = h
@@ -170,6 +170,14 @@ class PipelineRunner:
         if self.timeline.enabled:
             self.timeline.end()
         return self.engine.step(lr, loss_sum)
+
+    def _local(self, batch, seq: int):
+        """(tokens, targets, positions, length) of this rank's part of a micro-batch's sequences."""
+        x, y = batch
+        cp = self.model.cp
+        if cp is None:
+            return x, y, None, seq
+        return cp.local(x), cp.local(y), cp.positions(seq, x.device), seq // cp.cp
 
     def write_timeline(self, folder, is_main: bool, m: int) -> dict | None:
         """The recorded steps' per-action times: every rank writes its own JSON into `folder`; the
@@ -212,6 +220,7 @@ class PipelineRunner:
         was = self.model.training
         self.model.eval()
         seq, out, h = x.shape[1], None, None
+        x, y, pos, seq_l = self._local((x, y), seq)
         nxt, prv = (self.rank + 1) % self.pp, (self.rank - 1) % self.pp
         try:
             for s in range(self.S):
@@ -221,9 +230,10 @@ class PipelineRunner:
                     h = torch.empty(self.act_shape(x.shape[0], seq), dtype=self.dtype, device=x.device)
                     self.comm.send_recv(self.pp_dim, recvs=[(h, prv)])
                 with self.autocast():
-                    h = self.model.hidden(x if s == 0 else None, h, layers=self.chunks[s // self.pp], seq_len=seq)
+                    h = self.model.hidden(x if s == 0 else None, h, positions=pos, layers=self.chunks[s // self.pp],
+                                          seq_len=seq_l)
                     if s == self.S - 1:
-                        out = self.model.head(h, y, seq).float()
+                        out = self.model.head(h, y, seq_l).float()
                 if s < self.S - 1:
                     self.comm.send_recv(self.pp_dim, sends=[(h, nxt)])
         finally:

@@ -204,10 +204,12 @@ def _traffic(d: ModelDims, lay: Layout, prec: Precision, sc: StageCosts, m: int)
         out["tp"] = DimTraffic("tp", lay.tp, *sc.links["tp"], tuple(
             Collective(x.op, x.size_bytes, lay.tp, x.count * nl * m, x.what)
             for x in sc.tp_forward + sc.tp_forward + replay) + _tp_ends(d, lay, prec, m))
-    if lay.cp > 1:
-        out["cp"] = DimTraffic("cp", lay.cp, *sc.links["cp"], (Collective(
-            "send_recv", sc.kv_chunk_bytes, lay.cp, 3 * (lay.cp - 1) * nl * m,
-            "ring: K/V forward, K/V and dK/dV backward"),))
+    if lay.cp > 1:  # plait/parallel/context.py: the ring's K/V blocks and their fp32 dK/dV accumulators
+        out["cp"] = DimTraffic("cp", lay.cp, *sc.links["cp"], (
+            Collective("send_recv", sc.kv_chunk_bytes, lay.cp, 2 * (lay.cp - 1) * nl * m,
+                       "ring: K/V blocks, forward and backward"),
+            Collective("send_recv", sc.kv_chunk_bytes * 4 / prec.act_bytes, lay.cp, lay.cp * nl * m,
+                       "ring: dK/dV accumulators (fp32), the last hop home")))
     if lay.pp > 1:
         out["pp"] = DimTraffic("pp", lay.pp, *sc.links["pp"], (Collective(
             "send_recv", sc.p2p_bytes, lay.pp, 2 * m * lay.v,

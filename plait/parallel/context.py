@@ -1,0 +1,179 @@
+"""Context parallelism: each sequence split over `cp` ranks, attention computed as a ring.
+
+Load balance. Causal attention does more work for later tokens, so a contiguous split would give
+the last rank C times the first's. Each sequence is cut into 2C chunks and rank r holds chunks r and
+2C-1-r (an early and a late one): every rank then does the same attention work. Positions for RoPE
+are the tokens' global positions.
+
+Ring attention. Every rank starts with its own K/V (both chunks, only the key/value heads under
+grouped-query attention); at each of C steps it attends its queries to the K/V block it holds while
+the block moves on to the next rank (non-blocking P2P posted before the block's attention, so the
+transfer overlaps it). Per (query chunk, key chunk) pair: an earlier key chunk is attended in full,
+the same chunk causally, a later one is skipped (fully masked). Partial outputs merge by log-sum-exp:
+  lse = logaddexp(lse_a, lse_b),  out = out_a exp(lse_a - lse) + out_b exp(lse_b - lse).
+Backward runs the ring again: each rank recomputes each block's probabilities from its queries and
+the final log-sum-exp, adds dQ locally, and adds the block's dK/dV to an accumulator that travels
+with the block and ends at the block's owner.
+
+Traffic per layer and micro-batch, in K/V-block bytes (a block = K and V of one rank's tokens,
+kv_heads only): forward C-1; backward C-1 blocks and C accumulators (the last hop takes each home).
+
+The block attention here is plain tensor algebra (math path, fp32 accumulation): it runs on any
+device and is what the CPU tests check against full attention.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def chunk_ids(cp: int, rank: int) -> tuple[int, int]:
+    """The two chunks (of 2 cp) rank `rank` holds: an early one and its mirror."""
+    return rank, 2 * cp - 1 - rank
+
+
+def block_plan(cp: int, rank: int) -> list[list[tuple[int, int, str]]]:
+    """Per ring step, the (local query chunk, key chunk of the block held, kind) pairs computed:
+    kind "full" or "causal"; pairs whose key chunk comes after the query chunk are skipped. At step s
+    a rank holds the block of rank (rank - s) mod cp."""
+    mine = chunk_ids(cp, rank)
+    plan = []
+    for s in range(cp):
+        theirs = chunk_ids(cp, (rank - s) % cp)
+        pairs = []
+        for qi, qc in enumerate(mine):
+            for ki, kc in enumerate(theirs):
+                if kc < qc:
+                    pairs.append((qi, ki, "full"))
+                elif kc == qc:
+                    pairs.append((qi, ki, "causal"))
+        plan.append(pairs)
+    return plan
+
+
+def work(cp: int, rank: int) -> float:
+    """Attention work of a rank in units of one full chunk-by-chunk block (a causal one is half)."""
+    return sum(1.0 if kind == "full" else 0.5 for step in block_plan(cp, rank) for _, _, kind in step)
+
+
+class ContextParallel:
+    """A model's context-parallel state over mesh dim `dim` of `comm`."""
+
+    def __init__(self, comm, dim: str = "cp"):
+        self.comm, self.dim = comm, dim
+        self.cp, self.rank = comm.size(dim), comm.rank(dim)
+
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's two chunks of every sequence: (B, T, ...) -> (B, T/cp, ...)."""
+        c = x.shape[1] // (2 * self.cp)
+        a, b = chunk_ids(self.cp, self.rank)
+        return torch.cat([x[:, a * c:(a + 1) * c], x[:, b * c:(b + 1) * c]], dim=1)
+
+    def positions(self, seq: int, device) -> torch.Tensor:
+        """Global positions of this rank's tokens (for RoPE)."""
+        return self.local(torch.arange(seq, device=device)[None])[0]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of this rank's queries over the whole sequence's keys; q (B, H, T/cp, d),
+        k and v (B, Hkv, T/cp, d) in the layout of `local`; returns (B, H, T/cp, d)."""
+        return _RingAttention.apply(q, k, v, self)
+
+
+def _blocks(x: torch.Tensor) -> list[torch.Tensor]:
+    c = x.shape[2] // 2
+    return [x[:, :, :c], x[:, :, c:]]
+
+
+def _expand(kv: torch.Tensor, groups: int) -> torch.Tensor:
+    return kv if groups == 1 else kv.repeat_interleave(groups, dim=1)
+
+
+def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
+    s = (q @ k.transpose(-1, -2)) * scale  # (B, H, c, c)
+    if causal:
+        c = s.shape[-1]
+        s = s.masked_fill(torch.ones(c, c, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return s
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cp: ContextParallel):
+        comm, dim, C, r = cp.comm, cp.dim, cp.cp, cp.rank
+        groups, scale = q.shape[1] // k.shape[1], q.shape[-1] ** -0.5
+        acc = torch.promote_types(q.dtype, torch.float32)  # bf16 inputs accumulate in fp32
+        qs = _blocks(q.to(acc))
+        out = [torch.zeros_like(x) for x in qs]
+        lse = [torch.full(x.shape[:-1], float("-inf"), dtype=acc, device=q.device) for x in qs]
+        kv = torch.stack([k, v]).contiguous()  # (2, B, Hkv, T/cp, d): what travels
+        nxt, prv = (r + 1) % C, (r - 1) % C
+        for step, pairs in enumerate(block_plan(C, r)):
+            pending = None
+            if step < C - 1:  # the next block is on its way while this one is attended
+                incoming = torch.empty_like(kv)
+                pending = comm.send_recv(dim, sends=[(kv, nxt)], recvs=[(incoming, prv)], async_op=True)
+            ks, vs = _blocks(_expand(kv[0].to(acc), groups)), _blocks(_expand(kv[1].to(acc), groups))
+            for qi, ki, kind in pairs:
+                s = _scores(qs[qi], ks[ki], kind == "causal", scale)
+                b_lse = torch.logsumexp(s, dim=-1)
+                b_out = torch.exp(s - b_lse[..., None]) @ vs[ki]
+                new = torch.logaddexp(lse[qi], b_lse)
+                out[qi] = out[qi] * torch.exp(lse[qi] - new)[..., None] + b_out * torch.exp(b_lse - new)[..., None]
+                lse[qi] = new
+            if pending is not None:
+                pending.wait()
+                kv = incoming
+        out, lse = torch.cat(out, dim=2), torch.cat(lse, dim=2)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cp = cp
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        cp = ctx.cp
+        comm, dim, C, r = cp.comm, cp.dim, cp.cp, cp.rank
+        groups, scale = q.shape[1] // k.shape[1], q.shape[-1] ** -0.5
+        acc = out.dtype
+        qs, dos, lses = _blocks(q.to(acc)), _blocks(dout.to(acc)), _blocks(lse[..., None])
+        delta = _blocks((dout.to(acc) * out).sum(-1, keepdim=True))  # D = rowsum(dO * O)
+        dq = [torch.zeros_like(x) for x in qs]
+        kv = torch.stack([k, v]).contiguous()
+        dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)  # travels with its block
+        nxt, prv = (r + 1) % C, (r - 1) % C
+        B, Hkv, T, d = k.shape
+        for step, pairs in enumerate(block_plan(C, r)):
+            pending = None
+            if step < C - 1:
+                incoming = torch.empty_like(kv)
+                pending = comm.send_recv(dim, sends=[(kv, nxt)], recvs=[(incoming, prv)], async_op=True)
+            ks, vs = _blocks(_expand(kv[0].to(acc), groups)), _blocks(_expand(kv[1].to(acc), groups))
+            dk = [torch.zeros_like(x) for x in ks]
+            dv = [torch.zeros_like(x) for x in vs]
+            for qi, ki, kind in pairs:
+                p = torch.exp(_scores(qs[qi], ks[ki], kind == "causal", scale) - lses[qi])
+                dv[ki] += p.transpose(-1, -2) @ dos[qi]
+                ds = p * (dos[qi] @ vs[ki].transpose(-1, -2) - delta[qi])
+                dq[qi] += (ds @ ks[ki]) * scale
+                dk[ki] += (ds.transpose(-1, -2) @ qs[qi]) * scale
+            # fold the query-head groups back onto the key/value heads they share
+            fold = [torch.cat(x, dim=2).view(B, Hkv, groups, T, d).sum(2) for x in (dk, dv)]
+            dkv += torch.stack(fold)
+            if pending is not None:  # pass the block's accumulator on with the block
+                moved = torch.empty_like(dkv)
+                comm.send_recv(dim, sends=[(dkv, nxt)], recvs=[(moved, prv)])
+                pending.wait()
+                kv, dkv = incoming, moved
+        home = torch.empty_like(dkv)  # the accumulator now held belongs to the next rank: one hop home
+        comm.send_recv(dim, sends=[(dkv, nxt)], recvs=[(home, prv)])
+        return (torch.cat(dq, dim=2).to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype), None)
+
+
+def apply_cp(model, comm, dim: str = "cp") -> ContextParallel:
+    """Split every sequence of `model`'s forward over `dim`: the model localises its tokens and
+    targets, and each attention runs the ring."""
+    cp = ContextParallel(comm, dim)
+    model.cp = cp
+    for block in model.layers.values():
+        block.attn.cp = cp
+    return cp

@@ -1,0 +1,177 @@
+"""Context parallelism: ring attention against full causal attention (forward and backward), the
+load balance, and training at CP=2, CP=4, CP=2 x TP=2, CP=2 x ZeRO-3 x DP=2 and a 4D layout
+(CP=2 x TP=2 x PP=2, 8 processes) against the single-process run, with the ring's traffic to the
+byte against the formula and the planner.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dist import run_dist
+from dp_runs import MICRO, Groups, config, max_weight_diff, rel, train
+from plait.parallel.sharded_state import full_weights
+
+CPM = {"preset": "custom", "vocab_size": 259, "dim": 48, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
+       "ffn_dim": 96, "max_seq_len": 64}
+SEQ, STEPS = 32, 20
+# (heads, kv heads): plain, grouped-query, one shared KV head, an odd head count
+HEADS = [(4, 4), (4, 2), (6, 1), (3, 3)]
+
+
+def _ring_vs_full(comm, cp_size: int) -> dict:
+    """max |ring - full| over outputs and input gradients, per head layout and dtype (every rank
+    checks its part)."""
+    from plait.parallel.context import ContextParallel
+
+    cp = ContextParallel(comm, "cp")
+    worst = {}
+    for (h, kv), dtype in [(hk, dt) for hk in HEADS for dt in (torch.float64, torch.float32)]:
+        g = torch.Generator().manual_seed(h * 10 + kv)
+        q, k, v = (torch.randn(2, n, SEQ, 8, generator=g, dtype=dtype) for n in (h, kv, kv))
+        dout = torch.randn(2, h, SEQ, 8, generator=g, dtype=dtype)
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = F.scaled_dot_product_attention(*full, is_causal=True, enable_gqa=kv != h)
+        ref.backward(dout)
+
+        def local(t):  # (B, H, T, d): this rank's chunks along T
+            return cp.local(t.transpose(1, 2)).transpose(1, 2)
+
+        mine = [local(t).clone().requires_grad_() for t in (q, k, v)]
+        out = cp.attend(*mine)
+        out.backward(local(dout))
+        diffs = [(out - local(ref)).abs().max()] + [(a.grad - local(b.grad)).abs().max() for a, b in zip(mine, full)]
+        worst[(h, kv, str(dtype))] = max(d.item() for d in diffs)
+    return worst
+
+
+def _body(dims, corpus, root):
+    import torch.distributed as dist
+
+    from plait.comm import Comm, Ledger
+
+    groups = Groups()
+    r = dims.rank
+    out = {"ring": {2: _ring_vs_full(Comm(None, Ledger(), groups={"cp": groups.pair[r // 2]}), 2),
+                    4: _ring_vs_full(Comm(None, Ledger(), groups={"cp": dist.group.WORLD}), 4)}}
+    for name, (layout, kw) in RUNS.items():
+        if layout == "pair" and r >= 2:
+            continue
+        comm = Comm(None, Ledger(), groups=_groups(groups, layout, r))
+        out[name] = train(config(corpus, model=CPM, steps=STEPS, **kw), comm, root / name)
+    return out
+
+
+def _groups(groups, layout, r):
+    import torch.distributed as dist
+
+    one = groups.single[r]
+    base = {"tp": one, "pp": one, "dp": one, "dp_shard": one, "dp_replicate": one}
+    if layout == "pair":  # CP 2 on ranks {0,1}
+        g = groups.pair[r // 2]
+        return {**base, "cp": g, "dp_cp": g, "dp_shard_cp": g, "world": g}
+    if layout == "world":  # CP 4
+        w = dist.group.WORLD
+        return {**base, "cp": w, "dp_cp": w, "dp_shard_cp": w}
+    if layout == "cp-tp":  # CP {0,2}/{1,3} x TP {0,1}/{2,3}
+        cp = groups.cross[r % 2]
+        return {**base, "tp": groups.pair[r // 2], "cp": cp, "dp_cp": cp, "dp_shard_cp": cp}
+    # CP {0,1}/{2,3} x DP {0,2}/{1,3}, ZeRO-3 over all four
+    w = dist.group.WORLD
+    return {**base, "cp": groups.pair[r // 2], "dp": groups.cross[r % 2], "dp_shard": groups.cross[r % 2],
+            "dp_cp": w, "dp_shard_cp": w}
+
+
+# name -> (group layout, config) ; every run trains on the same global batch as its reference
+RUNS = {"cp2": ("pair", dict(cp=2)), "cp4": ("world", dict(cp=4)), "cp2-tp2": ("cp-tp", dict(cp=2, tp=2)),
+        "cp2-z3-dp2": ("cp-dp", dict(cp=2, zero=3))}
+
+
+@pytest.fixture(scope="module")
+def runs(corpus, tmp_path_factory):
+    root = tmp_path_factory.mktemp("cp")
+    per_rank = run_dist(_body, 4, corpus, root, timeout=600)
+    refs = {dp: train(config(corpus, micro_batch=MICRO * dp, model=CPM, steps=STEPS), None, root / f"ref-{dp}")
+            for dp in (1, 2)}
+    return per_rank, refs, root
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_attention_equals_full_causal_attention(runs, cp):
+    for rank in range(4):
+        for (h, kv, dtype), worst in runs[0][rank]["ring"][cp].items():
+            bound = 1e-10 if dtype == "torch.float64" else 1e-5  # fp64: the algebra itself
+            assert worst <= bound, (cp, rank, h, kv, dtype, worst)
+
+
+def test_every_rank_does_the_same_attention_work():
+    """Rank r holds chunks r and 2C-1-r: every rank's causal work is equal (a contiguous split would
+    give the last rank 2C-1 times the first's)."""
+    from plait.parallel.context import block_plan, work
+
+    for cp in (2, 4, 8):
+        assert len({work(cp, r) for r in range(cp)}) == 1
+        # all (query chunk, key chunk) pairs with key <= query: 2C full chunks' causal triangle
+        assert sum(work(cp, r) for r in range(cp)) == (2 * cp) * (2 * cp - 1) / 2 + 2 * cp * 0.5
+        assert all(len(step) <= 4 for r in range(cp) for step in block_plan(cp, r))
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_matches_the_single_process_run(runs, name):
+    per_rank, refs, root = runs
+    dp = 2 if name == "cp2-z3-dp2" else 1
+    ref = refs[dp]
+    got = per_rank[0][name]
+    worst_loss = max(rel(a, b) for a, b in zip(got["losses"], ref["losses"]))
+    worst_norm = max(rel(a, b) for a, b in zip(got["norms"], ref["norms"]))
+    worst_w = max_weight_diff(full_weights(root / name), full_weights(root / f"ref-{dp}"))
+    print(f"{name}: max loss rel diff {worst_loss:.2e}, grad norm {worst_norm:.2e}, weights {worst_w:.2e}")
+    assert worst_loss <= 1e-5 and worst_w <= 1e-5 and worst_norm <= 1e-4
+    assert ref["losses"][-1] < ref["losses"][0] - 0.5
+
+
+@pytest.mark.parametrize("name", ["cp2", "cp4", "cp2-tp2"])
+def test_ring_traffic_to_the_byte(runs, name):
+    """Per layer and micro-batch a rank sends C-1 K/V blocks forward and C-1 backward, plus the C
+    hops of the block's dK/dV accumulator (fp32); a block is K and V of this rank's tokens, key/value
+    heads only (grouped-query attention sends no repeated heads). The planner prices the same."""
+    from plait.config import build_config
+    from plait.planner.costs import ModelDims
+    from plait.planner.hardware import cluster
+    from plait.planner.layout import Layout
+    from plait.planner.predict import predict
+
+    layout, kw = RUNS[name]
+    C, tp = kw["cp"], kw.get("tp", 1)
+    block = 2 * MICRO * (CPM["n_kv_heads"] // tp) * (SEQ // C) * (CPM["dim"] // CPM["n_heads"]) * 4
+    want = CPM["n_layers"] * (2 * (C - 1) + C) * block
+    got = runs[0][0][name]["ledger"]
+    for step in got:
+        assert step["cp"]["send"]["bytes"] == want
+    d = ModelDims.from_config(build_config({"model": CPM}).model, seq=SEQ)
+    pred = predict(d, Layout(cp=C, tp=tp, micro_batch=MICRO), cluster("h100", 1, C * tp), MICRO, prec="fp32")
+    assert pred.traffic["cp"].bytes_per_device == want
+
+
+FOUR_D = {"preset": "custom", "vocab_size": 259, "dim": 32, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2,
+          "ffn_dim": 64, "max_seq_len": 64}
+
+
+def _body_4d(dims, corpus, root):
+    from plait.comm import Comm, Ledger
+
+    cfg = config(corpus, model=FOUR_D, steps=STEPS, grad_accum=2, cp=2, tp=2, sp="on", pp=2, schedule="1f1b")
+    return train(cfg, Comm(dims, Ledger()), root / "4d")
+
+
+def test_4d_matches_the_single_process_run(corpus, tmp_path_factory):
+    """CP 2 x TP 2 (+SP) x PP 2 (1F1B, tied embeddings) on 8 processes against one process."""
+    root = tmp_path_factory.mktemp("cp4d")
+    got = run_dist(_body_4d, 8, corpus, root, cp=2, tp=2, pp=2, timeout=600)[-1]
+    ref = train(config(corpus, model=FOUR_D, steps=STEPS, grad_accum=2), None, root / "ref")
+    worst_loss = max(rel(a, b) for a, b in zip(got["losses"], ref["losses"]))
+    worst_norm = max(rel(a, b) for a, b in zip(got["norms"], ref["norms"]))
+    worst_w = max_weight_diff(full_weights(root / "4d"), full_weights(root / "ref"))
+    print(f"4d: max loss rel diff {worst_loss:.2e}, grad norm {worst_norm:.2e}, weights {worst_w:.2e}")
+    assert worst_loss <= 1e-5 and worst_w <= 1e-5 and worst_norm <= 1e-4
