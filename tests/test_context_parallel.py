@@ -175,3 +175,30 @@ def test_4d_matches_the_single_process_run(corpus, tmp_path_factory):
     worst_w = max_weight_diff(full_weights(root / "4d"), full_weights(root / "ref"))
     print(f"4d: max loss rel diff {worst_loss:.2e}, grad norm {worst_norm:.2e}, weights {worst_w:.2e}")
     assert worst_loss <= 1e-5 and worst_w <= 1e-5 and worst_norm <= 1e-4
+
+
+def test_plait_train_cp_and_resume_on_one_process(corpus, tmp_path):
+    """`plait train --cp 2` end to end; its checkpoint resumes on one process with the same losses."""
+    import json
+
+    from plait.cli import main
+
+    def args(out, extra):
+        a = ["train", "--out", str(out), "--steps", "4", "--data.path", str(corpus), "--train.seq_len", "32",
+             "--train.eval_batches", "1", "--train.eval_every", "2", "--train.progress", "false",
+             "--train.sample_tokens", "0", "--train.compile", "off", "--train.tensorboard", "false",
+             "--train.device", "cpu", "--checkpoint.every", "2", "--train.micro_batch", "2"]
+        return a + [f"--model.{k}={v}" for k, v in CPM.items()] + extra
+
+    assert main(args(tmp_path / "one", [])) == 0
+    run = tmp_path / "cp"
+    assert main(args(run, ["--nproc", "2", "--cp", "2", "--train.max_steps_this_run", "2"])) == 0
+    assert main(args(run, ["--nproc", "1", "--cp", "1", "--resume"])) == 0
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    ref = [json.loads(x) for x in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for a, b in zip(rows, ref):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * b["loss"]
+        assert ("val_loss" in a) == ("val_loss" in b)
+        if "val_loss" in a:
+            assert abs(a["val_loss"] - b["val_loss"]) <= 1e-5 * b["val_loss"]
