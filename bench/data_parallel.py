@@ -144,7 +144,9 @@ def _torch_step(a, variant, device, dims):
     return step, (wrapped, opt)
 
 
-def _measure(a, variant, step, device, ledger=None) -> dict:
+def _measure(a, variant, step, device, ledger=None, tokens_per_gpu_step: float | None = None) -> dict:
+    """Warm up, then time `a.steps` steps (median), each with the loss's host sync a logging loop
+    pays; tokens/s/GPU from `tokens_per_gpu_step` (default a micro-batch of sequences per GPU)."""
     import torch
 
     from plait.metrics import flops_per_token, peak_flops, peak_memory_bytes
@@ -168,7 +170,7 @@ def _measure(a, variant, step, device, ledger=None) -> dict:
         if ledger is not None:
             ledger.step()
     med = statistics.median(times)
-    tok_s = a.micro_batch * a.seq / med
+    tok_s = (tokens_per_gpu_step or a.micro_batch * a.seq) / med
     peak = peak_flops(device, torch.bfloat16) if cuda else None
     row = {"variant": variant, "step_s_median": med, "step_s_min": min(times), "tokens_per_s_per_gpu": tok_s,
            "mfu": tok_s * flops_per_token(_model_cfg(a), a.seq) / peak if peak else None,

@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from data_parallel import _adamw, _cleanup, _model_cfg, _model_section, card_slug  # noqa: E402
+from data_parallel import _adamw, _cleanup, _measure, _model_cfg, _model_section, card_slug  # noqa: E402
 
 ALL = ["plait-zero3", "plait-gpipe", "plait-1f1b", "plait-interleaved", "plait-zb", "torch-gpipe", "torch-1f1b",
        "torch-interleaved", "torch-zb"]
@@ -147,34 +147,11 @@ def _torch(a, variant, dims, device):
     return step, (stages, opt)
 
 
-def _measure(a, variant, step, device, runner=None) -> dict:
-    import statistics
-
-    import torch
-
-    from plait.metrics import flops_per_token, peak_flops
-
-    cuda = device.type == "cuda"
-    t0 = time.perf_counter()
-    for _ in range(a.warmup):
-        step().item()
-    warm = time.perf_counter() - t0
-    if cuda:
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    times, losses = [], []
-    for _ in range(a.steps):
-        t = time.perf_counter()
-        losses.append(step().item())
-        times.append(time.perf_counter() - t)
-    med = statistics.median(times)
-    tok_s = a.microbatches * a.micro_batch * a.seq / med / a.gpus
-    peak = peak_flops(device, torch.bfloat16) if cuda else None
-    row = {"variant": variant, "microbatches": a.microbatches, "step_s_median": med, "step_s_min": min(times),
-           "tokens_per_s_per_gpu": tok_s, "mfu": tok_s * flops_per_token(_model_cfg(a), a.seq) / peak if peak else None,
-           "peak_mem_gb": (torch.cuda.max_memory_allocated(device) / 1e9) if cuda else 0.0,
-           "warmup_and_compile_s": warm, "losses": losses}
-    if runner is not None and hasattr(runner, "timeline"):  # one more step, timed action by action
+def _measure_pp(a, variant, step, device, runner=None) -> dict:
+    """The shared timing, then (plait) one more step timed action by action for the bubble."""
+    row = _measure(a, variant, step, device, tokens_per_gpu_step=a.microbatches * a.micro_batch * a.seq / a.gpus)
+    row["microbatches"] = a.microbatches
+    if runner is not None and hasattr(runner, "timeline"):
         runner.timeline.enabled = True
         step().item()
         runner.timeline.enabled = False
@@ -202,10 +179,10 @@ def worker(a, variant) -> list[dict]:
     try:
         if variant.startswith("plait"):
             step, par = _plait(a, variant, dims, device, Comm(dims, Ledger(enabled=False)))
-            row = _measure(a, variant, step, device, par.runner)
+            row = _measure_pp(a, variant, step, device, par.runner)
         else:
             step, keep = _torch(a, variant, dims, device)
-            row = _measure(a, variant, step, device)
+            row = _measure_pp(a, variant, step, device)
     except Exception as e:  # noqa: BLE001 (a failure every rank meets alike costs one row)
         row = {"variant": variant, "microbatches": a.microbatches,
                "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}",

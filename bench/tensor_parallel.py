@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from data_parallel import _adamw, _cleanup, _model_cfg, _model_section, card_slug  # noqa: E402
+from data_parallel import _adamw, _cleanup, _measure, _model_cfg, _model_section, card_slug  # noqa: E402
 
 DEFAULT = ["plait-tp1-z3", "plait-tp2-sp", "plait-tp2", "plait-tp4-sp", "plait-tp4", "plait-tp4-sp-sel",
            "torch-tp2", "torch-tp4"]
@@ -150,42 +150,6 @@ def _torch_step(a, lay, dims, device):
     return step, (model, opt)
 
 
-def _measure(a, variant, step, device, ledger=None) -> dict:
-    import statistics
-
-    import torch
-
-    from plait.metrics import flops_per_token, peak_flops, peak_memory_bytes
-
-    cuda = device.type == "cuda"
-    t0 = time.perf_counter()
-    for _ in range(a.warmup):
-        step().item()
-    warm = time.perf_counter() - t0
-    if cuda:
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    if ledger is not None:
-        ledger.reset()
-    times, losses = [], []
-    for _ in range(a.steps):
-        t = time.perf_counter()
-        losses.append(step().item())
-        times.append(time.perf_counter() - t)
-        if ledger is not None:
-            ledger.step()
-    med = statistics.median(times)
-    tok_s = a.global_batch * a.seq / med / a.gpus
-    peak = peak_flops(device, torch.bfloat16) if cuda else None
-    row = {"variant": variant, "step_s_median": med, "step_s_min": min(times), "tokens_per_s_per_gpu": tok_s,
-           "mfu": tok_s * flops_per_token(_model_cfg(a), a.seq) / peak if peak else None,
-           "peak_mem_gb": (torch.cuda.max_memory_allocated(device) if cuda else peak_memory_bytes(device)) / 1e9,
-           "warmup_and_compile_s": warm, "losses": losses}
-    if ledger is not None and ledger.steps:
-        row["comm_gb_per_step"] = sum(d["sent_bytes"] for d in ledger.summary().values()) / 1e9
-    return row
-
-
 def worker(a, variant) -> list[dict]:
     import torch
     import torch.distributed as dist
@@ -203,7 +167,7 @@ def worker(a, variant) -> list[dict]:
             step, keep = _torch_step(a, lay, dims, device)
         else:
             step, keep = _plait_step(a, lay, dims, device, Comm(dims, ledger))
-        row = _measure(a, variant, step, device, ledger)
+        row = _measure(a, variant, step, device, ledger, a.global_batch * a.seq / a.gpus)
         del step, keep
     except Exception as e:  # noqa: BLE001 (a failure every rank meets alike costs one row)
         row = {"variant": variant, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}",

@@ -60,25 +60,40 @@ class _LinearCrossEntropy(torch.autograd.Function):
             logits = hc @ weight.t()  # (n, V) in the compute dtype (autocast applies here)
             loss_c, g = chunk_fn(logits, targets[s:s + chunk])
             total += loss_c
-            if need_h:
-                grad_h[s:s + chunk] = (g @ weight.to(g.dtype)).to(h.dtype)
-            if need_w:
-                _accumulate_mm(grad_w, g.t(), hc.to(g.dtype))
-        count = (targets != IGNORE_INDEX).sum().clamp(min=1)
-        scale = 1.0 / count.to(total.dtype)
-        if need_h:
-            grad_h.mul_(scale.to(grad_h.dtype))
-        if need_w:
-            grad_w = grad_w.mul_(scale.to(acc)).to(weight.dtype)
-        ctx.save_for_backward(grad_h if need_h else None, grad_w if need_w else None)
-        return total * scale
+            _chunk_grads(g, h, hc, s, weight, grad_h, grad_w)
+        return _finish(ctx, total, targets, grad_h, grad_w, weight)
 
     @staticmethod
     def backward(ctx, grad_out):
-        grad_h, grad_w = ctx.saved_tensors
-        gh = grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None
-        gw = grad_w * grad_out.to(grad_w.dtype) if grad_w is not None else None
-        return gh, gw, None, None
+        return _scaled(ctx, grad_out) + (None, None)
+
+
+def _chunk_grads(g, h, hc, s, weight, grad_h, grad_w) -> None:
+    """A chunk's d(loss)/d(logits) g into the hidden states' gradient rows and the weight's gradient."""
+    if grad_h is not None:
+        grad_h[s:s + hc.shape[0]] = (g @ weight.to(g.dtype)).to(h.dtype)
+    if grad_w is not None:
+        _accumulate_mm(grad_w, g.t(), hc.to(g.dtype))
+
+
+def _finish(ctx, total, targets, grad_h, grad_w, weight):
+    """Mean over the counted tokens: scale the loss and the gradients formed in forward, keep them."""
+    count = (targets != IGNORE_INDEX).sum().clamp(min=1)
+    scale = 1.0 / count.to(total.dtype)
+    if grad_h is not None:
+        grad_h.mul_(scale.to(grad_h.dtype))
+    if grad_w is not None:
+        grad_w = grad_w.mul_(scale.to(grad_w.dtype)).to(weight.dtype)
+    ctx.save_for_backward(grad_h, grad_w)
+    return total * scale
+
+
+def _scaled(ctx, grad_out) -> tuple:
+    """Backward of a fused loss: the gradients formed in forward, times the incoming one."""
+    grad_h, grad_w = ctx.saved_tensors
+    gh = grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None
+    gw = grad_w * grad_out.to(grad_w.dtype) if grad_w is not None else None
+    return gh, gw
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -141,26 +156,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             valid = tc != IGNORE_INDEX
             total += ((lse - target_logit) * valid).sum()
             if need_h or need_w:
-                g = grad_fn(lf, lse, tc, vocab_start, logits.dtype)
-                if need_h:
-                    grad_h[s:s + chunk] = (g @ weight.to(g.dtype)).to(h.dtype)
-                if need_w:
-                    _accumulate_mm(grad_w, g.t(), hc.to(g.dtype))
-        count = (targets != IGNORE_INDEX).sum().clamp(min=1)
-        scale = 1.0 / count.to(total.dtype)
-        if need_h:
-            grad_h.mul_(scale.to(grad_h.dtype))
-        if need_w:
-            grad_w = grad_w.mul_(scale.to(acc)).to(weight.dtype)
-        ctx.save_for_backward(grad_h if need_h else None, grad_w if need_w else None)
-        return total * scale
+                _chunk_grads(grad_fn(lf, lse, tc, vocab_start, logits.dtype), h, hc, s, weight, grad_h, grad_w)
+        return _finish(ctx, total, targets, grad_h, grad_w, weight)
 
     @staticmethod
     def backward(ctx, grad_out):
-        grad_h, grad_w = ctx.saved_tensors
-        gh = grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None
-        gw = grad_w * grad_out.to(grad_w.dtype) if grad_w is not None else None
-        return gh, gw, None, None, None, None, None, None
+        return _scaled(ctx, grad_out) + (None,) * 6
 
 
 def vocab_parallel_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, comm, dim: str,

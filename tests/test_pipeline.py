@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 from dist import run_dist
-from dp_runs import MICRO, Groups, config, max_weight_diff, rel, train
+from dp_runs import Groups, MICRO, assert_equivalent, config, train
 from plait.parallel.sharded_state import full_weights
 
 PPM = {"preset": "custom", "vocab_size": 259, "dim": 32, "n_layers": 8, "n_heads": 4, "n_kv_heads": 2,
@@ -124,12 +124,7 @@ def test_matches_the_single_process_run(runs, name):
     per_rank, refs, root = runs
     ref = refs[RUNS[name][2]]
     got = next(r[name] for r in per_rank if name in r)
-    worst_loss = max(rel(a, b) for a, b in zip(got["losses"], ref["losses"]))
-    worst_norm = max(rel(a, b) for a, b in zip(got["norms"], ref["norms"]))
-    worst_w = max_weight_diff(full_weights(root / name), ref["weights"])
-    print(f"{name}: max loss rel diff {worst_loss:.2e}, grad norm {worst_norm:.2e}, weights {worst_w:.2e}")
-    assert len(got["losses"]) == STEPS
-    assert worst_loss <= 1e-5 and worst_w <= 1e-5 and worst_norm <= 1e-4
+    assert_equivalent(name, got, ref, root / name, ref["weights"])
     assert ref["losses"][-1] < ref["losses"][0] - 0.4
 
 
@@ -236,8 +231,4 @@ def test_3d_matches_the_single_process_run(corpus, tmp_path_factory, name, _thre
     cfg.train.lr, cfg.train.min_lr = LR, LR / 10
     ref = train(cfg, None, root / f"ref-{name}")
     got = _three_d["runs"][-1][name]
-    worst_loss = max(rel(a, b) for a, b in zip(got["losses"], ref["losses"]))
-    worst_norm = max(rel(a, b) for a, b in zip(got["norms"], ref["norms"]))
-    worst_w = max_weight_diff(full_weights(root / name), full_weights(root / f"ref-{name}"))
-    print(f"{name}: max loss rel diff {worst_loss:.2e}, grad norm {worst_norm:.2e}, weights {worst_w:.2e}")
-    assert worst_loss <= 1e-5 and worst_w <= 1e-5 and worst_norm <= 1e-4
+    assert_equivalent(name, got, ref, root / name, full_weights(root / f"ref-{name}"))

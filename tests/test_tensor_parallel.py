@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 from dist import run_dist
-from dp_runs import MICRO, STEPS, Groups, config, max_weight_diff, measure_memory, memory_formula, rel, train
+from dp_runs import Groups, MICRO, STEPS, assert_equivalent, config, measure_memory, memory_formula, train
 from plait.parallel.sharded_state import full_weights
 
 TPM = {"preset": "custom", "vocab_size": 259, "dim": 48, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
@@ -114,12 +114,7 @@ def test_matches_the_single_process_run(runs, name):
     per_rank, refs, root = runs
     ref = _ref(refs, name)
     got = next(r for r in per_rank if name in r)[name]
-    worst_loss = max(rel(a, b) for a, b in zip(got["losses"], ref["losses"]))
-    worst_norm = max(rel(a, b) for a, b in zip(got["norms"], ref["norms"]))
-    worst_w = max_weight_diff(full_weights(root / name), ref["weights"])
-    print(f"{name}: max loss rel diff {worst_loss:.2e}, grad norm {worst_norm:.2e}, weights {worst_w:.2e}")
-    assert len(got["losses"]) == STEPS
-    assert worst_loss <= 1e-5 and worst_w <= 1e-5 and worst_norm <= 1e-4
+    assert_equivalent(name, got, ref, root / name, ref["weights"])
     assert ref["losses"][-1] < ref["losses"][0] - 0.5
 
 
