@@ -136,6 +136,24 @@ class Groups:
         return Comm(None, Ledger(), groups={**one, **groups})
 
 
+def cli_train(corpus, out, model: dict, steps: int = 6, extra=(), sample_tokens: int = 0) -> list[str]:
+    """`plait train` arguments for a small CPU run of `model` that evaluates and saves every 3 steps
+    (the end-to-end tests' common part; `extra` adds or overrides)."""
+    args = ["train", "--out", str(out), "--steps", str(steps), "--data.path", str(corpus),
+            "--train.seq_len", "32", "--train.eval_batches", "1", "--train.eval_every", "3",
+            "--train.progress", "false", "--train.sample_tokens", str(sample_tokens), "--train.compile", "off",
+            "--train.tensorboard", "false", "--train.device", "cpu", "--checkpoint.every", "3"]
+    for k, v in model.items():
+        args += [f"--model.{k}", str(v)]
+    return args + list(extra)
+
+
+def metrics_rows(run: Path) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+
+
 def assert_equivalent(name: str, got: dict, ref: dict, got_dir, ref_weights: dict) -> None:
     """The equivalence every layout test asserts: loss per step within 1e-5 (relative), final
     weights within 1e-5 after gathering the run's checkpoint files, the pre-clip grad norm within

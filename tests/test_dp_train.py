@@ -3,29 +3,22 @@ sharded checkpoints, resume at another layout, generate from shards, bad layouts
 
 from __future__ import annotations
 
-import json
 import time
 
 import pytest
 import torch
 
-from dp_runs import UNEVEN
+from dp_runs import cli_train, metrics_rows, UNEVEN
 from plait.cli import main
 from plait.parallel.sharded_state import full_weights
 
 
 def _args(corpus, out, steps=6, extra=()):
-    args = ["train", "--out", str(out), "--steps", str(steps), "--data.path", str(corpus),
-            "--train.seq_len", "32", "--train.eval_batches", "1", "--train.eval_every", "3",
-            "--train.progress", "false", "--train.sample_tokens", "8", "--train.compile", "off",
-            "--train.tensorboard", "false", "--train.device", "cpu", "--checkpoint.every", "3"]
-    for k, v in UNEVEN.items():
-        args += [f"--model.{k}", str(v)]
-    return args + list(extra)
+    return cli_train(corpus, out, UNEVEN, steps, extra, sample_tokens=8)
 
 
 def _rows(run):
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return metrics_rows(run)
 
 
 def test_train_resume_at_another_layout_and_generate(corpus, tmp_path, capfd):

@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 
+from dp_runs import cli_train, metrics_rows
 from plait.cli import main
 from plait.parallel.sharded_state import full_weights
 
@@ -17,18 +18,11 @@ PPM = {"preset": "custom", "vocab_size": 259, "dim": 32, "n_layers": 8, "n_heads
 
 
 def _args(corpus, out, steps=6, extra=()):
-    args = ["train", "--out", str(out), "--steps", str(steps), "--data.path", str(corpus),
-            "--train.seq_len", "32", "--train.eval_batches", "1", "--train.eval_every", "3",
-            "--train.progress", "false", "--train.sample_tokens", "0", "--train.compile", "off",
-            "--train.tensorboard", "false", "--train.device", "cpu", "--checkpoint.every", "3",
-            "--train.lr", "1e-3", "--train.micro_batch", "2"]
-    for k, v in PPM.items():
-        args += [f"--model.{k}", str(v)]
-    return args + list(extra)
+    return cli_train(corpus, out, PPM, steps, ["--train.lr", "1e-3", "--train.micro_batch", "2", *extra])
 
 
 def _rows(run):
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return metrics_rows(run)
 
 
 def test_resume_across_pipeline_layouts(corpus, tmp_path, capfd):

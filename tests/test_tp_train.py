@@ -4,12 +4,12 @@ end (every tp rank generating together) and its checkpoint serves `plait generat
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest
 import torch
 
+from dp_runs import cli_train, metrics_rows
 from plait.cli import main
 from plait.parallel.sharded_state import full_weights
 
@@ -18,17 +18,11 @@ TPM = {"preset": "custom", "vocab_size": 259, "dim": 48, "n_layers": 2, "n_heads
 
 
 def _args(corpus, out, steps=6, extra=()):
-    args = ["train", "--out", str(out), "--steps", str(steps), "--data.path", str(corpus),
-            "--train.seq_len", "32", "--train.eval_batches", "1", "--train.eval_every", "3",
-            "--train.progress", "false", "--train.sample_tokens", "0", "--train.compile", "off",
-            "--train.tensorboard", "false", "--train.device", "cpu", "--checkpoint.every", "3"]
-    for k, v in TPM.items():
-        args += [f"--model.{k}", str(v)]
-    return args + list(extra)
+    return cli_train(corpus, out, TPM, steps, extra)
 
 
 def _rows(run):
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return metrics_rows(run)
 
 
 def test_resume_across_tensor_parallel_layouts(corpus, tmp_path, capfd):
