@@ -91,6 +91,8 @@ class DataConfig:
     """Where the default corpus is prepared once and reused."""
     val_fraction: float = 0.01
     """Share of the default corpus's files held out for validation."""
+    document_mask: bool = False
+    """Attend only within a document: packed windows hold several documents (boundaries recorded by `plait data prepare`), and a token does not see the ones before its document's start."""
     mix: str = ""
     """Several prepared folders with relative weights, "dirA:0.7,dirB:0.3", instead of data.path: each row of a batch comes from one folder, drawn by weight from (seed, step)."""
 

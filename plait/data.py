@@ -460,12 +460,16 @@ class _Batches:
         return torch.from_numpy(self._doc_rows("train", plan, seq_len)[:, :-1])
 
     def val_batches(self, n_batches: int, *, micro_batch: int, dp_rank: int, dp_size: int,
-                    seq_len: int, seed: int):
-        """The same held-out windows at every evaluation (so val losses are comparable over time)."""
+                    seq_len: int, seed: int, documents: bool = False):
+        """The same held-out windows at every evaluation (so val losses are comparable over time);
+        with `documents`, each batch also gives its positions' document indices (`batch_documents`)."""
         for i in range(n_batches):
             plan = self._slice("val", _VAL_KEY, i, micro_batch, n_batches, dp_rank, dp_size, seq_len, seed)
             rows = torch.from_numpy(self._rows("val", plan, seq_len))
-            yield rows[:, :-1], rows[:, 1:]
+            if documents:
+                yield rows[:, :-1], rows[:, 1:], torch.from_numpy(self._doc_rows("val", plan, seq_len)[:, :-1])
+            else:
+                yield rows[:, :-1], rows[:, 1:]
 
 
 class TokenData(_Batches):

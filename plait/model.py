@@ -126,8 +126,9 @@ class Attention(nn.Module):
     def _kv(self, proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return proj(x) if self.kv_rows is None else F.linear(x, proj.weight[self.kv_rows])
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv=None) -> torch.Tensor:
-        """kv: this layer's `plait.kv_cache.LayerCache` when generating (x holds the new positions only)."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv=None, docs=None) -> torch.Tensor:
+        """kv: this layer's `plait.kv_cache.LayerCache` when generating (x holds the new positions only).
+        docs: (B, T) document index of each position: a token attends only within its document."""
         T = cos.shape[0]
         x = self.tp.enter(x, T)  # (B, T, dim)
         B = x.shape[0]
@@ -149,7 +150,11 @@ class Attention(nn.Module):
                     qpos = torch.arange(kv.start, kv.start + T, device=x.device)
                     mask = qpos[:, None] >= torch.arange(kv.start + T, device=x.device)[None, :]
         if self.cp is not None and kv is None:  # this rank's tokens attend over the whole sequence
-            out = self.cp.attend(q, k, v)
+            out = self.cp.attend(q, k, v, docs)
+        elif docs is not None and kv is None:
+            same = docs[:, :, None] == docs[:, None, :]  # (B, T, T): query and key in one document
+            mask = (same & torch.ones(T, T, dtype=torch.bool, device=x.device).tril())[:, None]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
         out = out.transpose(1, 2).reshape(B, T, -1)  # (B, T, n_heads/tp * head_dim)
@@ -177,13 +182,13 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv=None) -> torch.Tensor:
-        x = x + self.attend(x, cos, sin, kv)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv=None, docs=None) -> torch.Tensor:
+        x = x + self.attend(x, cos, sin, kv, docs)
         return x + self.feed(x)
 
     # the two residual branches, apart so that recomputation can wrap each (plait.parallel.recompute)
-    def attend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv=None) -> torch.Tensor:
-        return self.attn(self.attn_norm(x), cos, sin, kv)
+    def attend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv=None, docs=None) -> torch.Tensor:
+        return self.attn(self.attn_norm(x), cos, sin, kv, docs)
 
     def feed(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.mlp_norm(x))
@@ -246,7 +251,7 @@ class Transformer(nn.Module):
 
     def hidden(self, tokens: torch.Tensor | None, h: torch.Tensor | None = None,
                positions: torch.Tensor | None = None, cache=None, layers=None,
-               seq_len: int | None = None) -> torch.Tensor:
+               seq_len: int | None = None, docs: torch.Tensor | None = None) -> torch.Tensor:
         """Run the embedding (given tokens and no hidden states: the first stage) and the blocks
         `layers` (their keys; default all of this module's); returns (B, T, dim), or (B*T/tp, dim)
         with sequence parallelism - give `seq_len` then when there are no tokens."""
@@ -263,7 +268,10 @@ class Transformer(nn.Module):
             block = self.layers[key]
             # with a cache, `forward` directly: shapes change every token (a compiled block would
             # recompile), and engines drop their hooks before inference (`gather_for_inference`)
-            h = block(h, cos, sin) if cache is None else block.forward(h, cos, sin, cache.layer(i))
+            if cache is not None:
+                h = block.forward(h, cos, sin, cache.layer(i))
+            else:
+                h = block(h, cos, sin) if docs is None else block(h, cos, sin, None, docs)
         if cache is not None:
             cache.advance(T)
         return h
@@ -276,18 +284,19 @@ class Transformer(nn.Module):
         return self.tp.loss(h, self.output.weight, targets, self.ce_chunk_fn)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
-                h: torch.Tensor | None = None, positions: torch.Tensor | None = None, cache=None):
+                h: torch.Tensor | None = None, positions: torch.Tensor | None = None, cache=None,
+                docs: torch.Tensor | None = None):
         """Logits (B, T, vocab) without targets; the mean next-token loss with them.
 
         With targets the output projection and cross-entropy run fused in chunks, so the full
         (B*T, vocab) logits never exist in memory. `cache` (a `plait.kv_cache.KVCache`): `tokens`
-        continue the cached ones, whose keys and values are reused.
+        continue the cached ones, whose keys and values are reused. `docs` (B, T): each position's
+        document index; attention stays within documents.
         """
         if self.cp is not None and tokens is not None and cache is None:  # this rank's part of each sequence
             positions = self.cp.positions(tokens.shape[1], tokens.device)
-            tokens = self.cp.local(tokens)
-            targets = self.cp.local(targets) if targets is not None else None
-        h = self.hidden(tokens, h, positions, cache)
+            tokens, targets, docs = (self.cp.local(t) if t is not None else None for t in (tokens, targets, docs))
+        h = self.hidden(tokens, h, positions, cache, docs=docs)
         if self.norm is None:
             return h
         return self.head(h, targets, tokens.shape[1] if tokens is not None else None)

@@ -139,12 +139,23 @@ def _warn(msg: str) -> None:
     print(f"plait: {msg}", file=sys.stderr)
 
 
+def micro_batch(data, cfg: Config, par, step: int, micro: int) -> tuple:
+    """(inputs, targets) of this rank's micro-batch, and with document masking each position's
+    document index."""
+    t = cfg.train
+    kw = dict(micro_batch=t.micro_batch, grad_accum=t.grad_accum, dp_rank=par.data_rank, dp_size=par.data_size,
+              seq_len=t.seq_len, seed=t.seed)
+    x, y = data.batch(step, micro, **kw)
+    return (x, y, data.batch_documents(step, micro, **kw)) if cfg.data.document_mask else (x, y)
+
+
 def evaluate(par, data, cfg: Config, device) -> float:
     """Mean validation loss: each data-parallel rank takes its slice of the held-out windows."""
-    losses = [par.runner.loss(x.to(device), y.to(device))
-              for x, y in data.val_batches(cfg.train.eval_batches, micro_batch=cfg.train.micro_batch,
-                                           dp_rank=par.data_rank, dp_size=par.data_size,
-                                           seq_len=cfg.train.seq_len, seed=cfg.train.seed)]
+    losses = [par.runner.loss(*(a.to(device) for a in batch))
+              for batch in data.val_batches(cfg.train.eval_batches, micro_batch=cfg.train.micro_batch,
+                                            dp_rank=par.data_rank, dp_size=par.data_size,
+                                            seq_len=cfg.train.seq_len, seed=cfg.train.seed,
+                                            documents=cfg.data.document_mask)]
     # under a pipeline only the last stage holds the loss; global_mean counts the ranks that do
     return par.engine.global_mean(torch.stack(losses).mean().item() if losses[0] is not None else None)
 
@@ -276,9 +287,7 @@ def train(cfg: Config, dims=None) -> dict:
         stragglers.begin()
         faults.at("step", step + 1)
         lr = lr_at(step, t)
-        batches = [tuple(a.to(device, non_blocking=True) for a in
-                         data.batch(step, micro, micro_batch=t.micro_batch, grad_accum=t.grad_accum,
-                                    dp_rank=par.data_rank, dp_size=par.data_size, seq_len=t.seq_len, seed=t.seed))
+        batches = [tuple(a.to(device, non_blocking=True) for a in micro_batch(data, cfg, par, step, micro))
                    for micro in range(t.grad_accum)]
         loss, grad_norm = par.runner.step(batches, lr)
         loss_val = loss.item()  # one host sync per step: the loss is logged every step

@@ -18,6 +18,7 @@ from plait.config import build_config
 from plait.data import TokenData
 from plait.optim import lr_at
 from plait.parallel.build import parallelize
+from plait.train import micro_batch
 
 UNEVEN = {"preset": "custom", "vocab_size": 259, "dim": 42, "n_layers": 3, "n_heads": 3, "n_kv_heads": 1,
           "ffn_dim": 113, "max_seq_len": 64}
@@ -63,8 +64,7 @@ def train(cfg, comm=None, out: Path | None = None, engine_hook=None, before_step
         comm.ledger.reset()  # count this run only
     losses, norms = [], []
     for step in range(t.steps):
-        batches = [data.batch(step, m, micro_batch=t.micro_batch, grad_accum=t.grad_accum, dp_rank=par.data_rank,
-                              dp_size=par.data_size, seq_len=t.seq_len, seed=t.seed) for m in range(t.grad_accum)]
+        batches = [micro_batch(data, cfg, par, step, m) for m in range(t.grad_accum)]
         loss, norm = (step_fn or (lambda p, b, lr: p.runner.step(b, lr)))(par, batches, lr_at(step, t))
         losses.append(loss.item())
         norms.append(norm.item())

@@ -43,10 +43,24 @@ def _ring_vs_full(comm, cp_size: int) -> dict:
         out.backward(local(dout))
         diffs = [(out - local(ref)).abs().max()] + [(a.grad - local(b.grad)).abs().max() for a, b in zip(mine, full)]
         worst[(h, kv, str(dtype))] = max(d.item() for d in diffs)
+        # document masking: three documents per row, boundaries inside chunks and on a chunk's edge
+        docs = torch.zeros(2, SEQ, dtype=torch.long)
+        docs[:, 5:] += 1
+        docs[1, SEQ // 2:] += 1
+        docs[0, 21:] += 1
+        same = (docs[:, :, None] == docs[:, None, :]) & torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = F.scaled_dot_product_attention(*full, attn_mask=same[:, None], enable_gqa=kv != h)
+        ref.backward(dout)
+        mine = [local(t).clone().requires_grad_() for t in (q, k, v)]
+        out = cp.attend(*mine, cp.local(docs))
+        out.backward(local(dout))
+        diffs = [(out - local(ref)).abs().max()] + [(a.grad - local(b.grad)).abs().max() for a, b in zip(mine, full)]
+        worst[(h, kv, str(dtype) + " documents")] = max(d.item() for d in diffs)
     return worst
 
 
-def _body(dims, corpus, root):
+def _body(dims, corpus, root, docs_corpus):
     import torch.distributed as dist
 
     from plait.comm import Comm, Ledger
@@ -59,8 +73,14 @@ def _body(dims, corpus, root):
         if layout == "pair" and r >= 2:
             continue
         comm = Comm(None, Ledger(), groups=_groups(groups, layout, r))
-        out[name] = train(config(corpus, model=CPM, steps=STEPS, **kw), comm, root / name)
+        out[name] = train(_cfg(docs_corpus if name in DOCS else corpus, name in DOCS, **kw), comm, root / name)
     return out
+
+
+def _cfg(corpus, docs: bool = False, **kw):
+    cfg = config(corpus, model=CPM, steps=STEPS, **kw)
+    cfg.data.document_mask = docs
+    return cfg
 
 
 def _groups(groups, layout, r):
@@ -85,15 +105,35 @@ def _groups(groups, layout, r):
 
 # name -> (group layout, config) ; every run trains on the same global batch as its reference
 RUNS = {"cp2": ("pair", dict(cp=2)), "cp4": ("world", dict(cp=4)), "cp2-tp2": ("cp-tp", dict(cp=2, tp=2)),
-        "cp2-z3-dp2": ("cp-dp", dict(cp=2, zero=3))}
+        "cp2-z3-dp2": ("cp-dp", dict(cp=2, zero=3)), "cp4-docs": ("world", dict(cp=4))}
+DOCS = {"cp4-docs"}  # trained with document masking (against a masked single-process run)
 
 
 @pytest.fixture(scope="module")
-def runs(corpus, tmp_path_factory):
+def docs_corpus(tmp_path_factory):
+    """Short documents (8-40 bytes, JSONL records): most 32-token windows cross a boundary."""
+    import json
+    import random
+
+    from conftest import WORDS
+    from plait.data import prepare
+    from plait.tokenizer import ByteTokenizer
+
+    root = tmp_path_factory.mktemp("docs")
+    rng = random.Random(0)
+    lines = [json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 7)))}) for _ in range(3000)]
+    (root / "docs.jsonl").write_text("\n".join(lines) + "\n")
+    return prepare([str(root / "docs.jsonl")], root / "prepared", ByteTokenizer(), val_fraction=0.1, quiet=True)
+
+
+@pytest.fixture(scope="module")
+def runs(corpus, docs_corpus, tmp_path_factory):
     root = tmp_path_factory.mktemp("cp")
-    per_rank = run_dist(_body, 4, corpus, root, timeout=600)
+    per_rank = run_dist(_body, 4, corpus, root, docs_corpus, timeout=600)
     refs = {dp: train(config(corpus, micro_batch=MICRO * dp, model=CPM, steps=STEPS), None, root / f"ref-{dp}")
             for dp in (1, 2)}
+    refs["docs"] = train(_cfg(docs_corpus, True), None, root / "ref-docs")
+    refs["docs-unmasked"] = train(_cfg(docs_corpus, False), None, root / "ref-docs-unmasked")
     return per_rank, refs, root
 
 
@@ -101,7 +141,7 @@ def runs(corpus, tmp_path_factory):
 def test_ring_attention_equals_full_causal_attention(runs, cp):
     for rank in range(4):
         for (h, kv, dtype), worst in runs[0][rank]["ring"][cp].items():
-            bound = 1e-10 if dtype == "torch.float64" else 1e-5  # fp64: the algebra itself
+            bound = 1e-10 if dtype.startswith("torch.float64") else 1e-5  # fp64: the algebra itself
             assert worst <= bound, (cp, rank, h, kv, dtype, worst)
 
 
@@ -121,9 +161,9 @@ def test_every_rank_does_the_same_attention_work():
 def test_matches_the_single_process_run(runs, name):
     per_rank, refs, root = runs
     dp = 2 if name == "cp2-z3-dp2" else 1
-    ref = refs[dp]
+    ref = refs["docs" if name in DOCS else dp]
     got = per_rank[0][name]
-    assert_equivalent(name, got, ref, root / name, full_weights(root / f"ref-{dp}"))
+    assert_equivalent(name, got, ref, root / name, full_weights(root / ("ref-docs" if name in DOCS else f"ref-{dp}")))
     assert ref["losses"][-1] < ref["losses"][0] - 0.5
 
 
@@ -194,3 +234,29 @@ def test_plait_train_cp_and_resume_on_one_process(corpus, tmp_path):
         assert ("val_loss" in a) == ("val_loss" in b)
         if "val_loss" in a:
             assert abs(a["val_loss"] - b["val_loss"]) <= 1e-5 * b["val_loss"]
+
+
+def test_document_masking_attends_within_documents(corpus):
+    """A packed row [document A | document B] gives document B the hidden states it has alone: RoPE
+    scores depend on relative positions, and the mask hides A. Masking changes the training loss."""
+    from plait.config import build_config
+    from plait.model import build_model
+
+    cfg = build_config({"model": CPM})
+    model = build_model(cfg.model, 0, "cpu")
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randint(0, 256, (1, 11), generator=g), torch.randint(0, 256, (1, 21), generator=g)
+    packed = torch.cat([a, b], dim=1)
+    docs = torch.cat([torch.zeros(1, 11, dtype=torch.long), torch.ones(1, 21, dtype=torch.long)], dim=1)
+    with torch.no_grad():
+        together = model.hidden(packed, docs=docs)[:, 11:]
+        alone = model.hidden(b)
+        unmasked = model.hidden(packed)[:, 11:]
+    assert (together - alone).abs().max() < 1e-5
+    assert (unmasked - alone).abs().max() > 1e-2
+
+
+def test_document_masking_changes_what_is_learned(runs):
+    """On short documents the masked run trains differently from the unmasked one (the mask is used)."""
+    refs = runs[1]
+    assert max(abs(a - b) for a, b in zip(refs["docs"]["losses"], refs["docs-unmasked"]["losses"])) > 1e-3

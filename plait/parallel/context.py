@@ -17,6 +17,7 @@ with the block and ends at the block's owner.
 
 Traffic per layer and micro-batch, in K/V-block bytes (a block = K and V of one rank's tokens,
 kv_heads only): forward C-1; backward C-1 blocks and C accumulators (the last hop takes each home).
+With document masking each block also carries its tokens' document indices (8 bytes a token).
 
 The block attention here is plain tensor algebra (math path, fp32 accumulation): it runs on any
 device and is what the CPU tests check against full attention.
@@ -73,10 +74,12 @@ class ContextParallel:
         """Global positions of this rank's tokens (for RoPE)."""
         return self.local(torch.arange(seq, device=device)[None])[0]
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention of this rank's queries over the whole sequence's keys; q (B, H, T/cp, d),
-        k and v (B, Hkv, T/cp, d) in the layout of `local`; returns (B, H, T/cp, d)."""
-        return _RingAttention.apply(q, k, v, self)
+        k and v (B, Hkv, T/cp, d) in the layout of `local`; returns (B, H, T/cp, d). docs (B, T/cp):
+        this rank's tokens' document indices; then a query sees only keys of its document (the
+        keys' indices travel around the ring with their block)."""
+        return _RingAttention.apply(q, k, v, docs, self)
 
 
 def _blocks(x: torch.Tensor) -> list[torch.Tensor]:
@@ -88,70 +91,90 @@ def _expand(kv: torch.Tensor, groups: int) -> torch.Tensor:
     return kv if groups == 1 else kv.repeat_interleave(groups, dim=1)
 
 
-def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
+def _scores(q, k, causal: bool, scale: float, qdoc=None, kdoc=None) -> torch.Tensor:
     s = (q @ k.transpose(-1, -2)) * scale  # (B, H, c, c)
     if causal:
         c = s.shape[-1]
         s = s.masked_fill(torch.ones(c, c, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    if qdoc is not None:  # another document's keys are masked too
+        s = s.masked_fill((qdoc[:, :, None] != kdoc[:, None, :])[:, None], float("-inf"))
     return s
+
+
+def _no_inf(x: torch.Tensor) -> torch.Tensor:
+    """-inf (a query that sees no key of a block: another document's) as 0, so exp(s - lse) stays 0, not NaN."""
+    return torch.where(torch.isinf(x), torch.zeros_like(x), x)
+
+
+def _exchange(comm, dim, tensors, nxt, prv, async_op):
+    """Send `tensors` to the next rank and receive the previous rank's in one batched call."""
+    incoming = [torch.empty_like(t) for t in tensors]
+    pending = comm.send_recv(dim, sends=[(t, nxt) for t in tensors], recvs=[(t, prv) for t in incoming],
+                             async_op=async_op)
+    return incoming, pending
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cp: ContextParallel):
+    def forward(ctx, q, k, v, docs, cp: ContextParallel):
         comm, dim, C, r = cp.comm, cp.dim, cp.cp, cp.rank
         groups, scale = q.shape[1] // k.shape[1], q.shape[-1] ** -0.5
         acc = torch.promote_types(q.dtype, torch.float32)  # bf16 inputs accumulate in fp32
         qs = _blocks(q.to(acc))
+        qdocs = _doc_blocks(docs)
         out = [torch.zeros_like(x) for x in qs]
         lse = [torch.full(x.shape[:-1], float("-inf"), dtype=acc, device=q.device) for x in qs]
-        kv = torch.stack([k, v]).contiguous()  # (2, B, Hkv, T/cp, d): what travels
+        block = [torch.stack([k, v]).contiguous()] + ([docs.contiguous()] if docs is not None else [])  # what travels
         nxt, prv = (r + 1) % C, (r - 1) % C
         for step, pairs in enumerate(block_plan(C, r)):
             pending = None
             if step < C - 1:  # the next block is on its way while this one is attended
-                incoming = torch.empty_like(kv)
-                pending = comm.send_recv(dim, sends=[(kv, nxt)], recvs=[(incoming, prv)], async_op=True)
+                incoming, pending = _exchange(comm, dim, block, nxt, prv, async_op=True)
+            kv = block[0]
             ks, vs = _blocks(_expand(kv[0].to(acc), groups)), _blocks(_expand(kv[1].to(acc), groups))
+            kdocs = _doc_blocks(block[1] if docs is not None else None)
             for qi, ki, kind in pairs:
-                s = _scores(qs[qi], ks[ki], kind == "causal", scale)
+                s = _scores(qs[qi], ks[ki], kind == "causal", scale, qdocs[qi], kdocs[ki])
                 b_lse = torch.logsumexp(s, dim=-1)
-                b_out = torch.exp(s - b_lse[..., None]) @ vs[ki]
+                b_out = torch.exp(s - _no_inf(b_lse)[..., None]) @ vs[ki]
                 new = torch.logaddexp(lse[qi], b_lse)
-                out[qi] = out[qi] * torch.exp(lse[qi] - new)[..., None] + b_out * torch.exp(b_lse - new)[..., None]
+                safe = _no_inf(new)
+                out[qi] = out[qi] * torch.exp(lse[qi] - safe)[..., None] + b_out * torch.exp(b_lse - safe)[..., None]
                 lse[qi] = new
             if pending is not None:
                 pending.wait()
-                kv = incoming
+                block = incoming
         out, lse = torch.cat(out, dim=2), torch.cat(lse, dim=2)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, docs)
         ctx.cp = cp
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, docs = ctx.saved_tensors
         cp = ctx.cp
         comm, dim, C, r = cp.comm, cp.dim, cp.cp, cp.rank
         groups, scale = q.shape[1] // k.shape[1], q.shape[-1] ** -0.5
         acc = out.dtype
         qs, dos, lses = _blocks(q.to(acc)), _blocks(dout.to(acc)), _blocks(lse[..., None])
+        qdocs = _doc_blocks(docs)
         delta = _blocks((dout.to(acc) * out).sum(-1, keepdim=True))  # D = rowsum(dO * O)
         dq = [torch.zeros_like(x) for x in qs]
-        kv = torch.stack([k, v]).contiguous()
-        dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)  # travels with its block
+        block = [torch.stack([k, v]).contiguous()] + ([docs.contiguous()] if docs is not None else [])
+        dkv = torch.zeros(block[0].shape, dtype=acc, device=k.device)  # travels with its block
         nxt, prv = (r + 1) % C, (r - 1) % C
         B, Hkv, T, d = k.shape
         for step, pairs in enumerate(block_plan(C, r)):
             pending = None
             if step < C - 1:
-                incoming = torch.empty_like(kv)
-                pending = comm.send_recv(dim, sends=[(kv, nxt)], recvs=[(incoming, prv)], async_op=True)
+                incoming, pending = _exchange(comm, dim, block, nxt, prv, async_op=True)
+            kv = block[0]
             ks, vs = _blocks(_expand(kv[0].to(acc), groups)), _blocks(_expand(kv[1].to(acc), groups))
+            kdocs = _doc_blocks(block[1] if docs is not None else None)
             dk = [torch.zeros_like(x) for x in ks]
             dv = [torch.zeros_like(x) for x in vs]
             for qi, ki, kind in pairs:
-                p = torch.exp(_scores(qs[qi], ks[ki], kind == "causal", scale) - lses[qi])
+                p = torch.exp(_scores(qs[qi], ks[ki], kind == "causal", scale, qdocs[qi], kdocs[ki]) - lses[qi])
                 dv[ki] += p.transpose(-1, -2) @ dos[qi]
                 ds = p * (dos[qi] @ vs[ki].transpose(-1, -2) - delta[qi])
                 dq[qi] += (ds @ ks[ki]) * scale
@@ -160,13 +183,18 @@ class _RingAttention(torch.autograd.Function):
             fold = [torch.cat(x, dim=2).view(B, Hkv, groups, T, d).sum(2) for x in (dk, dv)]
             dkv += torch.stack(fold)
             if pending is not None:  # pass the block's accumulator on with the block
-                moved = torch.empty_like(dkv)
-                comm.send_recv(dim, sends=[(dkv, nxt)], recvs=[(moved, prv)])
+                (moved,), _ = _exchange(comm, dim, [dkv], nxt, prv, async_op=False)
                 pending.wait()
-                kv, dkv = incoming, moved
-        home = torch.empty_like(dkv)  # the accumulator now held belongs to the next rank: one hop home
-        comm.send_recv(dim, sends=[(dkv, nxt)], recvs=[(home, prv)])
-        return (torch.cat(dq, dim=2).to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype), None)
+                block, dkv = incoming, moved
+        (home,), _ = _exchange(comm, dim, [dkv], nxt, prv, async_op=False)  # the accumulator held: one hop home
+        return torch.cat(dq, dim=2).to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype), None, None
+
+
+def _doc_blocks(docs):
+    if docs is None:
+        return [None, None]
+    c = docs.shape[1] // 2
+    return [docs[:, :c], docs[:, c:]]
 
 
 def apply_cp(model, comm, dim: str = "cp") -> ContextParallel:

@@ -135,10 +135,10 @@ class PipelineRunner:
             t0 = self.timeline.now() if self.timeline.enabled else 0.0
             key, s = (a.chunk, a.microbatch), self.stage(a.chunk)
             if a.kind == "F":
-                x, y, pos, seq_l = self._local(micro_batches[a.microbatch], seq)
+                x, y, docs, pos, seq_l = self._local(micro_batches[a.microbatch], seq)
                 with self.autocast():
                     h = self.model.hidden(x if s == 0 else None, None if s == 0 else inputs[key], positions=pos,
-                                          layers=self.chunks[a.chunk], seq_len=seq_l)
+                                          layers=self.chunks[a.chunk], seq_len=seq_l, docs=docs)
                     if s == self.S - 1:
                         out = self.model.head(h, y, seq_l) / m
                         loss_sum = out.detach().float() if loss_sum is None else loss_sum + out.detach().float()
@@ -172,12 +172,15 @@ class PipelineRunner:
         return self.engine.step(lr, loss_sum)
 
     def _local(self, batch, seq: int):
-        """(tokens, targets, positions, length) of this rank's part of a micro-batch's sequences."""
-        x, y = batch
+        """(tokens, targets, document indices or None, positions, length) of this rank's part of a
+        micro-batch's sequences."""
+        x, y, *docs = batch
+        docs = docs[0] if docs else None
         cp = self.model.cp
         if cp is None:
-            return x, y, None, seq
-        return cp.local(x), cp.local(y), cp.positions(seq, x.device), seq // cp.cp
+            return x, y, docs, None, seq
+        docs = cp.local(docs) if docs is not None else None
+        return cp.local(x), cp.local(y), docs, cp.positions(seq, x.device), seq // cp.cp
 
     def write_timeline(self, folder, is_main: bool, m: int) -> dict | None:
         """The recorded steps' per-action times: every rank writes its own JSON into `folder`; the
@@ -214,13 +217,13 @@ class PipelineRunner:
         return out
 
     @torch.no_grad()
-    def loss(self, x, y):
+    def loss(self, x, y, docs=None):
         """The loss of one held-out batch, forward through every stage in order (evaluation): the
         last stage returns it, every other rank None."""
         was = self.model.training
         self.model.eval()
         seq, out, h = x.shape[1], None, None
-        x, y, pos, seq_l = self._local((x, y), seq)
+        x, y, docs, pos, seq_l = self._local((x, y) if docs is None else (x, y, docs), seq)
         nxt, prv = (self.rank + 1) % self.pp, (self.rank - 1) % self.pp
         try:
             for s in range(self.S):
@@ -231,7 +234,7 @@ class PipelineRunner:
                     self.comm.send_recv(self.pp_dim, recvs=[(h, prv)])
                 with self.autocast():
                     h = self.model.hidden(x if s == 0 else None, h, positions=pos, layers=self.chunks[s // self.pp],
-                                          seq_len=seq_l)
+                                          seq_len=seq_l, docs=docs)
                     if s == self.S - 1:
                         out = self.model.head(h, y, seq_l).float()
                 if s < self.S - 1:

@@ -11,14 +11,14 @@ import torch
 
 
 def train_step(model, engine, micro_batches, lr: float, autocast) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step over `micro_batches` [(x, y), ...] already on the device: forward and
-    backward of each in turn, then the engine's step. Returns (global mean loss, global pre-clip
-    grad norm) as device tensors: no host sync here."""
+    """One optimizer step over `micro_batches` [(x, y) or (x, y, docs), ...] already on the device:
+    forward and backward of each in turn, then the engine's step. Returns (global mean loss, global
+    pre-clip grad norm) as device tensors: no host sync here."""
     n = len(micro_batches)
     loss_sum = None
-    for i, (x, y) in enumerate(micro_batches):
+    for i, (x, y, *docs) in enumerate(micro_batches):
         with autocast():
-            loss = model(x, y) / n
+            loss = model(x, y, docs=docs[0] if docs else None) / n
         engine.before_backward(first=i == 0, last=i == n - 1)
         loss.backward()
         loss_sum = loss.detach().float() if loss_sum is None else loss_sum + loss.detach().float()
@@ -35,12 +35,12 @@ class Runner:
         return train_step(self.model, self.engine, micro_batches, lr, self.autocast)
 
     @torch.no_grad()
-    def loss(self, x, y) -> torch.Tensor:
+    def loss(self, x, y, docs=None) -> torch.Tensor:
         """The loss of one held-out batch (evaluation mode)."""
         was = self.model.training
         self.model.eval()
         try:
             with self.autocast():
-                return self.model(x, y).float()
+                return self.model(x, y, docs=docs).float()
         finally:
             self.model.train(was)
