@@ -50,8 +50,12 @@ def measure(preset: str | None, d, lay, global_batch: int, steps: int) -> dict:
     from plait.run import launch_training
 
     if lay.pp > 1 or lay.cp > 1:
-        raise UserError(f"--validate runs layouts plait can train today (data and tensor parallelism, ZeRO, "
-                        f"HSDP); pp {lay.pp} x cp {lay.cp} needs engines not built yet: set them to 1")
+        # the run would train (plait runs both), but the comparison reports one rank: a pipeline's
+        # ranks hold different parts and traffic, which the prediction prices for a middle stage
+        raise UserError(f"--validate compares one rank's measurements with the prediction, which data and "
+                        f"tensor parallelism (ZeRO, HSDP) make the same on every rank; with pp {lay.pp} x cp "
+                        f"{lay.cp} they differ by rank: set them to 1 (train the layout with plait train "
+                        f"--train.profile_steps to see it)")
     per_step = lay.micro_batch * lay.dp
     if global_batch % per_step:
         raise bad_value("--global-batch", global_batch,
