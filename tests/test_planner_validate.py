@@ -60,4 +60,18 @@ def test_validate_refuses_layouts_without_an_engine(capsys):
     argv = [a for a in SHAPE if a != "--json"]
     argv[argv.index("--dp") + 1] = "1"
     assert main(["plan", *argv, "--pp", "2"]) == 2
-    assert "pp 2" in capsys.readouterr().err
+    assert "set --pp 1" in capsys.readouterr().err
+
+
+def test_context_parallel_prediction_equals_the_run(capsys):
+    """cp 2 x dp 2 with ZeRO-1: the ring's K/V blocks and accumulators and the dp x cp reduction,
+    byte for byte against a 4-process run; state bytes within padding."""
+    argv = list(SHAPE)
+    argv[argv.index("--gpus-per-node") + 1] = "4"
+    argv[argv.index("--global-batch") + 1] = "4"
+    assert main(["plan", *argv, "--cp", "2", "--zero", "1"]) == 0
+    rows = {r["quantity"]: r for r in json.loads(capsys.readouterr().out)["comparison"]}
+    for name in ("parameters (bytes)", "gradients (bytes)", "master + optimizer (bytes)"):
+        assert abs(rows[name]["measured"] - rows[name]["predicted"]) <= 0.002 * rows[name]["predicted"], rows[name]
+    sent = rows["sent per GPU per step (bytes)"]
+    assert sent["measured"] == sent["predicted"] + 2 * 12 * 3 / 4, sent  # + the statistics over the 4 ranks

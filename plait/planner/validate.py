@@ -49,13 +49,12 @@ def measure(preset: str | None, d, lay, global_batch: int, steps: int) -> dict:
     from plait.config import build_config
     from plait.run import launch_training
 
-    if lay.pp > 1 or lay.cp > 1:
-        # the run would train (plait runs both), but the comparison reports one rank: a pipeline's
-        # ranks hold different parts and traffic, which the prediction prices for a middle stage
-        raise UserError(f"--validate compares one rank's measurements with the prediction, which data and "
-                        f"tensor parallelism (ZeRO, HSDP) make the same on every rank; with pp {lay.pp} x cp "
-                        f"{lay.cp} they differ by rank: set them to 1 (train the layout with plait train "
-                        f"--train.profile_steps to see it)")
+    if lay.pp > 1:
+        # the run would train, but the comparison reports one rank: a pipeline's ranks hold different
+        # parts and send different traffic, which the prediction prices for a middle stage
+        raise UserError(f"--validate compares one rank's measurements with the prediction, the same on every "
+                        f"rank for data, tensor and context parallelism; a pipeline's ranks differ: set --pp 1 "
+                        f"(train pp {lay.pp} with plait train --train.profile_steps to see its timeline)")
     per_step = lay.micro_batch * lay.dp
     if global_batch % per_step:
         raise bad_value("--global-batch", global_batch,
@@ -76,7 +75,7 @@ def measure(preset: str | None, d, lay, global_batch: int, steps: int) -> dict:
                       "recompute": lay.recompute},
             "checkpoint": {"at_end": False},
             "parallel": {"nproc": lay.n_gpus, "dp_shard": lay.dp_shard, "dp_replicate": lay.dp_replicate,
-                         "zero": lay.zero, "tp": lay.tp, "sp": "on" if lay.seq_parallel else "off",
+                         "zero": lay.zero, "tp": lay.tp, "sp": "on" if lay.seq_parallel else "off", "cp": lay.cp,
                          "gpus_per_node": max(lay.n_gpus, 1)},
         })
         summary = launch_training(cfg)
