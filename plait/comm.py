@@ -25,6 +25,7 @@ log line naming the op type, the group (`mesh_<dim>`) and the rank.
 from __future__ import annotations
 
 import re
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -93,6 +94,7 @@ class Comm:
         self._given = dict(groups or {})
         self._groups: dict[str, _Group] = {}
         self.timeout_s = timeout_s if timeout_s is not None else getattr(dims, "timeout_s", None)
+        _LIVE[id(self)] = self  # the registered ops find this Comm by its id (see `key`)
 
     def group(self, dim: str) -> _Group:
         g = self._groups.get(dim)
@@ -250,10 +252,9 @@ class Comm:
     # them; the op runs `Comm` at run time, so the ledger counts every call, compiled or not.
 
     def key(self, dim: str) -> str:
-        """The name the registered ops know this Comm's `dim` by."""
-        k = f"{id(self)}/{dim}"
-        _TRACED.setdefault(k, (self, dim))
-        return k
+        """The name the registered ops know this Comm's `dim` by. Pure (no side effect), so a traced
+        graph that bakes it in finds the Comm on its very first run."""
+        return f"{id(self)}/{dim}"
 
     def copy_to(self, x, dim: str):
         """Identity forward, all-reduce backward: enter a TP region (column-parallel input)."""
@@ -323,11 +324,12 @@ class Comm:
 # Out of place (a compiled graph may not have its inputs mutated behind its back); the fake
 # implementations give compile the output shapes without communicating.
 
-_TRACED: dict[str, tuple[Comm, str]] = {}
+_LIVE: "weakref.WeakValueDictionary[int, Comm]" = weakref.WeakValueDictionary()
 
 
 def _resolve(key: str) -> tuple[Comm, str]:
-    return _TRACED[key]
+    ident, _, dim = key.partition("/")
+    return _LIVE[int(ident)], dim
 
 
 def _fresh(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -55,7 +55,7 @@ def _activations(corpus, comm, tp, sp) -> dict:
     """Bytes layer 0 keeps for backward on this rank, per recompute mode (plait.parallel.activations)."""
     import torch
 
-    from plait.parallel.activations import kept_bytes
+    from plait.parallel.activations import compiled_kept_bytes, kept_bytes
     from plait.parallel.build import parallelize
 
     out = {}
@@ -65,8 +65,11 @@ def _activations(corpus, comm, tp, sp) -> dict:
         cos, sin = model.rope_cos[:SEQ], model.rope_sin[:SEQ]
         shape = (MICRO * SEQ // tp, TPM["dim"]) if sp == "on" else (MICRO, SEQ, TPM["dim"])
         x = torch.randn(shape, requires_grad=True)
-        out[mode], y = kept_bytes(lambda x: model.layers["0"](x, cos, sin), x)
-        y.sum().backward()  # every rank runs the same collectives in backward
+        for compiled, measure in ((False, kept_bytes), (True, compiled_kept_bytes)):
+            if compiled and mode == "full":
+                continue  # a compiled full recomputation keeps the block's input, as eager
+            out[(mode, compiled)], y = measure(lambda x: model.layers["0"](x, cos, sin), x)
+            y.sum().backward()  # every rank runs the same collectives in backward
     return out
 
 
@@ -244,7 +247,7 @@ def test_activation_bytes_equal_the_formula(runs, tp, sp):
         got = res["activations"].get((tp, sp))
         if got is None:
             continue
-        for mode, n in got.items():
+        for (mode, compiled), n in got.items():
             want = layer_bytes(MICRO, SEQ, TPM["dim"], TPM["n_heads"], TPM["n_kv_heads"], TPM["ffn_dim"], tp,
-                               sp == "on", mode, 4)
-            assert n == want, (tp, sp, mode, n, want)
+                               sp == "on", mode, 4, compiled)
+            assert n == want, (tp, sp, mode, compiled, n, want)
