@@ -13,8 +13,10 @@ from typing import Callable
 
 import torch
 
+from plait.parallel.rules import LOSS_CHUNK_ELEMENTS
+
 IGNORE_INDEX = -100
-_CHUNK_ELEMENTS = 1 << 29  # logits per chunk: 1 GiB in bf16; fewer chunks = fewer passes over grad_w
+_CHUNK_ELEMENTS = LOSS_CHUNK_ELEMENTS  # logits per chunk (shared with the planner)
 
 
 def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -61,6 +63,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             loss_c, g = chunk_fn(logits, targets[s:s + chunk])
             total += loss_c
             _chunk_grads(g, h, hc, s, weight, grad_h, grad_w)
+            # drop this chunk before the next is formed: held across the assignment, the old logits
+            # and gradient would add a third chunk to the peak
+            del logits, g
         return _finish(ctx, total, targets, grad_h, grad_w, weight)
 
     @staticmethod
@@ -157,6 +162,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             total += ((lse - target_logit) * valid).sum()
             if need_h or need_w:
                 _chunk_grads(grad_fn(lf, lse, tc, vocab_start, logits.dtype), h, hc, s, weight, grad_h, grad_w)
+            del logits, lf, lse_local, tgt_local  # as in _LinearCrossEntropy: one chunk alive at a time
         return _finish(ctx, total, targets, grad_h, grad_w, weight)
 
     @staticmethod

@@ -185,14 +185,35 @@ def test_llama_activations():
 
     d = ModelDims.from_config(ModelConfig(**PRESETS["8b"]))
     s, b, h, kv, f, a = 8192, 1, d.hidden, d.kv_dim, d.ffn, d.heads
-    none = layer_activation_bytes(d, s, b)
+    none = layer_activation_bytes(d, s, b, compiled=False)
     assert none == pytest.approx(s * b * (20 * h + 4 * kv + 8 * f) + 8 * s * b + 4 * s * b * a)
-    t8 = layer_activation_bytes(d, s, b, 8)
+    t8 = layer_activation_bytes(d, s, b, 8, compiled=False)
     assert t8 == pytest.approx(s * b * (16 * h + 4 * h / 8 + 4 * kv / 8 + 8 * f / 8) + 8 * s * b + 4 * s * b * a / 8)
-    sp8 = layer_activation_bytes(d, s, b, 8, sp=True)
+    sp8 = layer_activation_bytes(d, s, b, 8, sp=True, compiled=False)
     assert sp8 == pytest.approx(t8 - (1 - 1 / 8) * (12 * s * b * h + 8 * s * b))  # norms split, matmul inputs whole
-    sel = layer_activation_bytes(d, s, b, 1, recompute="selective")
+    sel = layer_activation_bytes(d, s, b, 1, recompute="selective", compiled=False)
     assert sel == pytest.approx(s * b * (8 * h + 4 * kv + 4 * f) + 4 * s * b * a) and sel < 0.5 * none
-    assert layer_activation_bytes(d, s, b, 1, recompute="full") == 2 * s * b * h
-    assert layer_activation_bytes(d, s, 4) == pytest.approx(4 * none)  # linear in the micro-batch
+    assert layer_activation_bytes(d, s, b, 1, recompute="full", compiled=False) == 2 * s * b * h
+    assert layer_activation_bytes(d, s, 4, compiled=False) == pytest.approx(4 * none)  # linear in the micro-batch
     assert 0 < wgrad_fraction(d) <= 1
+
+
+def test_llama_activations_compiled():
+    """What a compiled block keeps (plait's GPU default, the planner's default): the partitioner
+    recomputes the norms' fp32 copies and SwiGLU's silu, s b (12 h + 4 d_kv + 6 f) + 8 s b + 4 s b a
+    in bf16, about 70% of eager's for the 8b shape; selective drops the second branch's input."""
+    from plait.config import PRESETS, ModelConfig
+    from plait.planner.costs import ModelDims
+
+    d = ModelDims.from_config(ModelConfig(**PRESETS["8b"]))
+    s, b, h, kv, f, a = 8192, 1, d.hidden, d.kv_dim, d.ffn, d.heads
+    none = layer_activation_bytes(d, s, b)
+    assert none == pytest.approx(s * b * (12 * h + 4 * kv + 6 * f) + 8 * s * b + 4 * s * b * a)
+    assert 0.65 < none / layer_activation_bytes(d, s, b, compiled=False) < 0.75
+    t8 = layer_activation_bytes(d, s, b, 8)
+    assert t8 == pytest.approx(s * b * (8 * h + 4 * h / 8 + 4 * kv / 8 + 6 * f / 8) + 8 * s * b + 4 * s * b * a / 8)
+    sp8 = layer_activation_bytes(d, s, b, 8, sp=True)
+    assert sp8 == pytest.approx(t8 - (1 - 1 / 8) * (4 * s * b * h + 8 * s * b))  # input, rms and wo's output split
+    sel = layer_activation_bytes(d, s, b, 1, recompute="selective")
+    assert sel == pytest.approx(s * b * (6 * h + 4 * kv + 4 * f) + 4 * s * b * a)
+    assert layer_activation_bytes(d, s, b, 1, recompute="full") == 2 * s * b * h

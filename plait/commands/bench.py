@@ -10,11 +10,13 @@ from __future__ import annotations
 import importlib
 
 NAME = "bench"
-HELP = "benchmarks: `plait bench comm` (collectives, like nccl-tests), `plait bench train` (GPU step vs HF)"
+HELP = ("benchmarks: `plait bench comm` (collectives, like nccl-tests), `plait bench train` (GPU step vs HF), "
+        "`plait bench calibrate` (a hardware profile for `plait plan --hardware`)")
 
 SUBCOMMANDS = {
     "comm": "plait.benchmarks.comm",
     "train": "plait.benchmarks.train_step",
+    "calibrate": "plait.benchmarks.calibrate",
 }
 
 

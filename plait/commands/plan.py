@@ -18,6 +18,9 @@ def add_arguments(p) -> None:
     h = p.add_argument_group("cluster (override the catalog with --link.<kind>-gbps X, --link.<kind>-latency-us X, "
                              "--link.intra/inter KIND, --gpu.tflops X, --gpu.hbm-gib X, --gpu.efficiency X, ...)")
     h.add_argument("--gpu", default="h100", help="v100, a100-40gb, a100-80gb, h100, h100-pcie, h200, b200")
+    h.add_argument("--hardware", metavar="FILE",
+                   help="a profile measured by `plait bench calibrate`: matmuls, attention, collectives and "
+                        "the optimizer cost what that machine measured (default: data-sheet peaks x efficiency)")
     h.add_argument("--nodes", type=int, default=1)
     h.add_argument("--gpus-per-node", type=int, default=8)
     t = p.add_argument_group("training step")
@@ -33,6 +36,8 @@ def add_arguments(p) -> None:
     lay.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved", "zb"))
     lay.add_argument("--recompute", choices=("none", "selective", "full"))
     lay.add_argument("--no-sp", action="store_true", help="tensor parallelism without sequence parallelism")
+    lay.add_argument("--no-compile", action="store_true",
+                     help="price eager blocks (train.compile off): they keep more activations than compiled ones")
     o = p.add_argument_group("output")
     o.add_argument("--search", action="store_true", help="search even when layout flags are given (they pin it)")
     o.add_argument("--top", type=int, default=10, help="layouts to list when searching")
@@ -42,6 +47,9 @@ def add_arguments(p) -> None:
     o.add_argument("--validate", action="store_true",
                    help="run the layout here for a few steps and print predicted vs measured (data-parallel layouts)")
     o.add_argument("--validate-steps", type=int, default=6, help="steps of the --validate run")
+    o.add_argument("--check", metavar="DIR",
+                   help="instead: predict every plait run recorded in DIR (bench/results) and print predicted vs "
+                        "measured step time and peak memory with the errors (with --hardware: for runs on its GPU)")
     o.add_argument("--fleet-jobs", type=int, default=0,
                    help="instead: place N random jobs on the cluster with each placement policy and compare")
     o.add_argument("--seed", type=int, default=0, help="seed of the --fleet-jobs trace")
@@ -53,7 +61,22 @@ def run(args, extra) -> int:
     from plait.planner.predict import predict
     from plait.planner.search import search
 
+    profile = None
+    if args.hardware:
+        from plait.planner.profile import load
+
+        profile = load(args.hardware)
+    if args.check:
+        from plait.planner import recorded
+
+        checks = recorded.check(recorded.load(args.check), {profile.gpu: profile} if profile else None)
+        print(recorded.table(checks))
+        return 0
     c = inputs.make_cluster(args.gpu, args.nodes, args.gpus_per_node, inputs.parse_overrides(extra))
+    if profile is not None:
+        from plait.planner.profile import apply_profile
+
+        c = apply_profile(c, profile, args.hardware)
     if args.fleet_jobs:
         jobs = fleet.random_jobs(args.fleet_jobs, c.nodes, c.gpus_per_node, args.seed)
         for policy in fleet.POLICIES:
@@ -64,7 +87,7 @@ def run(args, extra) -> int:
     d = inputs.model_dims(args.model, args.arch, None, layers=args.layers, hidden=args.hidden,
                           heads=args.heads, kv_heads=args.kv_heads, ffn=args.ffn, vocab=args.vocab, seq=args.seq)
     knobs = dict(zero=args.zero, v=args.v, schedule=args.schedule, micro_batch=args.micro_batch,
-                 recompute=args.recompute, sp=not args.no_sp)
+                 recompute=args.recompute, sp=not args.no_sp, compile=not args.no_compile)
     head = report.header_dict(d, c, args.global_batch, args.precision)
     given = any(getattr(args, k) is not None for k in ("tp", "pp", "dp", "cp"))
     if args.validate:
@@ -113,9 +136,12 @@ def _validate(args, d, c, knobs, head) -> int:
         raise bad_value("--validate-steps", args.validate_steps, "must be at least 1")
     if not any(getattr(args, k) is not None for k in ("tp", "pp", "dp", "cp")):
         raise UserError("--validate needs a layout to run: give --dp (and --zero, --micro-batch)")
+    cuda = torch.cuda.is_available()
+    # the run compiles as `train.compile = auto` does: on a GPU, not on a CPU
+    knobs = dict(knobs, compile=knobs["compile"] and cuda)
     lay = inputs.make_layout(c, tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp,
                              dp_replicate=args.dp_replicate, **knobs)
-    precision = v.cpu_prediction_args(args.precision, torch.cuda.is_available())
+    precision = v.cpu_prediction_args(args.precision, cuda)
     p = predict(d, lay, c, args.global_batch, precision)
     measured = v.measure(args.model, d, lay, args.global_batch, args.validate_steps)
     if args.json:

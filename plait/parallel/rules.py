@@ -13,6 +13,9 @@ from typing import Callable
 from plait.errors import bad_value
 
 RECOMPUTE = ("none", "selective", "full")
+LOSS_CHUNK_ELEMENTS = 1 << 29
+"""Logits the fused output projection + cross-entropy forms at a time (plait/loss.py; the planner
+prices its memory with the same number): 1 GiB in bf16; fewer chunks = fewer passes over grad_w."""
 SP_MODES = ("auto", "on", "off")
 
 

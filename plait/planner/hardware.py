@@ -52,6 +52,9 @@ class Link:
     """Bandwidth per GPU in GB/s (gigaBYTES per second), as the seeds quote it."""
     latency_us: float
     """Per-message latency (the alpha of the alpha-beta model), microseconds."""
+    measured: object = field(default=None, compare=False, repr=False)
+    """A `plait.planner.profile.HardwareProfile` whose collectives were measured over this link:
+    measured (op, group size) pairs cost what they measured, the rest follow alpha-beta."""
 
     @property
     def bytes_per_s(self) -> float:
@@ -79,6 +82,15 @@ GPUS: dict[str, GPU] = {
                                    "fp32": 75.0}, 180, 8000, "nvlink5", "ib-ndr", 148),
 }
 GPU_ALIASES = {"a100": "a100-80gb", "h100-sxm": "h100", "h200-sxm": "h200", "v100-32gb": "v100"}
+# what torch.cuda.get_device_name reports -> the catalog entry (recorded runs, calibrated profiles)
+CARD_NAMES = {"NVIDIA H100 80GB HBM3": "h100", "NVIDIA H200": "h200", "NVIDIA H100 PCIe": "h100-pcie",
+              "NVIDIA A100-SXM4-80GB": "a100-80gb", "NVIDIA A100-SXM4-40GB": "a100-40gb", "NVIDIA B200": "b200",
+              "Tesla V100-SXM2-32GB": "v100"}
+
+
+def card_key(device_name: str) -> str | None:
+    """The catalog entry of a card as torch names it, or None for one the catalog does not know."""
+    return CARD_NAMES.get(device_name)
 
 # Seed figures (GB/s per GPU) and latencies (seed 002: NVLink ~1 us, IB 1-5 us, PCIe ~1 us).
 LINKS: dict[str, Link] = {
@@ -125,6 +137,9 @@ class Cluster:
     """Memory per GPU that training cannot use: CUDA context, NCCL buffers, allocator slack."""
     dtype: str = "bf16"
     """Compute dtype whose peak the roofline and MFU use."""
+    profile: object = field(default=None, compare=False, repr=False)
+    """A measured `plait.planner.profile.HardwareProfile` (`plait plan --hardware`): matmuls,
+    attention and the optimizer cost what this machine measured instead of peak x efficiency."""
 
     def __post_init__(self) -> None:
         for name in ("nodes", "gpus_per_node"):

@@ -33,6 +33,9 @@ class Layout:
     sp: bool = True
     """Sequence parallelism inside TP regions whenever tp > 1: `plait train`'s parallel.sp = auto
     (`plait.parallel.rules.sequence_parallel`); False = off."""
+    compile: bool = True
+    """Blocks and loss under torch.compile (`train.compile`, on by default on GPUs): it decides what a
+    block keeps for its backward and what the loss holds."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp_replicate", "dp_shard", "cp", "v", "micro_batch"):

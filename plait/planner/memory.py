@@ -134,22 +134,24 @@ def gpt_layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: b
 
 
 def llama_layer_activation_bytes(d: ModelDims, s: int, b: int, t: int = 1, sp: bool = False,
-                                 recompute: str = "none", act_bytes: float = 2.0) -> float:
-    """What plait's Llama block keeps for its backward: the runtime's own formula
-    (`plait.parallel.activations.layer_bytes`, checked there against a measurement)."""
+                                 recompute: str = "none", act_bytes: float = 2.0, compiled: bool = True) -> float:
+    """What plait's Llama block keeps for its backward, compiled (plait's GPU default) or eager: the
+    runtime's own formula (`plait.parallel.activations.layer_bytes`, checked there against what a
+    block keeps, measured both ways)."""
     from plait.parallel.activations import layer_bytes
 
-    return layer_bytes(b, s, d.hidden, d.heads, d.kv_heads, d.ffn, t, sp, recompute, act_bytes)
+    return layer_bytes(b, s, d.hidden, d.heads, d.kv_heads, d.ffn, t, sp, recompute, act_bytes, compiled)
 
 
 def layer_activation_bytes(d: ModelDims, s: int, b: int, t: int = 1, sp: bool = False,
-                           recompute: str = "none", act_bytes: float = 2.0) -> float:
-    """Per-layer activation bytes of either architecture (`s` is the sequence slice on this GPU)."""
+                           recompute: str = "none", act_bytes: float = 2.0, compiled: bool = True) -> float:
+    """Per-layer activation bytes of either architecture (`s` is the sequence slice on this GPU).
+    GPT layers follow Korthikanti et al. (Megatron's fused kernels), compiled or not."""
     if recompute not in ("none", "selective", "full"):
         raise bad_value("--recompute", recompute, "choose none, selective or full")
     if d.arch == "gpt":
         return gpt_layer_activation_bytes(s, b, d.hidden, d.heads, t, sp, recompute, d.ffn) * act_bytes / 2
-    return llama_layer_activation_bytes(d, s, b, t, sp, recompute, act_bytes)
+    return llama_layer_activation_bytes(d, s, b, t, sp, recompute, act_bytes, compiled)
 
 
 def wgrad_fraction(d: ModelDims) -> float:
@@ -170,10 +172,20 @@ def interleaved_memory_factor(pp: int, v: int) -> float:
     return 1 + (pp - 1) / (pp * v) if v > 1 else 1.0
 
 
-def loss_chunk_bytes(d: ModelDims, tokens: int, t: int = 1) -> float:
+def loss_chunk_bytes(d: ModelDims, tokens: int, t: int = 1, compiled: bool = True, act_bytes: float = 2.0) -> float:
     """Temporary memory of plait's fused output projection + cross-entropy on the last stage.
 
-    It forms at most 2^28 logits at a time (plait/loss.py) and holds them in bf16 and fp32 plus an
-    fp32 and a bf16 gradient: 12 bytes per logit of the chunk; the vocabulary is split by TP."""
-    logits = min(tokens * d.vocab / t, float(1 << 28))
-    return 12 * logits
+    plait/loss.py forms the logits of as many tokens at a time as fit LOSS_CHUNK_ELEMENTS logits of
+    this rank's vocabulary rows (padded to a multiple of tp). Compiled, a chunk holds its logits and
+    their gradient (2 e bytes per logit: the fp32 softmax never materialises) and, vocab-parallel,
+    the fp32 logits kept between the statistics' all-gather and the gradient (4 more); eager it also
+    holds fp32 copies and the one-hot target (about 12 bytes per logit, an estimate). Beside the
+    chunk lives the output matrix's gradient, accumulated over chunks in fp32."""
+    from plait.parallel.rules import LOSS_CHUNK_ELEMENTS
+
+    rows = -(-d.vocab // t)
+    per_chunk = max(1, LOSS_CHUNK_ELEMENTS // rows)
+    per_logit = 2 * act_bytes + (4.0 if t > 1 else 0.0) if compiled else 12.0
+    # one chunk at a time; after the loop the fp32 weight gradient is cast to the parameters' dtype
+    chunk = max(min(tokens, per_chunk) * rows * per_logit, act_bytes * rows * d.hidden)
+    return chunk + 4.0 * rows * d.hidden

@@ -44,6 +44,10 @@ class Prediction:
     """Peak memory of the fullest GPU, by component (keys: MEMORY_PARTS)."""
     memory_rank: int
     """Pipeline rank of that GPU."""
+    state_bytes: dict[str, float]
+    """That GPU's model state at the optimizer step (parameters, gradients, master weights, optimizer
+    states): what `plait plan --validate` counts in the run. At the peak ZeRO-3 may hold fewer
+    gradients."""
     capacity_bytes: float
     """The GPU's memory as the driver reports it."""
     traffic: dict[str, DimTraffic]
@@ -136,36 +140,52 @@ def _sync_s(lay: Layout, psi: float, m: int, prec: Precision, sc: StageCosts) ->
 
 
 def _memory(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, sc: StageCosts, sched_name: str,
-            m: int) -> tuple[int, dict[str, float]]:
-    """Peak memory by component on every pipeline rank; return the fullest rank's."""
+            m: int) -> tuple[int, dict[str, float], dict[str, float]]:
+    """Peak memory by component on every pipeline rank; return the fullest rank's (and its state)."""
     tp, pp, v, cp, b, e = lay.tp, lay.pp, lay.v, lay.cp, lay.micro_batch, prec.act_bytes
     sp, shard = lay.seq_parallel, lay.shard_group
     wfrac = memory.wgrad_fraction(d)
-    per_layer = memory.layer_activation_bytes(d, d.seq // cp, b, tp, sp, lay.recompute, e)
+    per_layer = memory.layer_activation_bytes(d, d.seq // cp, b, tp, sp, lay.recompute, e, lay.compile)
     layer_w = costs.tp_share(d, tp)[0]
-    best: tuple[float, int, dict] = (-1.0, 0, {})
+    best: tuple[float, int, dict, dict] = (-1.0, 0, {}, {})
     for r in range(pp):
         st = memory.state_bytes(sc.rank_params[r], lay.zero, shard, prec, shard_is_master=True)  # plait's ZeRO-3
         units = _peak_units(sched_name, pp, m, v, r, wfrac)
+        grads, gathered = st.grads, 0.0
+        if lay.zero == 3 and shard > 1:
+            grads, gathered = _zero3_peak(sc.rank_params[r], sc.root_params[r], layer_w, st.grads, prec, pp, m)
         comp = {
-            "parameters": st.params, "gradients": st.grads, "master_weights": st.master,
+            "parameters": st.params, "gradients": grads, "master_weights": st.master,
             "optimizer_states": st.optimizer,
             "activations": units * max(sc.layers[ch * pp + r] for ch in range(v)) * per_layer,
-            # two blocks gathered (this one and the prefetched next) + one block's full gradients
-            "zero3_gather": (2 * layer_w * prec.param_bytes + layer_w * prec.grad_bytes)
-            if (lay.zero == 3 and shard > 1) else 0.0,
+            "zero3_gather": gathered,
             "comm_buckets": 2 * BUCKET_BYTES if (lay.grad_group > 1 and lay.zero < 3) else 0.0,
             # full recomputation rebuilds one layer's complete activations inside its backward
-            "recompute_buffer": memory.layer_activation_bytes(d, d.seq // cp, b, tp, sp, "none", e)
+            "recompute_buffer": memory.layer_activation_bytes(d, d.seq // cp, b, tp, sp, "none", e, lay.compile)
             if lay.recompute == "full" else 0.0,
             "cp_ring": 2 * sc.kv_chunk_bytes if cp > 1 else 0.0,  # the block in use + the one arriving
-            "loss_chunk": memory.loss_chunk_bytes(d, b * d.seq // cp, tp) if r == pp - 1 else 0.0,
+            "loss_chunk": memory.loss_chunk_bytes(d, b * d.seq // cp, tp, lay.compile, e) if r == pp - 1 else 0.0,
             "reserved": c.reserved_gib * GIB,
         }
         total = sum(comp.values())
         if total > best[0]:
-            best = (total, r, comp)
-    return best[1], best[2]
+            state = {"parameters": st.params, "gradients": st.grads, "master_weights": st.master,
+                     "optimizer_states": st.optimizer}
+            best = (total, r, comp, state)
+    return best[1], best[2], best[3]
+
+
+def _zero3_peak(params: float, root: float, block: float, grad_shard: float, prec: Precision, pp: int,
+                m: int) -> tuple[float, float]:
+    """(gradient bytes, gathered parameter bytes) of plait's ZeRO-3 at a rank's activation peak, the
+    end of the last forward (plait/parallel/fsdp.py). Alone, gradient chunks exist only once a
+    backward has reduced into them (so from the second micro-batch on), and at the peak only the
+    root unit (embedding, output, norm gains) is gathered: every block was freed after its forward.
+    As a pipeline stage (`keep`) every unit stays gathered through the step and gradients accumulate
+    in full per-unit buffers, bound by the first backward."""
+    if pp > 1:
+        return params * prec.grad_bytes, params * prec.param_bytes
+    return (grad_shard if m > 1 else 0.0), max(root, block) * prec.param_bytes
 
 
 def _tp_ends(d: ModelDims, lay: Layout, prec: Precision, m: int) -> tuple[Collective, ...]:
@@ -246,7 +266,8 @@ def predict(d: ModelDims, lay: Layout, c: Cluster, global_batch: int,
     makespan, bubble, ends = run(sched_name, pp, m, v, sc.durations, sc.p2p_s)
 
     # the step ends when the last rank has synchronised its gradients and updated its weights
-    hbm_s = c.gpu.hbm_gbps * 1e9 * c.hbm_efficiency
+    # the optimizer's update streams its state once: measured on a calibrated cluster
+    hbm_s = c.profile.optimizer_gbps * 1e9 if c.profile is not None else c.gpu.hbm_gbps * 1e9 * c.hbm_efficiency
     step, dp_exposed, opt_s = 0.0, 0.0, 0.0
     for r in range(pp):
         psi = sc.rank_params[r]
@@ -269,7 +290,7 @@ def predict(d: ModelDims, lay: Layout, c: Cluster, global_batch: int,
     time_s = {**parts, "bubble": max(0.0, makespan - busy), "dp_sync": tail - min(opt_s, tail),
               "optimizer": min(opt_s, tail)}
 
-    mem_rank, mem = _memory(d, lay, c, prec, sc, sched_name, m)
+    mem_rank, mem, state = _memory(d, lay, c, prec, sc, sched_name, m)
     traffic = _traffic(d, lay, prec, sc, m)
 
     tokens_step = global_batch * d.seq
@@ -282,7 +303,7 @@ def predict(d: ModelDims, lay: Layout, c: Cluster, global_batch: int,
     hfu = hw_flops / (step * c.n_gpus * peak)
     explain = _explain(d, lay, c, prec, global_batch, m, sc, mem_rank, sched_name, makespan, bubble,
                        dp_exposed, opt_s, step, model_flops, mfu, traffic) if exact else ()
-    return Prediction(lay, c.n_gpus, m, tokens_step, mem, mem_rank, c.gpu.hbm_gib * GIB, traffic, time_s,
+    return Prediction(lay, c.n_gpus, m, tokens_step, mem, mem_rank, state, c.gpu.hbm_gib * GIB, traffic, time_s,
                       makespan, bubble, step, model_flops, hw_flops, mfu, hfu, exact, explain)
 
 
@@ -291,7 +312,7 @@ def _explain(d, lay, c, prec, gb, m, sc, mem_rank, sched_name, makespan, bubble,
     """Each quantity with the formula and the numbers that produced it (`plait plan --explain`)."""
     pp, v, cp, b, tp = lay.pp, lay.v, lay.cp, lay.micro_batch, lay.tp
     per_layer = memory.layer_activation_bytes(d, d.seq // cp, b, tp, lay.seq_parallel, lay.recompute,
-                                              prec.act_bytes)
+                                              prec.act_bytes, lay.compile)
     units = _peak_units(sched_name, pp, m, v, mem_rank, memory.wgrad_fraction(d))
     ex = [
         ("parameters", f"N = {costs.param_count(d):,}; in matmuls N' = {costs.matmul_params(d):,}"),
@@ -306,10 +327,13 @@ def _explain(d, lay, c, prec, gb, m, sc, mem_rank, sched_name, makespan, bubble,
                         f"recompute = {lay.recompute}) = {per_layer / 2**20:.1f} MiB x "
                         f"{max(sc.layers[ch * pp + mem_rank] for ch in range(v))} layers x {units:.3g} "
                         f"micro-batches in flight ({sched_name} schedule, rank {mem_rank})"),
-        ("layer time", f"roofline per micro-batch: math {sc.layer['compute'] * 1e3:.3f} ms + TP "
+        ("layer time", f"per micro-batch: math {sc.layer['compute'] * 1e3:.3f} ms + TP "
                        f"{sc.layer['tp'] * 1e3:.3f} ms + CP {sc.layer['cp'] * 1e3:.3f} ms + ZeRO-3 "
-                       f"{sc.layer['zero3'] * 1e3:.3f} ms (F + B; peak {c.peak_flops / 1e12:.0f} TFLOP/s x "
-                       f"{c.matmul_efficiency:g}, HBM {c.gpu.hbm_gbps:g} GB/s x {c.hbm_efficiency:g})"),
+                       f"{sc.layer['zero3'] * 1e3:.3f} ms (F + B; " + (
+                           f"matmuls and attention as measured on {c.profile.card}, memory-bound kernels at "
+                           f"{c.profile.pointwise_gbps:.0f} GB/s)" if c.profile is not None else
+                           f"roofline: peak {c.peak_flops / 1e12:.0f} TFLOP/s x {c.matmul_efficiency:g}, HBM "
+                           f"{c.gpu.hbm_gbps:g} GB/s x {c.hbm_efficiency:g})")),
         ("pipeline", f"{sched_name} pp = {pp}, m = {m}, v = {v}: makespan {makespan * 1e3:.2f} ms, bubble "
                      f"{bubble:.2%} of all ranks' time as simulated (these stages and P2P times); the "
                      f"textbook (p-1)/(v m + p-1) for even stages and free P2P would be "

@@ -48,6 +48,9 @@ class LayerTimes:
     backward_weight_s: float
     attention_forward_s: float
     """The attention core's share of forward_s (context parallelism overlaps its ring with it)."""
+    pointwise_forward_s: float = 0.0
+    """The memory-bound share of forward_s: norms, RoPE, the gated activation, residual adds (what
+    plait's selective recomputation runs again)."""
 
     @property
     def backward_s(self) -> float:
@@ -66,20 +69,36 @@ def layer_times(d: ModelDims, tokens: float, c: Cluster, tp: int = 1) -> LayerTi
         shapes = [(h, (h + 2 * kv) / tp), (h / tp, h), (h, 2 * f / tp), (f / tp, h)]
     else:
         shapes = [(h, 3 * h / tp), (h / tp, h), (h, f / tp), (f / tp, h)]
-    mm = sum(gemm_time_s(m, k, n, c) for k, n in shapes)
+    fwd, dgrad, wgrad = (sum(linear_time_s(op, m, k, n, c) for k, n in shapes) for op in ("fwd", "dgrad", "wgrad"))
     # causal: a query meets s/2 keys on average (with CP too: the ring brings the rest); 4 FLOPs
     # per (query, key, head-dim element) for QK^T and AV
     attn_flops = m * 4 * (d.seq / 2) * d.heads * d.head_dim / tp
     attn_bytes = e * m * (h + 2 * kv + h) / tp
-    attn = kernel_time_s(attn_flops, attn_bytes, c)
+    attn, attn_b = kernel_time_s(attn_flops, attn_bytes, c), None
+    heads, kv_heads = d.heads / tp, max(1.0, d.kv_heads / tp)
+    measured = c.profile.attention_s(m / d.seq, d.seq, heads, kv_heads, d.head_dim, c.peak_flops) if c.profile else None
+    if measured is not None:
+        attn, attn_b = measured
     # pointwise: 2 norms, 2 residual adds, RoPE on q and k, gated activation; read + write
     pw_bytes = e * m * (8 * h + 4 * (h + kv) + 3 * f) / tp
     pw = kernel_time_s(0.0, pw_bytes, c)
-    return LayerTimes(forward_s=mm + attn + pw, backward_input_s=mm + 2.5 * attn + 2 * pw,
-                      backward_weight_s=mm, attention_forward_s=attn)
+    return LayerTimes(forward_s=fwd + attn + pw, backward_input_s=dgrad + (attn_b if attn_b is not None else 2.5 * attn)
+                      + 2 * pw, backward_weight_s=wgrad, attention_forward_s=attn, pointwise_forward_s=pw)
+
+
+def linear_time_s(op: str, tokens: float, fin: float, fout: float, c: Cluster) -> float:
+    """One Linear's matmul (fwd x @ W^T, dgrad dy @ W, wgrad dy^T @ x): measured on a calibrated
+    cluster, else the roofline (all three are 2 x tokens x in x out FLOPs)."""
+    if c.profile is not None:
+        t = c.profile.linear_s(op, tokens, fin, fout, c.peak_flops)
+        if t is not None:
+            return t
+    return gemm_time_s(tokens, fin, fout, c)
 
 
 def head_times(d: ModelDims, tokens: float, c: Cluster, tp: int = 1) -> tuple[float, float]:
-    """Forward and backward seconds of the output projection + loss on the last stage."""
-    fwd = gemm_time_s(tokens, d.hidden, d.vocab / tp, c)
-    return fwd, 2 * fwd
+    """Forward and backward seconds of the output projection + loss on the last stage. plait's fused
+    loss forms both gradients in its forward; the times are split as the matmuls are."""
+    rows = -(-d.vocab // tp)
+    fwd = linear_time_s("fwd", tokens, d.hidden, rows, c)
+    return fwd, linear_time_s("dgrad", tokens, d.hidden, rows, c) + linear_time_s("wgrad", tokens, d.hidden, rows, c)

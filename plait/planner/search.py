@@ -38,6 +38,7 @@ class Space:
     recompute: tuple[str, ...] = ("none", "selective", "full")
     schedule: tuple[str, ...] = ("1f1b", "interleaved", "zb")
     sp: bool = True
+    compile: bool = True
     max_cp: int = 8
 
 
@@ -80,8 +81,6 @@ def candidates(d: ModelDims, c: Cluster, global_batch: int, space: Space = Space
                                 continue
                             m = global_batch // (dp * mb)
                             for rc in space.recompute:
-                                if rc == "selective" and d.arch == "llama":
-                                    continue  # identical to "none" with fused attention
                                 scheds = ("1f1b",) if pp == 1 else space.schedule
                                 for sched in scheds:
                                     vs = space.v if sched == "interleaved" else (1,)
@@ -90,7 +89,7 @@ def candidates(d: ModelDims, c: Cluster, global_batch: int, space: Space = Space
                                             continue
                                         yield Layout(tp=tp, pp=pp, dp_replicate=rep, dp_shard=dp // rep, cp=cp,
                                                      zero=zero, v=v, schedule=sched, micro_batch=mb,
-                                                     recompute=rc, sp=space.sp)
+                                                     recompute=rc, sp=space.sp, compile=space.compile)
 
 
 def search(d: ModelDims, c: Cluster, global_batch: int, prec: Precision | str = "mixed",

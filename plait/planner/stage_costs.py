@@ -33,6 +33,8 @@ class StageCosts:
     """Seconds per layer per micro-batch by part: compute, tp, cp, zero3, recompute (F + B)."""
     rank_params: tuple[float, ...]
     """Parameters held by each pipeline rank (after TP)."""
+    root_params: tuple[float, ...]
+    """Of those, what is not in a block (ZeRO-3's root unit): embedding, output, norms."""
     tp_forward: tuple[Collective, ...]
     """TP collectives of one layer's forward."""
     tp_replay: tuple[Collective, ...]
@@ -68,12 +70,11 @@ def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision) -> Stage
     # which also keeps its own copy of a tied embedding matrix when the two ends are different ranks
     block_t, embed_t, head_t = costs.tp_share(d, tp)  # per tensor-parallel rank
     tied_copy = embed_t if (d.tie_embeddings and pp > 1) else 0
-    rank_params = []
+    rank_params, root_params = [], []
     for r in range(pp):
-        n = sum(layers[ch * pp + r] for ch in range(v)) * block_t
-        n += embed_t if r == 0 else 0
-        n += (head_t + tied_copy) if r == pp - 1 else 0
-        rank_params.append(n)
+        root = (embed_t if r == 0 else 0) + ((head_t + tied_copy) if r == pp - 1 else 0)
+        root_params.append(root)
+        rank_params.append(sum(layers[ch * pp + r] for ch in range(v)) * block_t + root)
 
     lt = roofline.layer_times(d, tokens, c, tp)
     head_f, head_b = roofline.head_times(d, tokens, c, tp)
@@ -110,11 +111,13 @@ def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision) -> Stage
         z3_b = max(0.0, ag + rs - lt.backward_s)
 
     # recomputation runs inside the backward: full = the forward again (with the TP collectives it
-    # replays); selective (GPT) = the attention core; plait's fused attention needs none
+    # replays); selective = GPT's attention core (Korthikanti et al.), or for plait's Llama, whose
+    # fused attention keeps no scores, the norms, RoPE and SwiGLU (plait/parallel/recompute.py):
+    # memory-bound kernels, no matmul and no collective
     if lay.recompute == "full":
         rc = lt.forward_s + replay_s
-    elif lay.recompute == "selective" and d.arch == "gpt":
-        rc = lt.attention_forward_s
+    elif lay.recompute == "selective":
+        rc = lt.attention_forward_s if d.arch == "gpt" else lt.pointwise_forward_s
     else:
         rc = 0.0
     f1 = lt.forward_s + tp_s + cp_f + z3_f
@@ -136,5 +139,5 @@ def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision) -> Stage
     p2p_s = (pp_link.latency_s + msg / pp_link.bytes_per_s) if pp > 1 else 0.0
     parts = {"compute": lt.forward_s + lt.backward_s + rc - replay_s,
              "tp": 2 * tp_s + replay_s, "cp": cp_f + cp_b, "zero3": z3_f + z3_b}
-    return StageCosts(tuple(layers), tuple(durs), parts, tuple(rank_params), tp_fwd, tp_replay, kv_chunk, msg,
+    return StageCosts(tuple(layers), tuple(durs), parts, tuple(rank_params), tuple(root_params), tp_fwd, tp_replay, kv_chunk, msg,
                       p2p_s, links)

@@ -48,7 +48,12 @@ def steps(op: str, n: int) -> int:
 
 
 def collective_time_s(op: str, size_bytes: float, n: int, link: Link) -> float:
-    """Alpha-beta time of one collective of `size_bytes` over `n` devices on `link`."""
+    """Time of one collective of `size_bytes` over `n` devices on `link`: measured (a calibrated
+    link, interpolated between measured sizes) or else alpha-beta."""
+    if link.measured is not None and size_bytes > 0:
+        t = link.measured.collective_s(op, size_bytes, n)
+        if t is not None:
+            return t
     return steps(op, n) * link.latency_s + bytes_per_device(op, size_bytes, n) / link.bytes_per_s
 
 

@@ -90,13 +90,13 @@ def measure(preset: str | None, d, lay, global_batch: int, steps: int) -> dict:
 
 def compare(pred, measured: dict) -> list[tuple[str, float, float | None, bool]]:
     """(quantity, predicted, measured, comparable) rows."""
-    m, s = pred.memory_bytes, measured["state_bytes"]
+    m, st, s = pred.memory_bytes, pred.state_bytes, measured["state_bytes"]
     cuda = measured["cuda"]
     sent = sum(t.bytes_per_device for t in pred.traffic.values())
     return [
-        ("parameters (bytes)", m["parameters"], s.get("params", 0), True),
-        ("gradients (bytes)", m["gradients"], s.get("grads", 0), True),
-        ("master + optimizer (bytes)", m["master_weights"] + m["optimizer_states"], s.get("optimizer", 0), True),
+        ("parameters (bytes)", st["parameters"], s.get("params", 0), True),
+        ("gradients (bytes)", st["gradients"], s.get("grads", 0), True),
+        ("master + optimizer (bytes)", st["master_weights"] + st["optimizer_states"], s.get("optimizer", 0), True),
         ("sent per GPU per step (bytes)", sent, measured["sent_bytes"], True),
         ("peak memory (bytes)", sum(m.values()), measured["peak_mem_bytes"], cuda),
         ("step time (s)", pred.step_time_s, measured["step_time_s"], cuda),

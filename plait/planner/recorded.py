@@ -1,0 +1,215 @@
+"""plait's recorded GPU runs (`bench/results/*.json`) as planner inputs: for every plait row the
+model, the layout, the cluster it ran on and what was measured, so each prediction can be set
+beside its measurement (`plait plan --check bench/results`, tests/test_planner_recorded.py).
+
+The benches name their layouts in the variant (`plait-zero3`, `plait-tp4-sp-sel`, `plait-1f1b`);
+`_layout` reads those names the way bench/data_parallel.py, bench/tensor_parallel.py and
+bench/pipeline.py build their runs. Rows of other systems (fsdp2, torch-*, hf) are peers, not
+plait, and are skipped; so are runs whose shape the planner cannot express (uneven pipeline stages).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from plait.errors import UserError
+
+from plait.planner.hardware import card_key
+
+# Recorded runs that plait's runtime has since changed under (bench/README.md tells the history);
+# they stay in bench/results as the record of what was measured then, but predicting today's code
+# against them would measure the change, not the planner.
+SUPERSEDED = {
+    "dp-h100-4gpu-before-zero3-memory.json": "ZeRO-3 memory changed after it (the root unit, gradient chunks)",
+    "dp-8b-h100-4gpu-before-zero3-memory.json": "ZeRO-3 memory changed after it",
+    "dp-h100-2gpu.json": "made with the same code as the *-before-zero3-memory runs",
+    "dp-h200-2gpu.json": "made before the ZeRO-3 memory change",
+    "dp-8b-h200-2gpu.json": "made before the ZeRO-3 memory change",
+}
+# Runs made before the fused loss dropped each chunk before forming the next (plait/loss.py): they
+# held a finished chunk while forming the next one and while casting the weight gradient.
+LOSS_HELD_THIRD_CHUNK = {"dp-h100-4gpu.json", "dp-h100-4gpu-fsdp2-fused.json", "dp-8b-6layers-h100-4gpu.json",
+                         "dp-8b-h100-4gpu.json", "dp-8b-h200-2gpu-zero3.json", "tp-h100-4gpu.json",
+                         "pp-h100-2gpu.json"}
+
+
+@dataclass(frozen=True)
+class Run:
+    """One recorded plait run."""
+
+    source: str
+    """file:variant"""
+    gpu: str
+    n_gpus: int
+    preset: str
+    shape: dict
+    """ModelDims fields that differ from the preset (e.g. layers=16)."""
+    seq: int
+    global_batch: int
+    layout: dict
+    """plait.planner.inputs.make_layout arguments."""
+    step_s: float
+    peak_gb: float
+    """Peak allocated memory of the fullest rank, GB (torch.cuda.max_memory_allocated)."""
+
+
+def _model_overrides(config: dict) -> dict:
+    keys = {"n_layers": "layers", "dim": "hidden", "n_heads": "heads", "n_kv_heads": "kv_heads",
+            "ffn_dim": "ffn", "vocab_size": "vocab"}
+    out = {}
+    for kv in config.get("model") or []:
+        k, _, v = kv.partition("=")
+        if k not in keys:
+            raise UserError(f"recorded run overrides model.{k}, which the planner's shape has no field for")
+        out[keys[k]] = int(v)
+    return out
+
+
+def _layout(bench: str, variant: str, row: dict, config: dict, n_gpus: int) -> tuple[dict, int] | None:
+    """(layout arguments, global batch) of a plait row, or None for peers and unexpressible runs."""
+    if not variant.startswith("plait"):
+        return None
+    if bench == "data_parallel":
+        mb = config["micro_batch"]
+        if variant == "plait-1gpu":
+            return dict(dp=1, zero=0, micro_batch=mb), mb
+        zero = {"plait-ddp": 0, "plait-zero1": 1, "plait-zero2": 2, "plait-zero3": 3}.get(variant)
+        if zero is None:
+            raise UserError(f"recorded run {variant!r}: plait.planner.recorded does not know this data-parallel "
+                            f"variant; teach _layout its layout")
+        return dict(dp=n_gpus, zero=zero, micro_batch=mb), mb * n_gpus
+    if bench == "tensor_parallel":  # one micro-batch of global_batch / dp sequences per rank
+        tp, dp, gb = row["tp"], row["dp"], config["global_batch"]
+        return dict(tp=tp, dp=dp, zero=row["zero"], micro_batch=gb // dp, recompute=row["recompute"],
+                    sp=row["sp"]), gb
+    if bench == "pipeline":
+        m, mb = row["microbatches"], config["micro_batch"]
+        sched = variant.split("-")[1]
+        if variant.endswith("balanced"):
+            return None  # hand-set stage sizes: the planner splits layers evenly
+        if sched == "zero3":
+            return dict(dp=n_gpus, zero=3, micro_batch=mb), m * mb
+        return dict(pp=n_gpus, dp=1, zero=1, micro_batch=mb, schedule=sched,
+                    v=2 if sched == "interleaved" else 1), m * mb
+    return None
+
+
+def variant_spans_all(lay: dict) -> bool:
+    """plait-1gpu runs on one GPU of the machine; every other row on all of them."""
+    return lay.get("tp", 1) * lay.get("pp", 1) * lay.get("dp", 1) > 1
+
+
+def load(folder: str | Path) -> list[Run]:
+    """Every plait row of every recorded training benchmark in `folder`, one Run per (file, variant);
+    a variant measured in more than one call keeps the median of its step times."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UserError(f"--check {folder}: not a folder; point it at plait's bench/results")
+    runs: dict[str, list[Run]] = {}
+    for path in sorted(folder.glob("*.json")):
+        data = json.loads(path.read_text())
+        bench, config = data.get("benchmark"), data.get("config") or {}
+        card = data.get("card")
+        if bench not in ("data_parallel", "tensor_parallel", "pipeline") or card_key(card) is None:
+            continue
+        if path.name in SUPERSEDED:
+            continue
+        n = int(data["gpus"])
+        for row in data.get("rows", []):
+            if "step_s_median" not in row:
+                continue  # the variant failed (out of memory, timed out): nothing was measured
+            got = _layout(bench, row["variant"], row, config, n)
+            if got is None:
+                continue
+            lay, gb = got
+            used = n if variant_spans_all(lay) else 1
+            key = f"{path.name}:{row['variant']}"
+            runs.setdefault(key, []).append(Run(
+                key, card_key(card), used, config["preset"], _model_overrides(config), config["seq"], gb, lay,
+                row["step_s_median"], row.get("peak_mem_gb_max_rank", row["peak_mem_gb"])))
+    return [_merge(rs) for rs in runs.values()]
+
+
+def _merge(rs: list[Run]) -> Run:
+    if len(rs) == 1:
+        return rs[0]
+    from dataclasses import replace
+
+    return replace(rs[0], step_s=statistics.median(r.step_s for r in rs), peak_gb=max(r.peak_gb for r in rs))
+
+
+@dataclass(frozen=True)
+class Check:
+    run: Run
+    predicted_step_s: float
+    predicted_peak_gb: float
+
+    @property
+    def step_error(self) -> float:
+        """(predicted - measured) / measured: positive = the planner thinks it slower."""
+        return self.predicted_step_s / self.run.step_s - 1
+
+    @property
+    def memory_error(self) -> float:
+        return self.predicted_peak_gb / self.run.peak_gb - 1
+
+
+def check(runs: list[Run], hardware: dict[str, object] | None = None) -> list[Check]:
+    """Predict every run on its card (`hardware`: catalog key -> HardwareProfile measured there)."""
+    from plait.planner import inputs
+    from plait.planner.hardware import cluster
+    from plait.planner.predict import predict
+    from plait.planner.profile import apply_profile
+
+    out = []
+    for r in runs:
+        d = inputs.model_dims(r.preset, seq=r.seq, **r.shape)
+        c = cluster(r.gpu, 1, r.n_gpus)
+        prof = (hardware or {}).get(r.gpu)
+        if prof is not None:
+            c = apply_profile(c, prof)
+        lay = inputs.make_layout(c, **r.layout)
+        p = predict(d, lay, c, r.global_batch, "mixed")
+        # measured peaks are what the allocator handed out; the CUDA context and NCCL's buffers
+        # (the prediction's `reserved`) never show there
+        peak = p.memory_total_bytes - p.memory_bytes["reserved"]
+        if r.source.split(":")[0] in LOSS_HELD_THIRD_CHUNK:
+            peak += _old_loss_extra(d, lay)
+        out.append(Check(r, p.step_time_s, peak / 1e9))
+    return out
+
+
+def _old_loss_extra(d, lay) -> float:
+    """What the fused loss held on top before it dropped each chunk before forming the next: the
+    previous chunk's logits and gradient stayed referenced while the next chunk was formed, and the
+    last chunk's while the weight gradient was cast (bf16: e = 2; fp32 logits kept vocab-parallel)."""
+    from plait.parallel.rules import LOSS_CHUNK_ELEMENTS
+
+    e, tp = 2.0, lay.tp
+    rows = -(-d.vocab // tp)
+    per_chunk = max(1, LOSS_CHUNK_ELEMENTS // rows)
+    tokens = lay.micro_batch * d.seq // lay.cp
+    chunk, chunks = min(tokens, per_chunk), -(-tokens // per_chunk)
+    last = tokens - (chunks - 1) * per_chunk
+    held = e + 4 if tp > 1 else 2 * e  # per logit of a finished chunk still referenced
+    live = 2 * e + (4 if tp > 1 else 0)  # per logit of the chunk being worked on
+    old_loop = (chunk * rows * (max(live, e + held) if chunks > 1 else live))
+    old = max(old_loop, last * rows * held + e * rows * d.hidden)
+    new = max(chunk * rows * live, e * rows * d.hidden)
+    return old - new
+
+
+def table(checks: list[Check]) -> str:
+    """The error table, every run, then mean |error| and worst |error|."""
+    lines = [f"{'run':<58} {'step ms pred/meas':>19} {'err':>7} {'peak GB pred/meas':>19} {'err':>7}"]
+    for c in checks:
+        lines.append(f"{c.run.source:<58} {c.predicted_step_s * 1e3:>8.1f} / {c.run.step_s * 1e3:<8.1f} "
+                     f"{c.step_error:>+7.1%} {c.predicted_peak_gb:>8.2f} / {c.run.peak_gb:<8.2f} {c.memory_error:>+7.1%}")
+    if checks:
+        se, me = [abs(c.step_error) for c in checks], [abs(c.memory_error) for c in checks]
+        lines.append(f"{'mean |error|':<58} {'':>19} {statistics.mean(se):>7.1%} {'':>19} {statistics.mean(me):>7.1%}")
+        lines.append(f"{'worst |error|':<58} {'':>19} {max(se):>7.1%} {'':>19} {max(me):>7.1%}")
+    return "\n".join(lines)

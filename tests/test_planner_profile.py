@@ -1,0 +1,123 @@
+"""Hardware profiles (`plait bench calibrate` -> `plait plan --hardware`): the calibrate tool writes a
+profile the planner reads, measured shapes cost what they measured, other shapes take the nearest
+measured efficiency, collectives interpolate between measured sizes, and a bad file is one line."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from plait.cli import main
+from plait.planner import roofline
+from plait.planner.hardware import cluster
+from plait.planner.layout import Layout
+from plait.planner.predict import predict
+from plait.planner.profile import HardwareProfile, apply_profile, load, save
+from plait.planner.traffic import collective_time_s
+
+PEAK = 989e12
+
+
+def _profile(**kw) -> HardwareProfile:
+    base = dict(card="NVIDIA H100 80GB HBM3", gpu="h100", dtype="bf16", peak_tflops=None, hbm_gib=79.2,
+                linear=(("fwd", 4096, 4096, 6144, 2 * 4096 * 4096 * 6144 / (0.6 * PEAK)),
+                        ("dgrad", 4096, 4096, 6144, 2 * 4096 * 4096 * 6144 / (0.5 * PEAK)),
+                        ("wgrad", 4096, 4096, 6144, 2 * 4096 * 4096 * 6144 / (0.4 * PEAK))),
+                attention=((2, 2048, 32, 8, 128, 1e-3, 2.5e-3),),
+                pointwise_gbps=2500.0, optimizer_gbps=2000.0,
+                collectives=(("all_reduce", 2, 1 << 20, 20e-6), ("all_reduce", 2, 1 << 30, 5e-3)))
+    base.update(kw)
+    return HardwareProfile(**base)
+
+
+def test_measured_shapes_cost_what_they_measured_and_others_take_the_nearest_efficiency():
+    p = _profile()
+    assert p.linear_s("fwd", 4096, 4096, 6144, PEAK) == p.linear[0][4]
+    # twice the tokens at the same efficiency (60% of peak): twice the time
+    assert p.linear_s("fwd", 8192, 4096, 6144, PEAK) == pytest.approx(2 * p.linear[0][4])
+    assert p.linear_s("wgrad", 4096, 4096, 6144, PEAK) == pytest.approx(1.5 * p.linear[0][4])
+    # attention: exact, and a longer sequence scaled by its causal FLOPs (s^2)
+    assert p.attention_s(2, 2048, 32, 8, 128, PEAK) == (1e-3, 2.5e-3)
+    f, b = p.attention_s(2, 4096, 32, 8, 128, PEAK)
+    assert (f, b) == (pytest.approx(4e-3), pytest.approx(1e-2))
+    assert _profile(linear=()).linear_s("fwd", 1, 1, 1, PEAK) is None
+
+
+def test_collectives_interpolate_between_measured_sizes():
+    p = _profile()
+    small, big = 1 << 20, 1 << 30
+    assert p.collective_s("all_reduce", small, 2) == 20e-6
+    assert p.collective_s("all_reduce", 1024, 2) == 20e-6  # below the smallest: the latency floor
+    assert p.collective_s("all_reduce", 2 * big, 2) == pytest.approx(10e-3)  # beyond: the last bandwidth
+    mid = math.sqrt(small * big)  # halfway in log size: halfway in log time
+    assert p.collective_s("all_reduce", mid, 2) == pytest.approx(math.sqrt(20e-6 * 5e-3))
+    assert p.collective_s("all_reduce", small, 4) is None and p.collective_s("all_gather", small, 2) is None
+    gbps, lat_us = p.fitted_link()
+    assert gbps == pytest.approx(big / 5e-3 / 1e9)  # all-reduce over 2 sends the buffer once
+    assert lat_us == pytest.approx(20e-6 / 2 * 1e6)  # two ring steps
+
+
+def test_a_calibrated_cluster_prices_with_the_profile():
+    """apply_profile: the link carries the measured collectives (alpha-beta for the rest), matmuls
+    and the optimizer cost what was measured, and a step gets slower when the card is slower."""
+    c = cluster("h100", 1, 2)
+    p = _profile()
+    cal = apply_profile(c, p)
+    assert collective_time_s("all_reduce", 1 << 30, 2, cal.intra) == 5e-3
+    assert collective_time_s("all_gather", 1 << 30, 2, cal.intra) == pytest.approx(
+        (1 << 30) / 2 / (cal.intra.gbps * 1e9) + cal.intra.latency_s)
+    assert roofline.linear_time_s("fwd", 4096, 4096, 6144, cal) == p.linear[0][4]
+    assert cal.gpu.hbm_gib == 79.2 and cal.hbm_efficiency == pytest.approx(2500 / 3350)
+    d = _dims()
+    fast = predict(d, Layout(dp_shard=2, zero=1), cal, 2)
+    slow_linear = tuple((op, m, k, n, 2 * t) for op, m, k, n, t in p.linear)
+    slow = predict(d, Layout(dp_shard=2, zero=1), apply_profile(c, _profile(linear=slow_linear)), 2)
+    assert slow.time_s["compute"] > 1.5 * fast.time_s["compute"]
+    with pytest.raises(Exception, match="measured on .* plan with --gpu h100"):
+        apply_profile(cluster("h200", 1, 2), p)
+
+
+def _dims():
+    from plait.planner.inputs import model_dims
+
+    return model_dims("8b", seq=2048, layers=2)
+
+
+def test_bad_profiles_are_one_line(tmp_path):
+    from plait.errors import UserError
+
+    with pytest.raises(UserError, match="no such file; measure one with `plait bench calibrate"):
+        load(tmp_path / "none.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    with pytest.raises(UserError, match="not a readable JSON"):
+        load(bad)
+    save(_profile(), tmp_path / "ok.json")
+    raw = json.loads((tmp_path / "ok.json").read_text())
+    assert load(tmp_path / "ok.json") == _profile()
+    for field, value, msg in (("schema", "x", "schema is 'x'"), ("pointwise_gbps", -1, "pointwise_gbps = -1"),
+                              ("linear", [["fwd", 1, 2]], r"linear\[0\]")):
+        (tmp_path / "f.json").write_text(json.dumps(dict(raw, **{field: value})))
+        with pytest.raises(UserError, match=msg) as e:
+            load(tmp_path / "f.json")
+        assert "\n" not in str(e.value)
+
+
+def test_calibrate_writes_a_profile_that_plan_reads(tmp_path, capsys):
+    """`plait bench calibrate --quick` on this CPU (two gloo processes for the collectives) writes
+    every section; `plait plan --hardware` prices with it and says so in --explain."""
+    out = tmp_path / "cpu.json"
+    assert main(["bench", "calibrate", "--quick", "--device", "cpu", "--nproc", "2", "--out", str(out)]) == 0
+    p = load(out)
+    assert p.gpu is None and p.peak_tflops > 0 and p.dtype == "fp32"
+    assert {x[0] for x in p.linear} == {"fwd", "dgrad", "wgrad"} and all(x[4] > 0 for x in p.linear)
+    assert p.attention and all(x[5] > 0 and x[6] > 0 for x in p.attention)
+    assert {(x[0], x[1]) for x in p.collectives} == {("all_reduce", 2), ("all_gather", 2), ("reduce_scatter", 2)}
+    assert p.pointwise_gbps > 0 and p.optimizer_gbps > 0
+    capsys.readouterr()
+    assert main(["plan", "--hardware", str(out), "--model", "tiny", "--seq", "64", "--gpus-per-node", "2",
+                 "--dp", "2", "--micro-batch", "1", "--global-batch", "2", "--explain"]) == 0
+    text = capsys.readouterr().out
+    assert "as measured on cpu" in text and "measured (" in text
