@@ -210,7 +210,9 @@ class ParallelConfig:
     microbatches: int = 0
     """Pipeline micro-batches per step: sets train.grad_accum (0 = use train.grad_accum)."""
     cp: int = 1
-    """Context-parallel degree (ring attention)."""
+    """Context-parallel degree: each sequence split over cp ranks."""
+    cp_impl: str = "ring"
+    """How context-parallel attention sees the other ranks' tokens: ring (K/V blocks pass around the cp ranks, overlapped with attention; any head count) or ulysses (all-to-all from sequence to heads and back around a fused attention kernel; needs the heads per tensor-parallel rank divisible by cp)."""
     gpus_per_node: int = 8
     """GPUs per node, used to keep tensor-parallel groups inside a node."""
     allow_cross_node_tp: bool = False

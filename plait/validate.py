@@ -165,7 +165,7 @@ def validate_parallel(cfg: Config):
                         "the gradient buffer in place, in the parameters' dtype); use --zero 2 or drop it")
     p.sp = {"true": "on", "false": "off", "1": "on", "0": "off"}.get(str(p.sp).lower(), str(p.sp).lower())
     rules.check_split(heads=m.n_heads, kv_heads=m.n_kv_heads, ffn=m.ffn_dim, layers=m.n_layers,
-                      seq=cfg.train.seq_len, tp=p.tp, pp=p.pp, v=p.v, cp=p.cp, sp=p.sp)
+                      seq=cfg.train.seq_len, tp=p.tp, pp=p.pp, v=p.v, cp=p.cp, sp=p.sp, cp_impl=p.cp_impl)
     # Under torchrun/srun the world is what they started; locally it is nproc, all on this node, so
     # the TP-inside-a-node check uses the real processes per node rather than parallel.gpus_per_node.
     world, per_node = planned_world(p)

@@ -20,14 +20,15 @@ SEQ, STEPS = 32, 20
 HEADS = [(4, 4), (4, 2), (6, 1), (3, 3)]
 
 
-def _ring_vs_full(comm, cp_size: int) -> dict:
-    """max |ring - full| over outputs and input gradients, per head layout and dtype (every rank
-    checks its part)."""
+def _ring_vs_full(comm, cp_size: int, impl: str = "ring") -> dict:
+    """max |ring - full| (or |ulysses - full|) over outputs and input gradients, per head layout and
+    dtype (every rank checks its part); Ulysses takes the head layouts its all-to-all can split."""
     from plait.parallel.context import ContextParallel
 
-    cp = ContextParallel(comm, "cp")
+    cp = ContextParallel(comm, "cp", impl)
     worst = {}
-    for (h, kv), dtype in [(hk, dt) for hk in HEADS for dt in (torch.float64, torch.float32)]:
+    heads = [(h, kv) for h, kv in HEADS if impl == "ring" or (h % cp_size == 0 and (kv % cp_size == 0 or cp_size % kv == 0))]
+    for (h, kv), dtype in [(hk, dt) for hk in heads for dt in (torch.float64, torch.float32)]:
         g = torch.Generator().manual_seed(h * 10 + kv)
         q, k, v = (torch.randn(2, n, SEQ, 8, generator=g, dtype=dtype) for n in (h, kv, kv))
         dout = torch.randn(2, h, SEQ, 8, generator=g, dtype=dtype)
@@ -67,8 +68,8 @@ def _body(dims, corpus, root, docs_corpus):
 
     groups = Groups()
     r = dims.rank
-    out = {"ring": {2: _ring_vs_full(Comm(None, Ledger(), groups={"cp": groups.pair[r // 2]}), 2),
-                    4: _ring_vs_full(Comm(None, Ledger(), groups={"cp": dist.group.WORLD}), 4)}}
+    pair, world = (Comm(None, Ledger(), groups={"cp": g}) for g in (groups.pair[r // 2], dist.group.WORLD))
+    out = {impl: {2: _ring_vs_full(pair, 2, impl), 4: _ring_vs_full(world, 4, impl)} for impl in ("ring", "ulysses")}
     for name, (layout, kw) in RUNS.items():
         if layout == "pair" and r >= 2:
             continue
@@ -105,8 +106,12 @@ def _groups(groups, layout, r):
 
 # name -> (group layout, config) ; every run trains on the same global batch as its reference
 RUNS = {"cp2": ("pair", dict(cp=2)), "cp4": ("world", dict(cp=4)), "cp2-tp2": ("cp-tp", dict(cp=2, tp=2)),
-        "cp2-z3-dp2": ("cp-dp", dict(cp=2, zero=3)), "cp4-docs": ("world", dict(cp=4))}
-DOCS = {"cp4-docs"}  # trained with document masking (against a masked single-process run)
+        "cp2-z3-dp2": ("cp-dp", dict(cp=2, zero=3)), "cp4-docs": ("world", dict(cp=4)),
+        # Ulysses: at TP 2 each rank's one key/value head is repeated for the two cp ranks
+        "cp2-ulysses": ("pair", dict(cp=2, cp_impl="ulysses")),
+        "cp2-tp2-ulysses": ("cp-tp", dict(cp=2, tp=2, cp_impl="ulysses")),
+        "cp4-docs-ulysses": ("world", dict(cp=4, cp_impl="ulysses"))}
+DOCS = {"cp4-docs", "cp4-docs-ulysses"}  # trained with document masking (against a masked single-process run)
 
 
 @pytest.fixture(scope="module")
@@ -137,12 +142,15 @@ def runs(corpus, docs_corpus, tmp_path_factory):
     return per_rank, refs, root
 
 
+@pytest.mark.parametrize("impl", ["ring", "ulysses"])
 @pytest.mark.parametrize("cp", [2, 4])
-def test_ring_attention_equals_full_causal_attention(runs, cp):
+def test_ring_attention_equals_full_causal_attention(runs, cp, impl):
     for rank in range(4):
-        for (h, kv, dtype), worst in runs[0][rank]["ring"][cp].items():
+        got = runs[0][rank][impl][cp]
+        assert len(got) >= (16 if impl == "ring" else 4)
+        for (h, kv, dtype), worst in got.items():
             bound = 1e-10 if dtype.startswith("torch.float64") else 1e-5  # fp64: the algebra itself
-            assert worst <= bound, (cp, rank, h, kv, dtype, worst)
+            assert worst <= bound, (impl, cp, rank, h, kv, dtype, worst)
 
 
 def test_every_rank_does_the_same_attention_work():
@@ -188,6 +196,45 @@ def test_ring_traffic_to_the_byte(runs, name):
     d = ModelDims.from_config(build_config({"model": CPM}).model, seq=SEQ)
     pred = predict(d, Layout(cp=C, tp=tp, micro_batch=MICRO), cluster("h100", 1, C * tp), MICRO, prec="fp32")
     assert pred.traffic["cp"].bytes_per_device == want
+
+
+@pytest.mark.parametrize("name", ["cp2-ulysses", "cp2-tp2-ulysses"])
+def test_ulysses_traffic_to_the_byte(runs, name):
+    """Per layer and micro-batch, forward and backward: all-to-alls of q and the output (this rank's
+    heads x its tokens) and of k and v (key/value heads, repeated up to cp when fewer), each sending
+    (C-1)/C of it. The planner prices the same."""
+    from plait.config import build_config
+    from plait.planner.costs import ModelDims
+    from plait.planner.hardware import cluster
+    from plait.planner.layout import Layout
+    from plait.planner.predict import predict
+
+    layout, kw = RUNS[name]
+    C, tp = kw["cp"], kw.get("tp", 1)
+    hd, tokens = CPM["dim"] // CPM["n_heads"], MICRO * SEQ // C
+    kv_sent = max(CPM["n_kv_heads"] // tp, C)  # 2 heads over 2 ranks; 1 head (at tp 2) sent twice
+    per_layer = 2 * (2 * tokens * CPM["n_heads"] // tp * hd + 2 * tokens * kv_sent * hd) * 4
+    want = CPM["n_layers"] * per_layer * (C - 1) / C
+    for step in runs[0][0][name]["ledger"]:
+        assert step["cp"]["all_to_all"]["sent_bytes"] == want
+    d = ModelDims.from_config(build_config({"model": CPM}).model, seq=SEQ)
+    pred = predict(d, Layout(cp=C, tp=tp, micro_batch=MICRO, cp_impl="ulysses"), cluster("h100", 1, C * tp), MICRO,
+                   prec="fp32")
+    assert pred.traffic["cp"].bytes_per_device == pytest.approx(want)
+
+
+def test_ulysses_needs_heads_it_can_split():
+    from plait.config import build_config
+    from plait.errors import UserError
+    from plait.validate import validate_config
+
+    cfg = build_config({"model": dict(CPM, n_heads=6, n_kv_heads=2, dim=48), "train": {"seq_len": 32},
+                        "parallel": {"nproc": 4, "cp": 4, "cp_impl": "ulysses"}})
+    with pytest.raises(UserError, match=r"parallel.cp_impl = 'ulysses'.*6 query and 2 key/value heads"):
+        validate_config(cfg)
+    cfg.parallel.cp_impl = "spiral"
+    with pytest.raises(UserError, match="parallel.cp_impl.*choose ring or ulysses"):
+        validate_config(cfg)
 
 
 FOUR_D = {"preset": "custom", "vocab_size": 259, "dim": 32, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2,

@@ -36,6 +36,8 @@ def add_arguments(p) -> None:
     lay.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved", "zb"))
     lay.add_argument("--recompute", choices=("none", "selective", "full"))
     lay.add_argument("--no-sp", action="store_true", help="tensor parallelism without sequence parallelism")
+    lay.add_argument("--cp-impl", choices=("ring", "ulysses"), default="ring",
+                     help="context parallelism by ring (K/V around the ranks) or ulysses (all-to-all of heads)")
     lay.add_argument("--no-compile", action="store_true",
                      help="price eager blocks (train.compile off): they keep more activations than compiled ones")
     o = p.add_argument_group("output")
@@ -87,7 +89,8 @@ def run(args, extra) -> int:
     d = inputs.model_dims(args.model, args.arch, None, layers=args.layers, hidden=args.hidden,
                           heads=args.heads, kv_heads=args.kv_heads, ffn=args.ffn, vocab=args.vocab, seq=args.seq)
     knobs = dict(zero=args.zero, v=args.v, schedule=args.schedule, micro_batch=args.micro_batch,
-                 recompute=args.recompute, sp=not args.no_sp, compile=not args.no_compile)
+                 recompute=args.recompute, sp=not args.no_sp, compile=not args.no_compile,
+                 cp_impl=args.cp_impl)
     head = report.header_dict(d, c, args.global_batch, args.precision)
     given = any(getattr(args, k) is not None for k in ("tp", "pp", "dp", "cp"))
     if args.validate:

@@ -84,7 +84,7 @@ def parallelize(cfg: Config, comm, device: torch.device, dtype: torch.dtype, com
     if comm is not None and comm.size(groups.cp) > 1:  # 3: context parallelism (the ring attention)
         from plait.parallel.context import apply_cp
 
-        apply_cp(model, comm, groups.cp)
+        apply_cp(model, comm, groups.cp, cfg.parallel.cp_impl)
         # the cp ranks hold the same parameters and see different tokens of the same sequences:
         # gradients average, and ZeRO shards, over dp x cp (the data split stays over dp)
         groups = dataclasses.replace(groups, grad="dp_cp", shard="dp_shard_cp")

@@ -60,8 +60,8 @@ def work(cp: int, rank: int) -> float:
 class ContextParallel:
     """A model's context-parallel state over mesh dim `dim` of `comm`."""
 
-    def __init__(self, comm, dim: str = "cp"):
-        self.comm, self.dim = comm, dim
+    def __init__(self, comm, dim: str = "cp", impl: str = "ring"):
+        self.comm, self.dim, self.impl = comm, dim, impl
         self.cp, self.rank = comm.size(dim), comm.rank(dim)
 
     def local(self, x: torch.Tensor) -> torch.Tensor:
@@ -78,7 +78,12 @@ class ContextParallel:
         """Causal attention of this rank's queries over the whole sequence's keys; q (B, H, T/cp, d),
         k and v (B, Hkv, T/cp, d) in the layout of `local`; returns (B, H, T/cp, d). docs (B, T/cp):
         this rank's tokens' document indices; then a query sees only keys of its document (the
-        keys' indices travel around the ring with their block)."""
+        keys' indices travel around the ring with their block). `impl` "ulysses" exchanges heads
+        for sequence by all-to-all instead (`plait.parallel.ulysses`)."""
+        if self.impl == "ulysses":
+            from plait.parallel import ulysses
+
+            return ulysses.attend(self, q, k, v, docs)
         return _RingAttention.apply(q, k, v, docs, self)
 
 
@@ -197,10 +202,10 @@ def _doc_blocks(docs):
     return [docs[:, :c], docs[:, c:]]
 
 
-def apply_cp(model, comm, dim: str = "cp") -> ContextParallel:
+def apply_cp(model, comm, dim: str = "cp", impl: str = "ring") -> ContextParallel:
     """Split every sequence of `model`'s forward over `dim`: the model localises its tokens and
-    targets, and each attention runs the ring."""
-    cp = ContextParallel(comm, dim)
+    targets, and each attention runs the ring (or the all-to-all, `impl` "ulysses")."""
+    cp = ContextParallel(comm, dim, impl)
     model.cp = cp
     for block in model.layers.values():
         block.attn.cp = cp

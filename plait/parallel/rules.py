@@ -13,6 +13,7 @@ from typing import Callable
 from plait.errors import bad_value
 
 RECOMPUTE = ("none", "selective", "full")
+CP_IMPLS = ("ring", "ulysses")
 LOSS_CHUNK_ELEMENTS = 1 << 29
 """Logits the fused output projection + cross-entropy forms at a time (plait/loss.py; the planner
 prices its memory with the same number): 1 GiB in bf16; fewer chunks = fewer passes over grad_w."""
@@ -33,7 +34,7 @@ def sequence_parallel(sp: str | bool, tp: int) -> bool:
 
 
 def check_split(*, heads: int, kv_heads: int, ffn: int, layers: int, seq: int, tp: int = 1, pp: int = 1,
-                v: int = 1, cp: int = 1, sp: str | bool = "auto",
+                v: int = 1, cp: int = 1, sp: str | bool = "auto", cp_impl: str = "ring",
                 field: Callable[[str], str] = run_field) -> None:
     """Can the model be cut this way? Heads and the MLP split over tp; key/value heads split when
     there are at least tp of them and are replicated (tp a multiple of them) otherwise; stages need a
@@ -56,6 +57,15 @@ def check_split(*, heads: int, kv_heads: int, ffn: int, layers: int, seq: int, t
     if cp > 1 and seq % (2 * cp):
         raise bad_value(field("cp"), cp, f"the causal load balance splits each sequence into 2 x cp chunks: "
                         f"the sequence length {seq} must be a multiple of {2 * cp}")
+    if cp_impl not in CP_IMPLS:
+        raise bad_value(field("cp_impl"), cp_impl, f"choose {' or '.join(CP_IMPLS)}")
+    if cp_impl == "ulysses" and cp > 1:
+        q, kv = heads // tp, max(1, kv_heads // tp)
+        if q % cp or (kv % cp and cp % kv):
+            raise bad_value(field("cp_impl"), cp_impl, f"the all-to-all gives each of the {cp} cp ranks an equal "
+                            f"share of the {q} query and {kv} key/value heads per tensor-parallel rank, which "
+                            f"{cp} does not split evenly: use cp_impl ring, or a cp that divides {q} and divides "
+                            f"or is a multiple of {kv}")
 
 
 def check_tp_in_node(tp: int, gpus_per_node: int, field: Callable[[str], str] = run_field) -> None:

@@ -33,6 +33,8 @@ class Layout:
     sp: bool = True
     """Sequence parallelism inside TP regions whenever tp > 1: `plait train`'s parallel.sp = auto
     (`plait.parallel.rules.sequence_parallel`); False = off."""
+    cp_impl: str = "ring"
+    """Context parallelism by ring (K/V blocks around the cp ranks) or ulysses (all-to-all of heads)."""
     compile: bool = True
     """Blocks and loss under torch.compile (`train.compile`, on by default on GPUs): it decides what a
     block keeps for its backward and what the loss holds."""
@@ -99,7 +101,8 @@ def check_layout(d: ModelDims, lay: Layout, c: Cluster, global_batch: int) -> in
                         f"but the cluster has {c.nodes} x {c.gpus_per_node} = {c.n_gpus}: make the product "
                         f"equal the number of GPUs")
     rules.check_split(heads=d.heads, kv_heads=d.kv_heads, ffn=d.ffn, layers=d.layers, seq=d.seq, tp=lay.tp,
-                      pp=lay.pp, v=lay.v, cp=lay.cp, sp="auto" if lay.sp else "off", field=lambda k: f"--{k}")
+                      pp=lay.pp, v=lay.v, cp=lay.cp, sp="auto" if lay.sp else "off", cp_impl=lay.cp_impl,
+                      field=lambda k: f"--{k.replace('_', '-')}")
     rules.check_tp_in_node(lay.tp, c.gpus_per_node, field=lambda k: f"--{k}")
     if global_batch % (lay.dp * lay.micro_batch):
         raise bad_value("--global-batch", global_batch, f"must be a multiple of dp x micro-batch = "

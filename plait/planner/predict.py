@@ -224,7 +224,13 @@ def _traffic(d: ModelDims, lay: Layout, prec: Precision, sc: StageCosts, m: int)
         out["tp"] = DimTraffic("tp", lay.tp, *sc.links["tp"], tuple(
             Collective(x.op, x.size_bytes, lay.tp, x.count * nl * m, x.what)
             for x in sc.tp_forward + sc.tp_forward + replay) + _tp_ends(d, lay, prec, m))
-    if lay.cp > 1:  # plait/parallel/context.py: the ring's K/V blocks and their fp32 dK/dV accumulators
+    if lay.cp > 1 and lay.cp_impl == "ulysses":  # plait/parallel/ulysses.py: forward and backward
+        from plait.planner.stage_costs import ulysses_all_to_alls
+
+        out["cp"] = DimTraffic("cp", lay.cp, *sc.links["cp"], tuple(
+            Collective(x.op, x.size_bytes, lay.cp, 2 * x.count * nl * m, x.what)
+            for x in ulysses_all_to_alls(d, lay, prec.act_bytes)))
+    elif lay.cp > 1:  # plait/parallel/context.py: the ring's K/V blocks and their fp32 dK/dV accumulators
         out["cp"] = DimTraffic("cp", lay.cp, *sc.links["cp"], (
             Collective("send_recv", sc.kv_chunk_bytes, lay.cp, 2 * (lay.cp - 1) * nl * m,
                        "ring: K/V blocks, forward and backward"),

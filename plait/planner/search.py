@@ -39,6 +39,7 @@ class Space:
     schedule: tuple[str, ...] = ("1f1b", "interleaved", "zb")
     sp: bool = True
     compile: bool = True
+    cp_impl: str = "ring"
     max_cp: int = 8
 
 
@@ -89,7 +90,8 @@ def candidates(d: ModelDims, c: Cluster, global_batch: int, space: Space = Space
                                             continue
                                         yield Layout(tp=tp, pp=pp, dp_replicate=rep, dp_shard=dp // rep, cp=cp,
                                                      zero=zero, v=v, schedule=sched, micro_batch=mb,
-                                                     recompute=rc, sp=space.sp, compile=space.compile)
+                                                     recompute=rc, sp=space.sp, compile=space.compile,
+                                                     cp_impl=space.cp_impl)
 
 
 def search(d: ModelDims, c: Cluster, global_batch: int, prec: Precision | str = "mixed",

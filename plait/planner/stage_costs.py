@@ -50,6 +50,21 @@ class StageCosts:
         return sum(sum(self.durations[rank * v + c]) for c in range(v))
 
 
+def ulysses_all_to_alls(d: ModelDims, lay: Layout, e: float) -> tuple[Collective, ...]:
+    """One layer's forward all-to-alls under Ulysses (plait/parallel/ulysses.py), per micro-batch on
+    one rank: q, k, v out (key/value heads repeated up to cp when fewer) and the output back; the
+    backward runs the same four on the gradients."""
+    from plait.parallel.ulysses import kv_repeats
+
+    tokens = lay.micro_batch * d.seq // lay.cp
+    q_heads, kv_heads = d.heads // lay.tp, max(1, d.kv_heads // lay.tp)
+    kv_sent = kv_heads * kv_repeats(kv_heads, lay.cp)
+    q = tokens * q_heads * d.head_dim * e
+    kv = tokens * kv_sent * d.head_dim * e
+    return (Collective("all_to_all", q, lay.cp, 2, "Ulysses: queries out, output back"),
+            Collective("all_to_all", kv, lay.cp, 2, "Ulysses: keys and values out"))
+
+
 GROUPS = {"tp": ("tp",), "cp": ("cp",), "pp": ("pp",), "shard": ("dp_shard", "cp"),
           "grad": ("dp_replicate", "dp_shard", "cp"), "replicate": ("dp_replicate",)}
 
@@ -97,9 +112,13 @@ def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision) -> Stage
     replay_s = sum(x.time_s(tp_link) for x in tp_replay) if lay.recompute == "full" else 0.0
 
     kv_chunk = 2 * tokens * d.kv_dim / tp * e
-    cp_s = Collective("send_recv", kv_chunk, cp, cp - 1, "").time_s(links["cp"][0]) if cp > 1 else 0.0
-    cp_f = max(0.0, cp_s - lt.attention_forward_s)
-    cp_b = max(0.0, 2 * cp_s - 2.5 * lt.attention_forward_s)  # K/V again plus dK/dV
+    cp_a2a = ulysses_all_to_alls(d, lay, e) if cp > 1 and lay.cp_impl == "ulysses" else ()
+    if cp_a2a:  # the all-to-alls sit between the projections and attention: nothing hides them
+        cp_f = cp_b = sum(x.time_s(links["cp"][0]) for x in cp_a2a)
+    else:
+        cp_s = Collective("send_recv", kv_chunk, cp, cp - 1, "").time_s(links["cp"][0]) if cp > 1 else 0.0
+        cp_f = max(0.0, cp_s - lt.attention_forward_s)
+        cp_b = max(0.0, 2 * cp_s - 2.5 * lt.attention_forward_s)  # K/V again plus dK/dV
 
     shard = lay.shard_group
     z3_f = z3_b = 0.0

@@ -6,6 +6,7 @@ gathered output, the reduce-scatter input):
   all-gather         (n-1)/n * size   in   n-1  steps   (each device forwards n-1 shards of size/n)
   reduce-scatter     (n-1)/n * size   in   n-1  steps
   broadcast                  size     pipelined along the ring
+  all-to-all         (n-1)/n * size   in   n-1  steps   (each device keeps 1/n of its tensor)
   send/recv                  size     1 step
 "Bytes per device" counts what one device sends (it receives as much); step time depends on it,
 not on the n-fold total the network carries. Time follows the alpha-beta model:
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from plait.errors import bad_value
 from plait.planner.hardware import Link
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send_recv")
 
 
 def bytes_per_device(op: str, size_bytes: float, n: int) -> float:
@@ -44,7 +45,7 @@ def steps(op: str, n: int) -> int:
     if n == 1:
         return 0
     return {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1,
-            "broadcast": n - 1}[op]
+            "broadcast": n - 1, "all_to_all": n - 1}[op]
 
 
 def collective_time_s(op: str, size_bytes: float, n: int, link: Link) -> float:
