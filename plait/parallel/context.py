@@ -19,13 +19,16 @@ Traffic per layer and micro-batch, in K/V-block bytes (a block = K and V of one 
 kv_heads only): forward C-1; backward C-1 blocks and C accumulators (the last hop takes each home).
 With document masking each block also carries its tokens' document indices (8 bytes a token).
 
-The block attention here is plain tensor algebra (math path, fp32 accumulation): it runs on any
-device and is what the CPU tests check against full attention.
+Each block runs through `plait.parallel.block_attention`: the CPU's flash kernel, or - on GPUs for
+now, and always with document masking - a math path in fp32; partial results merge in fp32 either
+way. The CPU tests check both against full attention.
 """
 
 from __future__ import annotations
 
 import torch
+
+from plait.parallel import block_attention as blk
 
 
 def chunk_ids(cp: int, rank: int) -> tuple[int, int]:
@@ -96,21 +99,6 @@ def _expand(kv: torch.Tensor, groups: int) -> torch.Tensor:
     return kv if groups == 1 else kv.repeat_interleave(groups, dim=1)
 
 
-def _scores(q, k, causal: bool, scale: float, qdoc=None, kdoc=None) -> torch.Tensor:
-    s = (q @ k.transpose(-1, -2)) * scale  # (B, H, c, c)
-    if causal:
-        c = s.shape[-1]
-        s = s.masked_fill(torch.ones(c, c, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    if qdoc is not None:  # another document's keys are masked too
-        s = s.masked_fill((qdoc[:, :, None] != kdoc[:, None, :])[:, None], float("-inf"))
-    return s
-
-
-def _no_inf(x: torch.Tensor) -> torch.Tensor:
-    """-inf (a query that sees no key of a block: another document's) as 0, so exp(s - lse) stays 0, not NaN."""
-    return torch.where(torch.isinf(x), torch.zeros_like(x), x)
-
-
 def _exchange(comm, dim, tensors, nxt, prv, async_op):
     """Send `tensors` to the next rank and receive the previous rank's in one batched call."""
     incoming = [torch.empty_like(t) for t in tensors]
@@ -124,10 +112,11 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, docs, cp: ContextParallel):
         comm, dim, C, r = cp.comm, cp.dim, cp.cp, cp.rank
         groups, scale = q.shape[1] // k.shape[1], q.shape[-1] ** -0.5
-        acc = torch.promote_types(q.dtype, torch.float32)  # bf16 inputs accumulate in fp32
-        qs = _blocks(q.to(acc))
+        how = blk.kernel(q, docs)
+        acc = torch.promote_types(q.dtype, torch.float32)  # 16-bit inputs merge in fp32
+        qs = _blocks(q)
         qdocs = _doc_blocks(docs)
-        out = [torch.zeros_like(x) for x in qs]
+        out = [torch.zeros(x.shape, dtype=acc, device=q.device) for x in qs]
         lse = [torch.full(x.shape[:-1], float("-inf"), dtype=acc, device=q.device) for x in qs]
         block = [torch.stack([k, v]).contiguous()] + ([docs.contiguous()] if docs is not None else [])  # what travels
         nxt, prv = (r + 1) % C, (r - 1) % C
@@ -136,14 +125,13 @@ class _RingAttention(torch.autograd.Function):
             if step < C - 1:  # the next block is on its way while this one is attended
                 incoming, pending = _exchange(comm, dim, block, nxt, prv, async_op=True)
             kv = block[0]
-            ks, vs = _blocks(_expand(kv[0].to(acc), groups)), _blocks(_expand(kv[1].to(acc), groups))
+            ks, vs = _blocks(_expand(kv[0], groups)), _blocks(_expand(kv[1], groups))
             kdocs = _doc_blocks(block[1] if docs is not None else None)
             for qi, ki, kind in pairs:
-                s = _scores(qs[qi], ks[ki], kind == "causal", scale, qdocs[qi], kdocs[ki])
-                b_lse = torch.logsumexp(s, dim=-1)
-                b_out = torch.exp(s - _no_inf(b_lse)[..., None]) @ vs[ki]
+                b_out, b_lse = blk.forward(qs[qi].contiguous(), ks[ki].contiguous(), vs[ki].contiguous(),
+                                           kind == "causal", scale, how, qdocs[qi], kdocs[ki])
                 new = torch.logaddexp(lse[qi], b_lse)
-                safe = _no_inf(new)
+                safe = blk._no_inf(new)
                 out[qi] = out[qi] * torch.exp(lse[qi] - safe)[..., None] + b_out * torch.exp(b_lse - safe)[..., None]
                 lse[qi] = new
             if pending is not None:
@@ -151,20 +139,19 @@ class _RingAttention(torch.autograd.Function):
                 block = incoming
         out, lse = torch.cat(out, dim=2), torch.cat(lse, dim=2)
         ctx.save_for_backward(q, k, v, out, lse, docs)
-        ctx.cp = cp
+        ctx.cp, ctx.how = cp, how
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, docs = ctx.saved_tensors
-        cp = ctx.cp
+        cp, how = ctx.cp, ctx.how
         comm, dim, C, r = cp.comm, cp.dim, cp.cp, cp.rank
         groups, scale = q.shape[1] // k.shape[1], q.shape[-1] ** -0.5
         acc = out.dtype
-        qs, dos, lses = _blocks(q.to(acc)), _blocks(dout.to(acc)), _blocks(lse[..., None])
+        qs, dos, outs, lses = _blocks(q), _blocks(dout.contiguous()), _blocks(out), _blocks(lse[..., None])
         qdocs = _doc_blocks(docs)
-        delta = _blocks((dout.to(acc) * out).sum(-1, keepdim=True))  # D = rowsum(dO * O)
-        dq = [torch.zeros_like(x) for x in qs]
+        dq = [torch.zeros(x.shape, dtype=acc, device=q.device) for x in qs]
         block = [torch.stack([k, v]).contiguous()] + ([docs.contiguous()] if docs is not None else [])
         dkv = torch.zeros(block[0].shape, dtype=acc, device=k.device)  # travels with its block
         nxt, prv = (r + 1) % C, (r - 1) % C
@@ -174,16 +161,17 @@ class _RingAttention(torch.autograd.Function):
             if step < C - 1:
                 incoming, pending = _exchange(comm, dim, block, nxt, prv, async_op=True)
             kv = block[0]
-            ks, vs = _blocks(_expand(kv[0].to(acc), groups)), _blocks(_expand(kv[1].to(acc), groups))
+            ks, vs = _blocks(_expand(kv[0], groups)), _blocks(_expand(kv[1], groups))
             kdocs = _doc_blocks(block[1] if docs is not None else None)
-            dk = [torch.zeros_like(x) for x in ks]
-            dv = [torch.zeros_like(x) for x in vs]
+            dk = [torch.zeros(x.shape, dtype=acc, device=k.device) for x in ks]
+            dv = [torch.zeros(x.shape, dtype=acc, device=k.device) for x in vs]
             for qi, ki, kind in pairs:
-                p = torch.exp(_scores(qs[qi], ks[ki], kind == "causal", scale, qdocs[qi], kdocs[ki]) - lses[qi])
-                dv[ki] += p.transpose(-1, -2) @ dos[qi]
-                ds = p * (dos[qi] @ vs[ki].transpose(-1, -2) - delta[qi])
-                dq[qi] += (ds @ ks[ki]) * scale
-                dk[ki] += (ds.transpose(-1, -2) @ qs[qi]) * scale
+                g = blk.backward(dos[qi], qs[qi].contiguous(), ks[ki].contiguous(), vs[ki].contiguous(),
+                                 outs[qi].contiguous(), lses[qi][..., 0].contiguous(), kind == "causal", scale, how,
+                                 qdocs[qi], kdocs[ki])
+                dq[qi] += g[0]
+                dk[ki] += g[1]
+                dv[ki] += g[2]
             # fold the query-head groups back onto the key/value heads they share
             fold = [torch.cat(x, dim=2).view(B, Hkv, groups, T, d).sum(2) for x in (dk, dv)]
             dkv += torch.stack(fold)
