@@ -206,7 +206,7 @@ class ParallelConfig:
     v: int = 1
     """Virtual pipeline stages per rank (interleaved schedule)."""
     stage_layers: str = ""
-    """Layers of each of the pp x v pipeline stages, comma-separated (e.g. 3,5,5,3); empty = as even as possible. The first and last stages also hold the embedding and the loss."""
+    """Layers of each of the pp x v pipeline stages, comma-separated (e.g. 3,5,5,3); empty = as even as possible; balance = fewer on the last stage by what its output head and loss cost in FLOPs. The first and last stages also hold the embedding and the loss."""
     microbatches: int = 0
     """Pipeline micro-batches per step: sets train.grad_accum (0 = use train.grad_accum)."""
     cp: int = 1

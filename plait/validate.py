@@ -93,7 +93,7 @@ def validate_pipeline(cfg: Config) -> None:
     """Schedule, micro-batches and stage split of a pipelined run (`parallel.microbatches` is
     train.grad_accum's name there: the micro-batches every pipeline runs per step)."""
     from plait.parallel.schedules import check_args
-    from plait.parallel.stages import parse_counts
+    from plait.parallel.stages import resolve_counts
 
     p, t, m = cfg.parallel, cfg.train, cfg.model
     if p.pp == 1:
@@ -107,7 +107,7 @@ def validate_pipeline(cfg: Config) -> None:
                             f"{t.global_batch}, which makes {t.grad_accum} micro-batches a step here: give one of them")
         t.grad_accum = p.microbatches
     p.schedule = check_args(p.schedule, p.pp, t.grad_accum, p.v)
-    counts = parse_counts(p.stage_layers, m.n_layers, p.pp * p.v)
+    counts = resolve_counts(p.stage_layers, m, t.seq_len, p.pp * p.v)
     if counts is None and m.n_layers % (p.pp * p.v) and p.v > 1:
         raise bad_value("parallel.v", p.v, f"pp x v = {p.pp * p.v} stages do not divide the {m.n_layers} layers "
                         "evenly; give --parallel.stage_layers (a count per stage) or another v")

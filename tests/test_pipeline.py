@@ -34,7 +34,9 @@ def _runs(pp: int) -> dict:
     return out
 
 
-RUNS = {**_runs(2), **_runs(4)}
+RUNS = {**_runs(2), **_runs(4), "pp2-1f1b-m2-split": (2, "1f1b", 2, 1), "pp4-1f1b-m4-split": (4, "1f1b", 4, 1)}
+# uneven stages (parallel.stage_layers), as `balance` makes them when the output head is heavy
+SPLITS = {"pp2-1f1b-m2-split": "5,3", "pp4-1f1b-m4-split": "1,3,3,1"}
 PAIRS = [n for n in RUNS if n.startswith("pp2")]
 SCHEDULE = [tuple(PAIRS[i:i + 2]) if i + 1 < len(PAIRS) else PAIRS[i] for i in range(0, len(PAIRS), 2)]
 SCHEDULE += [n for n in RUNS if n.startswith("pp4")]
@@ -44,7 +46,8 @@ def _config(corpus, name, **extra):
     pp, sched, m, v = RUNS[name]
     from plait.validate import validate_pipeline
 
-    cfg = config(corpus, grad_accum=m, model=PPM, steps=STEPS, pp=pp, schedule=sched, v=v, **extra)
+    cfg = config(corpus, grad_accum=m, model=PPM, steps=STEPS, pp=pp, schedule=sched, v=v,
+                 stage_layers=SPLITS.get(name, ""), **extra)
     cfg.train.lr, cfg.train.min_lr = LR, LR / 10
     validate_pipeline(cfg)
     return cfg
@@ -151,7 +154,7 @@ def test_micro_batches_in_flight_match_the_schedule(runs, pp):
                 assert want == m
             if sched == "1f1b":
                 assert want == min(m, pp - got["rank"])
-            if v == 1 and sched != "zb":  # zb's waiting W hold their inputs outside autograd
+            if v == 1 and sched != "zb" and name not in SPLITS:  # zb's waiting W hold their inputs outside autograd
                 per_micro.add(got["saved_peak"] / want)
         assert len(per_micro) <= 1, (rank, per_micro)
 

@@ -36,6 +36,9 @@ def add_arguments(p) -> None:
     lay.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved", "zb"))
     lay.add_argument("--recompute", choices=("none", "selective", "full"))
     lay.add_argument("--no-sp", action="store_true", help="tensor parallelism without sequence parallelism")
+    lay.add_argument("--stage-layers", default="", metavar="SPLIT",
+                     help="layers per pipeline stage: balance (the last stage lighter by its output head) or "
+                          "counts like 9,7 (default: as even as possible)")
     lay.add_argument("--cp-impl", choices=("ring", "ulysses"), default="ring",
                      help="context parallelism by ring (K/V around the ranks) or ulysses (all-to-all of heads)")
     lay.add_argument("--no-compile", action="store_true",
@@ -91,6 +94,8 @@ def run(args, extra) -> int:
     knobs = dict(zero=args.zero, v=args.v, schedule=args.schedule, micro_batch=args.micro_batch,
                  recompute=args.recompute, sp=not args.no_sp, compile=not args.no_compile,
                  cp_impl=args.cp_impl)
+    if args.stage_layers:
+        knobs["stage_split"] = args.stage_layers
     head = report.header_dict(d, c, args.global_batch, args.precision)
     given = any(getattr(args, k) is not None for k in ("tp", "pp", "dp", "cp"))
     if args.validate:

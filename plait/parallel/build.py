@@ -130,10 +130,10 @@ def parallelize(cfg: Config, comm, device: torch.device, dtype: torch.dtype, com
 def _stage(cfg: Config, rank: int, pp: int) -> dict:
     """What pipeline rank `rank` builds: its layers (by global id), whether it holds the embedding
     (stage 0) and the head (the last stage), its chunks' layer keys, and the tied-copy bookkeeping."""
-    from plait.parallel.stages import parse_counts, rank_chunks, stage_layer_ids
+    from plait.parallel.stages import rank_chunks, resolve_counts, stage_layer_ids
 
     p, L = cfg.parallel, cfg.model.n_layers
-    per_stage = stage_layer_ids(L, pp * p.v, parse_counts(p.stage_layers, L, pp * p.v))
+    per_stage = stage_layer_ids(L, pp * p.v, resolve_counts(p.stage_layers, cfg.model, cfg.train.seq_len, pp * p.v))
     chunks = rank_chunks(pp, p.v, rank, per_stage)
     first, last = rank == 0, rank == pp - 1
     tied: dict = {}

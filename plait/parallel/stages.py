@@ -22,6 +22,53 @@ def stage_layers(layers: int, stages: int) -> list[int]:
     return counts
 
 
+def balanced_counts(layers: int, stages: int, layer_cost: float, head_cost: float) -> list[int]:
+    """Layers per stage that make the slowest stage as fast as it can be when the last stage also runs
+    the output head and loss (`head_cost`, in units of `layer_cost`): a contiguous split minimising
+    the largest stage cost, then the spread (sum of squares), every stage at least one layer."""
+    if stages == 1:
+        return [layers]
+    ratio = head_cost / layer_cost
+    best = {0: (0.0, 0.0, [])}  # layers placed -> (max cost, sum of squares, counts)
+    for s in range(stages):
+        last = s == stages - 1
+        nxt: dict = {}
+        for used, (worst, sq, counts) in best.items():
+            room = layers - used - (stages - 1 - s)  # leave a layer for every later stage
+            for n in ([room] if last else range(1, room + 1)):
+                if n < 1:
+                    continue
+                cost = n + (ratio if last else 0.0)
+                cand = (max(worst, cost), sq + cost * cost, counts + [n])
+                key = used + n
+                if key not in nxt or cand[:2] < nxt[key][:2]:
+                    nxt[key] = cand
+        best = nxt
+    return best[layers][2]
+
+
+def flops_balanced(d, stages: int) -> list[int]:
+    """`balanced_counts` from plait's model arithmetic: a block's matmul and causal attention FLOPs
+    against the output projection's (6 FLOPs per weight and token forward and backward for both, so
+    forward FLOPs compare). `d` is the planner's ModelDims."""
+    from plait.planner import costs
+
+    layer = costs.layer_matmul_flops_per_token(d) + costs.attention_flops_per_token(d, causal=True)
+    return balanced_counts(d.layers, stages, layer, costs.head_flops_per_token(d))
+
+
+def resolve_counts(text: str, cfg, seq: int, stages: int, field: str = "parallel.stage_layers") -> list[int] | None:
+    """parallel.stage_layers for a ModelConfig `cfg` at sequence length `seq`: "" (None: as even as
+    possible), "balance" (`flops_balanced`) or explicit counts."""
+    if str(text).strip() == "balance":
+        from plait.planner.costs import ModelDims
+
+        if stages > cfg.n_layers:
+            raise bad_value(field, text, f"cannot give each of {stages} stages a layer of {cfg.n_layers}")
+        return flops_balanced(ModelDims.from_config(cfg, seq), stages)
+    return parse_counts(text, cfg.n_layers, stages, field)
+
+
 def parse_counts(text: str, layers: int, stages: int, field: str = "parallel.stage_layers") -> list[int] | None:
     """Explicit per-stage layer counts "3,5,5,3" (None when empty); one line for anything wrong."""
     if not str(text).strip():
@@ -29,7 +76,8 @@ def parse_counts(text: str, layers: int, stages: int, field: str = "parallel.sta
     try:
         counts = [int(x) for x in str(text).split(",")]
     except ValueError:
-        raise bad_value(field, text, "give one layer count per stage, comma-separated, e.g. 3,5,5,3") from None
+        raise bad_value(field, text, "give one layer count per stage, comma-separated, e.g. 3,5,5,3, or "
+                        "balance") from None
     if len(counts) != stages:
         raise bad_value(field, text, f"gives {len(counts)} counts for {stages} stages (pp x v)")
     if min(counts) < 0 or sum(counts) != layers:

@@ -59,7 +59,8 @@ def make_cluster(gpu: str, nodes: int, gpus_per_node: int, overrides: dict[str, 
 
 
 def make_layout(c: Cluster, tp=None, pp=None, dp=None, cp=None, dp_replicate=None, zero=None, v=None,
-                schedule=None, micro_batch=None, recompute=None, sp=True, compile=True, cp_impl="ring") -> Layout:
+                schedule=None, micro_batch=None, recompute=None, sp=True, compile=True, cp_impl="ring",
+                stage_split="") -> Layout:
     """A full layout from the degrees given; dp defaults to what the others leave."""
     tp, pp, cp = tp or 1, pp or 1, cp or 1
     for flag, val in (("--tp", tp), ("--pp", pp), ("--cp", cp)):
@@ -75,14 +76,15 @@ def make_layout(c: Cluster, tp=None, pp=None, dp=None, cp=None, dp_replicate=Non
         raise bad_value("--dp-replicate", rep, f"must divide --dp = {dp}")
     return Layout(tp=tp, pp=pp, dp_replicate=rep, dp_shard=dp // rep, cp=cp, zero=0 if zero is None else zero,
                   v=v or 1, schedule=schedule or "1f1b", micro_batch=micro_batch or 1,
-                  recompute=recompute or "none", sp=sp, compile=compile, cp_impl=cp_impl)
+                  recompute=recompute or "none", sp=sp, compile=compile, cp_impl=cp_impl,
+                  stage_split=stage_split or "")
 
 
 def make_space(tp=None, pp=None, cp=None, dp_replicate=None, zero=None, v=None, schedule=None,
-               micro_batch=None, recompute=None, sp=True, compile=True, cp_impl="ring") -> Space:
+               micro_batch=None, recompute=None, sp=True, compile=True, cp_impl="ring", stage_split=None) -> Space:
     """The search space with every flag the user gave pinned."""
     s = Space(sp=sp, compile=compile, cp_impl=cp_impl)
     pins = {"tp": tp, "pp": pp, "cp": cp, "dp_replicate": dp_replicate, "zero": zero, "v": v,
-            "schedule": schedule, "micro_batch": micro_batch, "recompute": recompute}
+            "schedule": schedule, "micro_batch": micro_batch, "recompute": recompute, "stage_split": stage_split}
     from dataclasses import replace
     return replace(s, **{k: (val,) for k, val in pins.items() if val is not None})

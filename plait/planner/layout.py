@@ -33,6 +33,9 @@ class Layout:
     sp: bool = True
     """Sequence parallelism inside TP regions whenever tp > 1: `plait train`'s parallel.sp = auto
     (`plait.parallel.rules.sequence_parallel`); False = off."""
+    stage_split: str = ""
+    """Layers per pipeline stage as `parallel.stage_layers` gives them: "" even, "balance" (the last
+    stage lighter by its output head), or explicit counts "9,7"."""
     cp_impl: str = "ring"
     """Context parallelism by ring (K/V blocks around the cp ranks) or ulysses (all-to-all of heads)."""
     compile: bool = True
@@ -84,9 +87,10 @@ class Layout:
         parts = [f"tp{self.tp}{'+sp' if self.seq_parallel else ''}", f"pp{self.pp}", dp,
                  f"zero{self.zero}"]
         if self.cp > 1:
-            parts.append(f"cp{self.cp}")
+            parts.append(f"cp{self.cp}" + ("/ulysses" if self.cp_impl == "ulysses" else ""))
         if self.pp > 1:
-            parts.append(self.schedule + (f"/v{self.v}" if self.v > 1 else ""))
+            parts.append(self.schedule + (f"/v{self.v}" if self.v > 1 else "")
+                         + (f" stages:{self.stage_split}" if self.stage_split else ""))
         parts += [f"mb{self.micro_batch}", f"rc:{self.recompute}"]
         return " ".join(parts)
 

@@ -68,7 +68,16 @@ def _model_overrides(config: dict) -> dict:
     return out
 
 
-def _layout(bench: str, variant: str, row: dict, config: dict, n_gpus: int) -> tuple[dict, int] | None:
+def _flag(commands, flag: str) -> str | None:
+    """The value of `flag` in the recorded command line(s), or None."""
+    for cmd in [commands] if isinstance(commands, str) else (commands or []):
+        words = cmd.split()
+        if flag in words[:-1]:
+            return words[words.index(flag) + 1]
+    return None
+
+
+def _layout(bench: str, variant: str, row: dict, config: dict, n_gpus: int, commands=None) -> tuple[dict, int] | None:
     """(layout arguments, global batch) of a plait row, or None for peers and unexpressible runs."""
     if not variant.startswith("plait"):
         return None
@@ -88,12 +97,15 @@ def _layout(bench: str, variant: str, row: dict, config: dict, n_gpus: int) -> t
     if bench == "pipeline":
         m, mb = row["microbatches"], config["micro_batch"]
         sched = variant.split("-")[1]
-        if variant.endswith("balanced"):
-            return None  # hand-set stage sizes: the planner splits layers evenly
+        split = ""
+        if variant.endswith("balanced"):  # hand-set stage sizes, as the command gave them
+            split = config.get("stage_layers") or _flag(commands, "--stage-layers")
+            if not split:
+                return None
         if sched == "zero3":
             return dict(dp=n_gpus, zero=3, micro_batch=mb), m * mb
-        return dict(pp=n_gpus, dp=1, zero=1, micro_batch=mb, schedule=sched,
-                    v=2 if sched == "interleaved" else 1), m * mb
+        return dict(pp=n_gpus, dp=1, zero=1, micro_batch=mb, schedule=sched, v=2 if sched == "interleaved" else 1,
+                    stage_split=split), m * mb
     return None
 
 
@@ -121,7 +133,7 @@ def load(folder: str | Path) -> list[Run]:
         for row in data.get("rows", []):
             if "step_s_median" not in row:
                 continue  # the variant failed (out of memory, timed out): nothing was measured
-            got = _layout(bench, row["variant"], row, config, n)
+            got = _layout(bench, row["variant"], row, config, n, data.get("command"))
             if got is None:
                 continue
             lay, gb = got

@@ -40,6 +40,8 @@ class Space:
     sp: bool = True
     compile: bool = True
     cp_impl: str = "ring"
+    stage_split: tuple[str, ...] = ("", "balance")
+    """Pipeline splits to try (pp > 1): as even as possible, and lighter last stage."""
     max_cp: int = 8
 
 
@@ -88,10 +90,11 @@ def candidates(d: ModelDims, c: Cluster, global_batch: int, space: Space = Space
                                     for v in vs:
                                         if sched == "interleaved" and (m % pp or pp * v > d.layers):
                                             continue
-                                        yield Layout(tp=tp, pp=pp, dp_replicate=rep, dp_shard=dp // rep, cp=cp,
-                                                     zero=zero, v=v, schedule=sched, micro_batch=mb,
-                                                     recompute=rc, sp=space.sp, compile=space.compile,
-                                                     cp_impl=space.cp_impl)
+                                        for split in space.stage_split if pp > 1 else ("",):
+                                            yield Layout(tp=tp, pp=pp, dp_replicate=rep, dp_shard=dp // rep, cp=cp,
+                                                         zero=zero, v=v, schedule=sched, micro_batch=mb,
+                                                         recompute=rc, sp=space.sp, compile=space.compile,
+                                                         cp_impl=space.cp_impl, stage_split=split)
 
 
 def search(d: ModelDims, c: Cluster, global_batch: int, prec: Precision | str = "mixed",

@@ -50,6 +50,15 @@ class StageCosts:
         return sum(sum(self.durations[rank * v + c]) for c in range(v))
 
 
+def split_layers(d: ModelDims, stages: int, split: str) -> list[int]:
+    """Layers of each stage as the runtime splits them (plait/parallel/stages.py)."""
+    from plait.parallel.stages import flops_balanced, parse_counts
+
+    if split.strip() == "balance":
+        return flops_balanced(d, stages)
+    return parse_counts(split, d.layers, stages, "--stage-layers") or stage_layers(d.layers, stages)
+
+
 def ulysses_all_to_alls(d: ModelDims, lay: Layout, e: float) -> tuple[Collective, ...]:
     """One layer's forward all-to-alls under Ulysses (plait/parallel/ulysses.py), per micro-batch on
     one rank: q, k, v out (key/value heads repeated up to cp when fewer) and the output back; the
@@ -73,7 +82,7 @@ def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision) -> Stage
     tp, pp, v, cp, b = lay.tp, lay.pp, lay.v, lay.cp, lay.micro_batch
     sp, e = lay.seq_parallel, prec.act_bytes
     S = pp * v
-    layers = stage_layers(d.layers, S)
+    layers = split_layers(d, S, lay.stage_split)
     tokens = b * d.seq // cp  # tokens of one micro-batch on one GPU
     sizes = lay.sizes()
     links = {}
