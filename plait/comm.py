@@ -327,7 +327,8 @@ class Comm:
 _LIVE: "weakref.WeakValueDictionary[int, Comm]" = weakref.WeakValueDictionary()
 
 
-def _resolve(key: str) -> tuple[Comm, str]:
+def resolve_key(key: str) -> tuple[Comm, str]:
+    """The Comm and mesh dim a registered op's `key` (`Comm.key`) names."""
     ident, _, dim = key.partition("/")
     return _LIVE[int(ident)], dim
 
@@ -339,7 +340,7 @@ def _fresh(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("plait::all_reduce", mutates_args=())
 def _op_all_reduce(x: torch.Tensor, key: str) -> torch.Tensor:
-    comm, dim = _resolve(key)
+    comm, dim = resolve_key(key)
     out = x.clone(memory_format=torch.contiguous_format)
     return comm.all_reduce(out, dim)
 
@@ -351,37 +352,37 @@ def _(x, key):
 
 @torch.library.custom_op("plait::all_gather", mutates_args=())
 def _op_all_gather(x: torch.Tensor, key: str, axis: int) -> torch.Tensor:
-    comm, dim = _resolve(key)
+    comm, dim = resolve_key(key)
     return _fresh(comm._gather(x, dim, axis), x)
 
 
 @_op_all_gather.register_fake
 def _(x, key, axis):
-    n, axis = _resolve(key)[0].size(_resolve(key)[1]), axis % x.dim()
+    n, axis = resolve_key(key)[0].size(resolve_key(key)[1]), axis % x.dim()
     return x.new_empty(x.shape[:axis] + (n * x.shape[axis],) + x.shape[axis + 1:])
 
 
 @torch.library.custom_op("plait::reduce_scatter", mutates_args=())
 def _op_reduce_scatter(x: torch.Tensor, key: str, axis: int) -> torch.Tensor:
-    comm, dim = _resolve(key)
+    comm, dim = resolve_key(key)
     return _fresh(comm._reduce_scatter(x, dim, axis), x)
 
 
 @_op_reduce_scatter.register_fake
 def _(x, key, axis):
-    n, axis = _resolve(key)[0].size(_resolve(key)[1]), axis % x.dim()
+    n, axis = resolve_key(key)[0].size(resolve_key(key)[1]), axis % x.dim()
     return x.new_empty(x.shape[:axis] + (x.shape[axis] // n,) + x.shape[axis + 1:])
 
 
 @torch.library.custom_op("plait::all_to_all", mutates_args=())
 def _op_all_to_all(x: torch.Tensor, key: str, s_axis: int, g_axis: int) -> torch.Tensor:
-    comm, dim = _resolve(key)
+    comm, dim = resolve_key(key)
     return _fresh(comm._all_to_all(x, dim, s_axis, g_axis), x)
 
 
 @_op_all_to_all.register_fake
 def _(x, key, s_axis, g_axis):
-    n = _resolve(key)[0].size(_resolve(key)[1])
+    n = resolve_key(key)[0].size(resolve_key(key)[1])
     shape = list(x.shape)
     shape[s_axis % x.dim()] //= n
     shape[g_axis % x.dim()] *= n
@@ -389,7 +390,7 @@ def _(x, key, s_axis, g_axis):
 
 
 def _split(x, key, axis):
-    comm, dim = _resolve(key)
+    comm, dim = resolve_key(key)
     return comm._split(x, dim, axis)
 
 

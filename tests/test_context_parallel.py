@@ -107,6 +107,8 @@ def _groups(groups, layout, r):
 # name -> (group layout, config) ; every run trains on the same global batch as its reference
 RUNS = {"cp2": ("pair", dict(cp=2)), "cp4": ("world", dict(cp=4)), "cp2-tp2": ("cp-tp", dict(cp=2, tp=2)),
         "cp2-z3-dp2": ("cp-dp", dict(cp=2, zero=3)), "cp4-docs": ("world", dict(cp=4)),
+        # selective recomputation keeps the ring's output: backward does not run the ring again
+        "cp2-selective": ("pair", dict(cp=2, recompute="selective")),
         # Ulysses: at TP 2 each rank's one key/value head is repeated for the two cp ranks
         "cp2-ulysses": ("pair", dict(cp=2, cp_impl="ulysses")),
         "cp2-tp2-ulysses": ("cp-tp", dict(cp=2, tp=2, cp_impl="ulysses")),
@@ -175,7 +177,7 @@ def test_matches_the_single_process_run(runs, name):
     assert ref["losses"][-1] < ref["losses"][0] - 0.5
 
 
-@pytest.mark.parametrize("name", ["cp2", "cp4", "cp2-tp2"])
+@pytest.mark.parametrize("name", ["cp2", "cp4", "cp2-tp2", "cp2-selective"])
 def test_ring_traffic_to_the_byte(runs, name):
     """Per layer and micro-batch a rank sends C-1 K/V blocks forward and C-1 backward, plus the C
     hops of the block's dK/dV accumulator (fp32); a block is K and V of this rank's tokens, key/value
@@ -308,6 +310,30 @@ def test_document_masking_changes_what_is_learned(runs):
     refs = runs[1]
     assert max(abs(a - b) for a, b in zip(refs["docs"]["losses"], refs["docs-unmasked"]["losses"])) > 1e-3
 
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's flash kernel needs a GPU")
+@pytest.mark.parametrize("causal", [False, True])
+def test_block_kernels_agree_on_cuda(causal):
+    """On a GPU a bf16 block takes CUDA's flash kernel, fed the final output and log-sum-exp of a
+    two-block row in backward; it matches the fp32 math path on the same bf16 inputs to bf16's
+    precision."""
+    from plait.parallel import block_attention as blk
+
+    g = torch.Generator().manual_seed(2)
+    q, k1, v1, k2, v2, dout = (torch.randn(2, 4, 256, 128, generator=g).cuda().bfloat16() for _ in range(6))
+    assert blk.kernel(q, None) == "flash" and blk.kernel(q.float(), None) == "math"
+    got = {}
+    for how in ("flash", "math"):
+        o1, l1 = blk.forward(q, k1, v1, False, 128 ** -0.5, how)
+        o2, l2 = blk.forward(q, k2, v2, causal, 128 ** -0.5, how)
+        lse = torch.logaddexp(l1, l2)
+        out = o1 * torch.exp(l1 - lse)[..., None] + o2 * torch.exp(l2 - lse)[..., None]
+        grads = (blk.backward(dout, q, k1, v1, out, lse, False, 128 ** -0.5, how)
+                 + blk.backward(dout, q, k2, v2, out, lse, causal, 128 ** -0.5, how))
+        got[how] = (out, lse, *grads)
+    for name, a, b in zip(("out", "lse", "dq1", "dk1", "dv1", "dq2", "dk2", "dv2"), got["flash"], got["math"]):
+        err = ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+        assert err < 2e-2, (name, err)
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_block_kernels_agree(causal):

@@ -19,15 +19,16 @@ Traffic per layer and micro-batch, in K/V-block bytes (a block = K and V of one 
 kv_heads only): forward C-1; backward C-1 blocks and C accumulators (the last hop takes each home).
 With document masking each block also carries its tokens' document indices (8 bytes a token).
 
-Each block runs through `plait.parallel.block_attention`: the CPU's flash kernel, or - on GPUs for
-now, and always with document masking - a math path in fp32; partial results merge in fp32 either
-way. The CPU tests check both against full attention.
+Each block runs through `plait.parallel.block_attention`: the device's flash kernel (the CPU's;
+CUDA's for 16-bit blocks), or - with document masking - a math path in fp32; partial results merge
+in fp32 either way. The tests check each against full attention.
 """
 
 from __future__ import annotations
 
 import torch
 
+from plait.comm import resolve_key
 from plait.parallel import block_attention as blk
 
 
@@ -87,7 +88,7 @@ class ContextParallel:
             from plait.parallel import ulysses
 
             return ulysses.attend(self, q, k, v, docs)
-        return _RingAttention.apply(q, k, v, docs, self)
+        return torch.ops.plait.ring_attention(q, k, v, docs, self.comm.key(self.dim))[0]
 
 
 def _blocks(x: torch.Tensor) -> list[torch.Tensor]:
@@ -107,80 +108,125 @@ def _exchange(comm, dim, tensors, nxt, prv, async_op):
     return incoming, pending
 
 
-class _RingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, docs, cp: ContextParallel):
-        comm, dim, C, r = cp.comm, cp.dim, cp.cp, cp.rank
-        groups, scale = q.shape[1] // k.shape[1], q.shape[-1] ** -0.5
-        how = blk.kernel(q, docs)
-        acc = torch.promote_types(q.dtype, torch.float32)  # 16-bit inputs merge in fp32
-        qs = _blocks(q)
-        qdocs = _doc_blocks(docs)
-        out = [torch.zeros(x.shape, dtype=acc, device=q.device) for x in qs]
-        lse = [torch.full(x.shape[:-1], float("-inf"), dtype=acc, device=q.device) for x in qs]
-        block = [torch.stack([k, v]).contiguous()] + ([docs.contiguous()] if docs is not None else [])  # what travels
-        nxt, prv = (r + 1) % C, (r - 1) % C
-        for step, pairs in enumerate(block_plan(C, r)):
-            pending = None
-            if step < C - 1:  # the next block is on its way while this one is attended
-                incoming, pending = _exchange(comm, dim, block, nxt, prv, async_op=True)
-            kv = block[0]
-            ks, vs = _blocks(_expand(kv[0], groups)), _blocks(_expand(kv[1], groups))
-            kdocs = _doc_blocks(block[1] if docs is not None else None)
-            for qi, ki, kind in pairs:
-                b_out, b_lse = blk.forward(qs[qi].contiguous(), ks[ki].contiguous(), vs[ki].contiguous(),
-                                           kind == "causal", scale, how, qdocs[qi], kdocs[ki])
-                new = torch.logaddexp(lse[qi], b_lse)
-                safe = blk._no_inf(new)
-                out[qi] = out[qi] * torch.exp(lse[qi] - safe)[..., None] + b_out * torch.exp(b_lse - safe)[..., None]
-                lse[qi] = new
-            if pending is not None:
-                pending.wait()
-                block = incoming
-        out, lse = torch.cat(out, dim=2), torch.cat(lse, dim=2)
-        ctx.save_for_backward(q, k, v, out, lse, docs)
-        ctx.cp, ctx.how = cp, how
-        return out.to(q.dtype)
+def _ring_forward(q, k, v, docs, comm, dim) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of this rank's queries over every rank's keys, in the accumulation dtype."""
+    C, r = comm.size(dim), comm.rank(dim)
+    scale = q.shape[-1] ** -0.5
+    how = blk.kernel(q, docs)
+    groups = 1 if how in blk.NATIVE_GQA else q.shape[1] // k.shape[1]
+    acc = torch.promote_types(q.dtype, torch.float32)  # 16-bit inputs merge in fp32
+    qs = [x.contiguous() for x in _blocks(q)]
+    qdocs = _doc_blocks(docs)
+    out = [torch.zeros(x.shape, dtype=acc, device=q.device) for x in qs]
+    lse = [torch.full(x.shape[:-1], float("-inf"), dtype=acc, device=q.device) for x in qs]
+    block = [torch.stack([k, v]).contiguous()] + ([docs.contiguous()] if docs is not None else [])  # what travels
+    nxt, prv = (r + 1) % C, (r - 1) % C
+    for step, pairs in enumerate(block_plan(C, r)):
+        pending = None
+        if step < C - 1:  # the next block is on its way while this one is attended
+            incoming, pending = _exchange(comm, dim, block, nxt, prv, async_op=True)
+        ks = [x.contiguous() for x in _blocks(_expand(block[0][0], groups))]
+        vs = [x.contiguous() for x in _blocks(_expand(block[0][1], groups))]
+        kdocs = _doc_blocks(block[1] if docs is not None else None)
+        for qi, ki, kind in pairs:
+            b_out, b_lse = blk.forward(qs[qi], ks[ki], vs[ki], kind == "causal", scale, how, qdocs[qi], kdocs[ki])
+            new = torch.logaddexp(lse[qi], b_lse)
+            safe = blk._no_inf(new)
+            out[qi] = out[qi] * torch.exp(lse[qi] - safe)[..., None] + b_out * torch.exp(b_lse - safe)[..., None]
+            lse[qi] = new
+        if pending is not None:
+            pending.wait()
+            block = incoming
+    return torch.cat(out, dim=2), torch.cat(lse, dim=2)
 
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse, docs = ctx.saved_tensors
-        cp, how = ctx.cp, ctx.how
-        comm, dim, C, r = cp.comm, cp.dim, cp.cp, cp.rank
-        groups, scale = q.shape[1] // k.shape[1], q.shape[-1] ** -0.5
-        acc = out.dtype
-        qs, dos, outs, lses = _blocks(q), _blocks(dout.contiguous()), _blocks(out), _blocks(lse[..., None])
-        qdocs = _doc_blocks(docs)
-        dq = [torch.zeros(x.shape, dtype=acc, device=q.device) for x in qs]
-        block = [torch.stack([k, v]).contiguous()] + ([docs.contiguous()] if docs is not None else [])
-        dkv = torch.zeros(block[0].shape, dtype=acc, device=k.device)  # travels with its block
-        nxt, prv = (r + 1) % C, (r - 1) % C
-        B, Hkv, T, d = k.shape
-        for step, pairs in enumerate(block_plan(C, r)):
-            pending = None
-            if step < C - 1:
-                incoming, pending = _exchange(comm, dim, block, nxt, prv, async_op=True)
-            kv = block[0]
-            ks, vs = _blocks(_expand(kv[0], groups)), _blocks(_expand(kv[1], groups))
-            kdocs = _doc_blocks(block[1] if docs is not None else None)
-            dk = [torch.zeros(x.shape, dtype=acc, device=k.device) for x in ks]
-            dv = [torch.zeros(x.shape, dtype=acc, device=k.device) for x in vs]
-            for qi, ki, kind in pairs:
-                g = blk.backward(dos[qi], qs[qi].contiguous(), ks[ki].contiguous(), vs[ki].contiguous(),
-                                 outs[qi].contiguous(), lses[qi][..., 0].contiguous(), kind == "causal", scale, how,
-                                 qdocs[qi], kdocs[ki])
-                dq[qi] += g[0]
-                dk[ki] += g[1]
-                dv[ki] += g[2]
-            # fold the query-head groups back onto the key/value heads they share
-            fold = [torch.cat(x, dim=2).view(B, Hkv, groups, T, d).sum(2) for x in (dk, dv)]
-            dkv += torch.stack(fold)
-            if pending is not None:  # pass the block's accumulator on with the block
-                (moved,), _ = _exchange(comm, dim, [dkv], nxt, prv, async_op=False)
-                pending.wait()
-                block, dkv = incoming, moved
-        (home,), _ = _exchange(comm, dim, [dkv], nxt, prv, async_op=False)  # the accumulator held: one hop home
-        return torch.cat(dq, dim=2).to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype), None, None
+
+def _ring_backward(dout, q, k, v, out, lse, docs, comm, dim):
+    """(dq, dk, dv): the ring again, each block's dK/dV accumulated in a buffer that travels with it
+    (sent on while the next block is attended) and reaches the block's owner after the last hop."""
+    C, r = comm.size(dim), comm.rank(dim)
+    scale = q.shape[-1] ** -0.5
+    how = blk.kernel(q, docs)
+    groups = 1 if how in blk.NATIVE_GQA else q.shape[1] // k.shape[1]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    qs, dos, outs = ([x.contiguous() for x in _blocks(t)] for t in (q, dout, out))
+    lses = [x[..., 0].contiguous() for x in _blocks(lse[..., None])]
+    qdocs = _doc_blocks(docs)
+    dq = [torch.zeros(x.shape, dtype=acc, device=q.device) for x in qs]
+    block = [torch.stack([k, v]).contiguous()] + ([docs.contiguous()] if docs is not None else [])
+    nxt, prv = (r + 1) % C, (r - 1) % C
+    B, Hkv, T, d = k.shape
+    arrived, moving = torch.zeros(block[0].shape, dtype=acc, device=k.device), None  # this block's dK/dV so far
+    for step, pairs in enumerate(block_plan(C, r)):
+        pending = None
+        if step < C - 1:
+            incoming, pending = _exchange(comm, dim, block, nxt, prv, async_op=True)
+        ks = [x.contiguous() for x in _blocks(_expand(block[0][0], groups))]
+        vs = [x.contiguous() for x in _blocks(_expand(block[0][1], groups))]
+        kdocs = _doc_blocks(block[1] if docs is not None else None)
+        dk = [torch.zeros(x.shape, dtype=acc, device=k.device) for x in ks]
+        dv = [torch.zeros(x.shape, dtype=acc, device=k.device) for x in vs]
+        for qi, ki, kind in pairs:
+            g = blk.backward(dos[qi], qs[qi], ks[ki], vs[ki], outs[qi], lses[qi], kind == "causal", scale, how,
+                             qdocs[qi], kdocs[ki])
+            dq[qi] += g[0]
+            dk[ki] += g[1]
+            dv[ki] += g[2]
+        # fold expanded query-head groups back onto the key/value heads they share
+        mine = torch.stack([torch.cat(x, dim=2).view(B, Hkv, groups, T, d).sum(2) for x in (dk, dv)])
+        if moving is not None:  # the accumulator of the block now held, sent on by the previous rank
+            moving[1].wait()
+            arrived = moving[0][0]
+        moving = _exchange(comm, dim, [arrived + mine], nxt, prv, async_op=True)  # on with the block
+        if pending is not None:
+            pending.wait()
+            block = incoming
+    moving[1].wait()  # the last hop brought this rank's own block's accumulator home
+    home = moving[0][0]  # (2, ...): dK and dV, returned as tensors of their own (a registered op's outputs may not alias)
+    return torch.cat(dq, dim=2).to(q.dtype), home[0].to(k.dtype, copy=True), home[1].to(v.dtype, copy=True)
+
+
+# The ring as registered ops: torch.compile keeps a block that calls it in one graph (the op is
+# opaque to it), and selective recomputation keeps its output instead of re-running the ring -
+# communication included - in backward. Output in the input dtype, log-sum-exp in fp32 or wider,
+# both contiguous.
+
+@torch.library.custom_op("plait::ring_attention", mutates_args=())
+def _op_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: torch.Tensor | None,
+             key: str) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = _ring_forward(q, k, v, docs, *resolve_key(key))
+    return out.to(q.dtype), lse
+
+
+@_op_ring.register_fake
+def _(q, k, v, docs, key):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.promote_types(q.dtype, torch.float32))
+
+
+@torch.library.custom_op("plait::ring_attention_backward", mutates_args=())
+def _op_ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                      lse: torch.Tensor, docs: torch.Tensor | None,
+                      key: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _ring_backward(dout, q, k, v, out, lse, docs, *resolve_key(key))
+
+
+@_op_ring_backward.register_fake
+def _(dout, q, k, v, out, lse, docs, key):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as the ring returns them
+
+
+def _ring_setup(ctx, inputs, output):
+    q, k, v, docs, key = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], docs)
+    ctx.key = key
+
+
+def _ring_grad(ctx, dout, dlse):
+    q, k, v, out, lse, docs = ctx.saved_tensors
+    dq, dk, dv = torch.ops.plait.ring_attention_backward(dout.contiguous(), q, k, v, out, lse, docs, ctx.key)
+    return dq, dk, dv, None, None
+
+
+_op_ring.register_autograd(_ring_grad, setup_context=_ring_setup)
 
 
 def _doc_blocks(docs):

@@ -6,7 +6,7 @@
              never re-run)
   selective  each residual branch (norm + attention, norm + MLP) keeps its input, the outputs of its
              matmuls but the last (Q, K, V; the MLP's gate and up), attention's output and
-             log-sum-exp, with SP the gathered inputs of its column-parallel matmuls, and with TP the
+             log-sum-exp (ring attention's too: its ring is not run again), with SP the gathered inputs of its column-parallel matmuls, and with TP the
              attention's summed output (the MLP branch's input is computed from it); it
              recomputes the cheap elementwise work in between - RMSNorm, RoPE, SwiGLU's product -
              with no matmul and no communication. (Korthikanti et al. 2022 define "selective" for
@@ -43,6 +43,14 @@ def _collectives() -> tuple[set, set]:
     return {ops.all_gather.default}, {ops.all_reduce.default, ops.reduce_scatter.default}
 
 
+def _ring() -> set:
+    """Ring attention's registered op (plait/parallel/context.py): kept like an attention kernel,
+    so backward does not run the ring - and its communication - a second time."""
+    import plait.parallel.context  # noqa: F401  (registers plait::ring_attention)
+
+    return {torch.ops.plait.ring_attention.default}
+
+
 class _BranchPolicy:
     """Keep every matmul output of a branch but its last one (the row-parallel output, which feeds
     only the residual add), the attention kernel's outputs, the entering collectives' outputs, and -
@@ -53,7 +61,7 @@ class _BranchPolicy:
 
     def __init__(self, matmuls: int, keep_exit: bool):
         entering, leaving = _collectives()
-        self.matmuls, self.kept = matmuls, KEPT | entering | (leaving if keep_exit else set())
+        self.matmuls, self.kept = matmuls, KEPT | _ring() | entering | (leaving if keep_exit else set())
         self.count = {False: 0, True: 0}
 
     def __call__(self, ctx, op, *args, **kwargs):

@@ -1,0 +1,234 @@
+"""Context-parallel training throughput over sequence length: plait's ring and all-to-all (Ulysses)
+attention against torch's `context_parallel` (ring SDPA) under FSDP2, and against no context
+parallelism.
+
+    python bench/context_parallel.py --model n_layers=8 --seqs 8192,16384,32768,65536
+
+On G GPUs (default: every visible one), with ZeRO-3 and `--recompute` (default selective):
+  plait-cp1          no context parallelism: G data-parallel ranks, each its own sequence
+  plait-cpG-ring     one sequence split over the G ranks, K/V blocks passed around the ring
+  plait-cpG-ulysses  the same split, heads exchanged for sequence by all-to-all
+  torch-cpG          FSDP2 (bf16 compute, fused AdamW, compiled blocks when the peer compiles)
+                     with torch.distributed.tensor.experimental.context_parallel's ring attention
+                     over the same G ranks (tokens, targets and the RoPE tables sharded by its
+                     head-tail load balancer)
+Each variant runs the sequence lengths in increasing order in its own G processes; the first that
+runs out of memory ends that variant (the longest that fits is the one before). tokens/s/GPU counts
+every token a GPU trains on; MFU counts attention FLOPs (the full square, PaLM's convention).
+Every variant trains the same model; the cp1 rows see G sequences a step, the others one.
+
+Writes bench/results/cp-<card>-<G>gpu[-<tag>].json and prints a table.
+`--device cpu --preset tiny --no-compile --gpus 2 --seqs 64,128` runs the same code over gloo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from data_parallel import _adamw, _cleanup, _measure, _model_cfg, _model_section, card_slug  # noqa: E402
+
+
+def _batch(a, vocab, rank, device):
+    import torch
+
+    g = torch.Generator().manual_seed(2000 + rank)
+    rows = torch.randint(0, vocab, (1, a.seq + 1), generator=g)
+    return rows[:, :-1].to(device).contiguous(), rows[:, 1:].to(device).contiguous()
+
+
+def _plait(a, variant, comm, device):
+    import torch
+
+    from plait.config import build_config
+    from plait.parallel.build import parallelize
+
+    cp = 1 if variant == "plait-cp1" else a.gpus
+    cfg = build_config({"model": _model_section(a),
+                        "train": {"lr": 1e-4, "warmup_steps": 0, "micro_batch": 1, "recompute": a.recompute},
+                        "parallel": {"zero": 3, "cp": cp, "cp_impl": variant.split("-")[-1] if cp > 1 else "ring"}})
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    par = parallelize(cfg, comm, device, dtype, compile=a.compile)
+    x, y = _batch(a, cfg.model.vocab_size, par.data_rank, device)
+
+    def step():
+        return par.runner.step([(x, y)], 1e-4)[0]
+
+    return step, par
+
+
+def _torch(a, dims, device):
+    """FSDP2 over every rank plus torch's context_parallel over the same ranks."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor.experimental import context_parallel
+
+    from plait.model import build_model
+    from plait.parallel.build import apply_compile
+
+    mcfg = _model_cfg(a)
+    cuda = device.type == "cuda"
+    model = build_model(mcfg, 0, device)  # fp32 parameters, bf16 compute: FSDP2's recipe
+    if a.compile:
+        apply_compile(model, hooks_outside=True)
+    mesh = dims.submesh("cp")
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cuda else torch.float32,
+                              reduce_dtype=torch.float32)
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    opt = _adamw(model, fused=cuda)
+    x, y = _batch(a, mcfg.vocab_size, 0, device)  # one sequence, split over the cp ranks
+    rope = [model.rope_cos, model.rope_sin]
+    assert rope[0].shape[0] == a.seq, "the RoPE tables must be as long as the sequence to be sharded with it"
+
+    def step():
+        xs, ys = x.clone(), y.clone()
+        with context_parallel(mesh, buffers=[xs, ys, *rope], buffer_seq_dims=[1, 1, 0, 0], no_restore_buffers={xs, ys}):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+                loss = model(xs, ys)
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss = loss.detach().float()
+        dist.all_reduce(loss)
+        return loss / dist.get_world_size()
+
+    return step, (model, opt)
+
+
+def worker(a, variant) -> list[dict]:
+    import torch
+
+    from plait.config import ParallelConfig
+    from plait.launch import init_distributed
+
+    cp = 1 if variant == "plait-cp1" else a.gpus
+    dims = init_distributed(ParallelConfig(nproc=a.gpus, cp=cp, zero=3, timeout_s=900), a.device)
+    device = dims.device
+    rows = []
+    for seq in a.seqs:
+        b = copy.copy(a)
+        b.seq, b.micro_batch = seq, 1
+        row = _one(b, variant, dims, device, cp)
+        if "error" in row and row["error"] != "out of memory" and b.compile and variant.startswith("torch"):
+            first = row["error"]  # the peer's compiled blocks failed under its CP dispatcher: run it eagerly
+            _cleanup(device)
+            b.compile = a.compile = False
+            row = _one(b, variant, dims, device, cp)
+            row["compiled_error"] = first
+        row["compile"] = b.compile
+        row.update(seq=seq, cp=cp)
+        peak = torch.tensor([row.get("peak_mem_gb", 0.0)], dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+        row["peak_mem_gb_max_rank"] = peak.item()
+        if dims.rank == 0:
+            print(json.dumps({k: v for k, v in row.items() if k != "losses"}), flush=True)
+        rows.append(row)
+        _cleanup(device)
+        if "error" in row:
+            break  # longer sequences need more memory still
+    return rows
+
+
+def _one(b, variant, dims, device, cp) -> dict:
+    import torch
+
+    from plait.comm import Comm, Ledger
+
+    try:
+        if variant.startswith("plait"):
+            step, keep = _plait(b, variant, Comm(dims, Ledger(enabled=False)), device)
+        else:
+            step, keep = _torch(b, dims, device)
+        row = _measure(b, variant, step, device, tokens_per_gpu_step=b.seq / cp)
+        del step, keep
+        return row
+    except Exception as e:  # noqa: BLE001 - every rank meets an out-of-memory alike
+        oom = isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e)
+        return {"variant": variant, "error": "out of memory" if oom else
+                f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
+
+
+def _table(result) -> str:
+    rows = result["rows"]
+    lines = [f"{result['card']}, {result['gpus']} GPUs, torch {result['torch']}, {result['config']['preset']} "
+             f"{result['config']['model']}, ZeRO-3, recompute {result['config']['recompute']}",
+             f"{'variant':20} {'seq':>7} {'tok/s/GPU':>10} {'MFU':>6} {'peak GB':>8} {'vs cp1':>7} {'vs torch':>9}"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['variant']:20} {r['seq']:7} {r['error']}")
+            continue
+        tok = r["tokens_per_s_per_gpu"]
+        base = next((p for p in rows if p["variant"] == "plait-cp1" and p["seq"] == r["seq"] and "error" not in p), None)
+        peer = next((p for p in rows if p["variant"].startswith("torch") and p["seq"] == r["seq"] and "error" not in p
+                     and r["variant"].startswith("plait-cp") and r["variant"] != "plait-cp1"), None)
+        mfu = f"{100 * r['mfu']:5.1f}%" if r.get("mfu") else "   n/a"
+        vb = f"{tok / base['tokens_per_s_per_gpu']:6.2f}x" if base and r is not base else f"{'':7}"
+        vt = f"{tok / peer['tokens_per_s_per_gpu']:8.2f}x" if peer else ""
+        lines.append(f"{r['variant']:20} {r['seq']:7} {tok:10.0f} {mfu} {r['peak_mem_gb_max_rank']:8.1f} {vb} {vt}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gpus", type=int, default=0, help="processes (default: every visible GPU)")
+    ap.add_argument("--preset", default="8b")
+    ap.add_argument("--model", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--seqs", default="8192,16384,32768,65536,131072")
+    ap.add_argument("--recompute", default="selective", choices=["none", "selective", "full"])
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--variants", default="plait-cp1,plait-cpG-ring,plait-cpG-ulysses,torch-cpG")
+    ap.add_argument("--no-compile", dest="compile", action="store_false")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--out")
+    a = ap.parse_args(argv)
+
+    import torch
+
+    from plait.launch import spawn
+
+    if a.device == "cuda" and not torch.cuda.is_available():
+        ap.error("no GPU visible; use --device cpu --preset tiny --no-compile --gpus 2 --seqs 64,128 for a smoke test")
+    a.gpus = a.gpus or (torch.cuda.device_count() if a.device == "cuda" else 2)
+    a.seqs = sorted(int(s) for s in a.seqs.split(",") if s)
+    a.seq, a.micro_batch = max(a.seqs), 1
+    variants = [v.replace("cpG", f"cp{a.gpus}") for v in a.variants.split(",") if v]
+    card = torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu"
+    name = f"cp-{card_slug(card)}-{a.gpus}gpu" + (f"-{a.tag}" if a.tag else "")
+    out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"{name}.json"
+    result = {"benchmark": "context_parallel", "card": card, "gpus": a.gpus, "torch": torch.__version__,
+              "nccl": ".".join(map(str, torch.cuda.nccl.version())) if a.device == "cuda" else None,
+              "date": time.strftime("%Y-%m-%d"),
+              "command": " ".join(["python", "bench/context_parallel.py"] + (argv or sys.argv[1:])),
+              "config": {"preset": a.preset, "model": a.model, "seqs": a.seqs, "recompute": a.recompute,
+                         "steps": a.steps, "warmup": a.warmup, "compile": a.compile}, "rows": []}
+    t0 = time.perf_counter()
+    for variant in variants:
+        try:
+            rows = spawn(worker, (a, variant), a.gpus, device_type=a.device, timeout_s=1800)[0]
+        except Exception as e:  # noqa: BLE001
+            rows = [{"variant": variant, "seq": 0, "error": str(e).splitlines()[0][:300]}]
+        result["rows"] += rows
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({**result, "wall_s": time.perf_counter() - t0}, indent=1))
+    result["wall_s"] = time.perf_counter() - t0
+    out.write_text(json.dumps(result, indent=1))
+    print(f"\nwrote {out} in {result['wall_s']:.0f} s\n" + _table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
