@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
 from plait.cli import main
+from plait.errors import UserError
 from plait.planner import roofline
 from plait.planner.hardware import cluster
 from plait.planner.layout import Layout
@@ -86,7 +88,6 @@ def _dims():
 
 
 def test_bad_profiles_are_one_line(tmp_path):
-    from plait.errors import UserError
 
     with pytest.raises(UserError, match="no such file; measure one with `plait bench calibrate"):
         load(tmp_path / "none.json")
@@ -116,8 +117,30 @@ def test_calibrate_writes_a_profile_that_plan_reads(tmp_path, capsys):
     assert p.attention and all(x[5] > 0 and x[6] > 0 for x in p.attention)
     assert {(x[0], x[1]) for x in p.collectives} == {("all_reduce", 2), ("all_gather", 2), ("reduce_scatter", 2)}
     assert p.pointwise_gbps > 0 and p.optimizer_gbps > 0
+    assert set(p.overlap) == {"all_gather", "all_reduce"} and all(x >= 0 for x in p.overlap.values())
     capsys.readouterr()
     assert main(["plan", "--hardware", str(out), "--model", "tiny", "--seq", "64", "--gpus-per-node", "2",
                  "--dp", "2", "--micro-batch", "1", "--global-batch", "2", "--explain"]) == 0
     text = capsys.readouterr().out
     assert "as measured on cpu" in text and "measured (" in text
+
+
+def test_calibrate_takes_collectives_from_a_comm_result(tmp_path, capsys):
+    """--collectives adds torch's rows of a `plait bench comm --json` file (its group size from the
+    file) for group sizes not measured here; a file from another card is one line."""
+    comm = {"device": "cpu", "nproc": 4, "results": [
+        {"op": "all_reduce", "impl": "torch", "bytes": 1024, "time_us": 50.0},
+        {"op": "all_reduce", "impl": "ring", "bytes": 1024, "time_us": 99.0},
+        {"op": "all_gather", "impl": "torch", "bytes": 4096, "time_us": 70.0}]}
+    (tmp_path / "comm.json").write_text(json.dumps(comm))
+    out = tmp_path / "cpu.json"
+    assert main(["bench", "calibrate", "--quick", "--device", "cpu", "--nproc", "1", "--collectives",
+                 str(tmp_path / "comm.json"), "--out", str(out)]) == 0
+    assert sorted(load(out).collectives) == [("all_gather", 4, 4096, 70e-6), ("all_reduce", 4, 1024, 50e-6)]
+    (tmp_path / "gpu.json").write_text(json.dumps(dict(comm, device="NVIDIA H100 80GB HBM3")))
+    capsys.readouterr()
+    assert main(["bench", "calibrate", "--quick", "--device", "cpu", "--nproc", "1", "--collectives",
+                 str(tmp_path / "gpu.json"), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert re.fullmatch(r"plait bench: error: --collectives = '.*gpu.json': was measured on NVIDIA H100 80GB HBM3, "
+                        r"this machine is cpu", err), err

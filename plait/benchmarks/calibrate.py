@@ -11,6 +11,8 @@ Measured, each the median of timed repetitions after a warm-up (CUDA events on a
   optimizer   bandwidth of plait's AdamW update on flat fp32 state (compiled on a GPU)
   collectives `plait bench comm`'s torch all-reduce / all-gather / reduce-scatter over 2, 4, ...
               `--nproc` GPUs of this machine, 1 KiB to 1 GiB
+  overlap     how much slower matmuls run while each collective runs beside them, over 2 GPUs
+              (plait/benchmarks/overlap.py)
 
 A few minutes on one GPU node; `--quick` measures a tiny model's shapes (what the tests run on CPU).
 """
@@ -37,6 +39,9 @@ def add_arguments(p) -> None:
                    help="GPUs for the collectives, measured over groups of 2, 4, ... up to it (default: all; 1 skips)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--max-bytes", default=None, help="largest collective (default 1G on GPU, 4M on CPU)")
+    p.add_argument("--collectives", default="",
+                   help="add collectives from `plait bench comm --json` files (comma-separated) for group sizes "
+                        "not measured here, e.g. a run over more GPUs than this machine has")
     p.add_argument("--quick", action="store_true", help="a tiny model's shapes only (for a CPU check of the tool)")
     p.add_argument("--out", default=None, help="profile path (default bench/results/hardware-<card>.json)")
 
@@ -86,7 +91,17 @@ def run(args) -> int:
     optimizer = _optimizer_gbps(dev, dtype, 1 << (26 if cuda else 20))
     print(f"# pointwise {pointwise:.1f} GB/s, optimizer {optimizer:.1f} GB/s", flush=True)
     collectives = _collectives(device, nproc, args.max_bytes or ("1G" if cuda else "4M")) if nproc > 1 else []
+    if args.collectives:  # group sizes this machine cannot form, from runs on a larger one
+        here = {n for _, n, _, _ in collectives}
+        collectives += [r for r in _recorded_collectives(args.collectives.split(","),
+                                                          torch.cuda.get_device_name(dev) if cuda else "cpu")
+                        if r[1] not in here]
     print(f"# collectives: {len(collectives)} timings over groups up to {nproc}", flush=True)
+    from plait.benchmarks import overlap as ov
+
+    overlap = ov.measure(device, 2) if nproc > 1 else {}
+    print("# overlap: " + (", ".join(f"{k} +{100 * v:.1f}%" for k, v in overlap.items()) or "not measured (one GPU)"),
+          flush=True)
 
     card = torch.cuda.get_device_name(dev) if cuda else "cpu"
     gpu = _catalog_key(card) if cuda else None
@@ -97,7 +112,7 @@ def run(args) -> int:
         peak_tflops=None if gpu else best,
         hbm_gib=torch.cuda.get_device_properties(dev).total_memory / 2**30 if cuda else None,
         linear=tuple(linear), attention=tuple(attention), pointwise_gbps=pointwise, optimizer_gbps=optimizer,
-        collectives=tuple(collectives),
+        collectives=tuple(collectives), overlap=overlap,
         source={"torch": torch.__version__, "nccl": _nccl(), "date": time.strftime("%Y-%m-%d"),
                 "command": "plait " + " ".join(sys.argv[1:]),
                 "seconds": round(time.time() - t0, 1)})
@@ -261,6 +276,25 @@ def _collectives(device: str, nproc: int, max_bytes: str) -> list[tuple[str, int
                 for r in json.load(f)["results"]:
                     rows.append((r["op"], n, int(r["bytes"]), r["time_us"] / 1e6))
         n *= 2
+    return rows
+
+
+def _recorded_collectives(paths, card: str) -> list[tuple[str, int, int, float]]:
+    """torch's collectives from `plait bench comm` result files, which must be of this card."""
+    from plait.errors import bad_value
+
+    rows = []
+    for path in (p.strip() for p in paths if p.strip()):
+        try:
+            with open(path) as f:
+                res = json.load(f)
+            n, found = int(res["nproc"]), res["device"]
+            timed = [(r["op"], n, int(r["bytes"]), r["time_us"] / 1e6) for r in res["results"] if r["impl"] == "torch"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise bad_value("--collectives", path, f"is not a `plait bench comm --json` result ({e})") from None
+        if found != card:
+            raise bad_value("--collectives", path, f"was measured on {found}, this machine is {card}")
+        rows += timed
     return rows
 
 

@@ -7,9 +7,10 @@ How a step is timed
      the TP, CP and ZeRO-3 communication that does not hide).
   2. The schedule's action lists -- the lists the executor runs -- are simulated with those
      durations and the pipeline link's point-to-point time: makespan and bubble.
-  3. Gradient synchronisation (DDP all-reduce; ZeRO reduce-scatter + all-gather; HSDP's all-reduce
-     across replicas) overlaps each rank's last backward; what sticks out past the rank's end of
-     pipeline work adds to the step.
+  3. Gradient synchronisation as the engines run it (`_sync_s`): DDP's all-reduce and ZeRO-2's
+     reduce-scatter overlap each rank's last backward, slowing its compute by the measured overlap
+     cost; what sticks out, ZeRO-1's reduce-scatter, ZeRO-1/2's all-gather of the updated
+     parameters and HSDP's all-reduce across replicas add to the step.
   4. The optimizer update is memory-bound: its bytes over HBM bandwidth.
 """
 
@@ -25,7 +26,7 @@ from plait.planner.hardware import GIB, Cluster
 from plait.planner.layout import Layout, check_layout
 from plait.planner.memory import Precision
 from plait.planner.simulate import simulate
-from plait.planner.stage_costs import StageCosts, stage_costs
+from plait.planner.stage_costs import StageCosts, overlap_cost, stage_costs
 from plait.planner.traffic import Collective, DimTraffic
 
 BUCKET_BYTES = 25 * (1 << 20)  # plait's default gradient bucket (parallel.bucket_mb)
@@ -124,19 +125,28 @@ def simulate_makespan(name: str, pp: int, m: int, v: int, durs: tuple, p2p_s: fl
     return tl.makespan_s, tl.bubble_fraction, tuple(ends)
 
 
-def _sync_s(lay: Layout, psi: float, m: int, prec: Precision, sc: StageCosts) -> float:
-    """Gradient synchronisation time of a rank holding `psi` parameters."""
-    shard, t = lay.shard_group, 0.0
+def _sync_s(lay: Layout, psi: float, m: int, prec: Precision, sc: StageCosts, c: Cluster) -> tuple[float, float, float]:
+    """Gradient synchronisation of a rank holding `psi` parameters, as the engines run it:
+    (seconds that can hide behind the backward, extra compute seconds while they do per second
+    hidden, seconds after the backward). DDP all-reduces buckets as the backward frees them; ZeRO-2
+    reduce-scatters them so; ZeRO-1 reduce-scatters its whole buffer at the step; ZeRO-1/2 all-gather
+    the updated parameters after it; HSDP all-reduces the shard across replicas at the step."""
+    shard, hidden, after, beside = lay.shard_group, 0.0, 0.0, 0.0
     if lay.zero == 0 and lay.grad_group > 1:
-        t += Collective("all_reduce", psi * prec.wire_grad_bytes, lay.grad_group, 1, "").time_s(sc.links["grad"][0])
+        hidden = Collective("all_reduce", psi * prec.wire_grad_bytes, lay.grad_group, 1, "").time_s(sc.links["grad"][0])
+        beside = overlap_cost(c, "all_reduce")
     elif lay.zero in (1, 2) and shard > 1:
         link = sc.links["shard"][0]
-        t += Collective("reduce_scatter", psi * prec.wire_grad_bytes, shard, m if lay.zero == 2 else 1, "").time_s(link)
-        t += Collective("all_gather", psi * prec.param_bytes, shard, 1, "").time_s(link)
+        rs = Collective("reduce_scatter", psi * prec.wire_grad_bytes, shard, m if lay.zero == 2 else 1, "").time_s(link)
+        if lay.zero == 2:
+            hidden, beside = rs, overlap_cost(c, "reduce_scatter")
+        else:
+            after += rs
+        after += Collective("all_gather", psi * prec.param_bytes, shard, 1, "").time_s(link)
     if lay.zero >= 1 and lay.dp_replicate > 1:
-        t += Collective("all_reduce", psi / shard * prec.wire_grad_bytes, lay.dp_replicate, 1, "").time_s(
+        after += Collective("all_reduce", psi / shard * prec.wire_grad_bytes, lay.dp_replicate, 1, "").time_s(
             sc.links["replicate"][0])
-    return t
+    return hidden, beside, after
 
 
 def _memory(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, sc: StageCosts, sched_name: str,
@@ -278,7 +288,9 @@ def predict(d: ModelDims, lay: Layout, c: Cluster, global_batch: int,
     for r in range(pp):
         psi = sc.rank_params[r]
         last_bwd = sum(sc.durations[r * v + ch][1] + sc.durations[r * v + ch][2] for ch in range(v))
-        exposed = max(0.0, _sync_s(lay, psi, m, prec, sc) - last_bwd * (m if lay.zero == 2 else 1))
+        hidden, beside, after = _sync_s(lay, psi, m, prec, sc, c)
+        room = last_bwd * (m if lay.zero == 2 else 1)
+        exposed = max(0.0, hidden - room) + beside * min(hidden, room) + after
         local = psi / (lay.shard_group if lay.zero >= 1 else 1)
         # read grad + param, read and write master and moments, write param
         opt = local * (prec.grad_bytes + 2 * prec.k + 2 * prec.param_bytes) / hbm_s

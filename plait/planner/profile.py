@@ -11,6 +11,8 @@ What it holds, each as measured on the machine:
   optimizer   bytes per second of plait's fused AdamW update on flat fp32 state
   collectives seconds of all-reduce / all-gather / reduce-scatter per (group size, bytes) over the
               machine's GPUs (one node's link)
+  overlap     per collective op, how much slower matmuls run while it runs beside them (0.1 = 10%
+              longer per second of overlapped collective; plait/benchmarks/overlap.py)
 
 How the planner uses it (`plait/planner/roofline.py`, `plait/planner/traffic.py`):
   a measured shape costs what it measured; another shape costs its FLOPs at the efficiency (share
@@ -18,7 +20,9 @@ How the planner uses it (`plait/planner/roofline.py`, `plait/planner/traffic.py`
   a collective is interpolated in log-log between the two measured sizes around it (below the
   smallest: the smallest's time, the latency floor; above the largest: the largest's bandwidth);
   a group size or an operation not measured falls back to the alpha-beta model with the link's
-  bandwidth and latency fitted to the measurements. Nothing is fitted to training step times.
+  bandwidth and latency fitted to the measurements; a collective hidden behind compute adds its
+  op's overlap slowdown times its own duration to the compute (none measured: 0).
+  Nothing is fitted to training step times.
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ class HardwareProfile:
     optimizer_gbps: float
     collectives: tuple[tuple[str, int, int, float], ...]
     """(op, group size, bytes, seconds)"""
+    overlap: dict = field(default_factory=dict, compare=False, hash=False)
+    """{collective op: fractional slowdown of compute beside it}"""
     source: dict = field(default_factory=dict, compare=False, hash=False)
     """How it was measured: torch and NCCL versions, date, command."""
 
@@ -122,6 +128,13 @@ class HardwareProfile:
             lats.append(t / steps(op, n))
         return _median(bws) / 1e9, _median(lats) * 1e6
 
+    def overlap_slowdown(self, op: str) -> float:
+        """Extra compute seconds per second of `op` run beside it: the op's own measurement, else the
+        mean of those measured, else 0."""
+        if op in self.overlap:
+            return self.overlap[op]
+        return sum(self.overlap.values()) / len(self.overlap) if self.overlap else 0.0
+
 
 def _log_distance(a, b) -> float:
     return sum(math.log(x / y) ** 2 for x, y in zip(a, b))
@@ -140,7 +153,7 @@ def to_dict(p: HardwareProfile) -> dict:
             "hbm_gib": p.hbm_gib, "pointwise_gbps": p.pointwise_gbps, "optimizer_gbps": p.optimizer_gbps,
             "source": p.source,
             "linear": [list(x) for x in p.linear], "attention": [list(x) for x in p.attention],
-            "collectives": [list(x) for x in p.collectives]}
+            "collectives": [list(x) for x in p.collectives], "overlap": dict(p.overlap)}
 
 
 def save(p: HardwareProfile, path: str | Path) -> None:
@@ -183,11 +196,15 @@ def load(path: str | Path) -> HardwareProfile:
     linear = rows("linear", 5, lambda r: r[0] in LINEAR_OPS and pos(*r[1:]))
     attention = rows("attention", 7, lambda r: pos(*r))
     collectives = rows("collectives", 4, lambda r: isinstance(r[0], str) and pos(*r[1:]))
+    overlap = raw.get("overlap") or {}
+    if not isinstance(overlap, dict) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 10 for v in overlap.values()):
+        raise UserError(f"{where}: overlap = {overlap!r}, expected {{op: slowdown >= 0}}; re-run `plait bench calibrate`")
     return HardwareProfile(card=str(raw.get("card", "?")), gpu=raw.get("gpu"), dtype=str(raw.get("dtype", "bf16")),
                            peak_tflops=number("peak_tflops", optional=True), hbm_gib=number("hbm_gib", optional=True),
                            linear=linear, attention=attention, pointwise_gbps=number("pointwise_gbps"),
                            optimizer_gbps=number("optimizer_gbps"), collectives=collectives,
-                           source=raw.get("source") or {})
+                           overlap={str(k): float(v) for k, v in overlap.items()}, source=raw.get("source") or {})
 
 
 def apply_profile(c, prof: HardwareProfile, path: str = "the profile"):

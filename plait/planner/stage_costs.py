@@ -50,6 +50,11 @@ class StageCosts:
         return sum(sum(self.durations[rank * v + c]) for c in range(v))
 
 
+def overlap_cost(c: Cluster, op: str) -> float:
+    """Extra compute seconds per second of `op` hidden behind compute (measured; 0 without a profile)."""
+    return c.profile.overlap_slowdown(op) if c.profile is not None else 0.0
+
+
 def split_layers(d: ModelDims, stages: int, split: str) -> list[int]:
     """Layers of each stage as the runtime splits them (plait/parallel/stages.py)."""
     from plait.parallel.stages import flops_balanced, parse_counts
@@ -126,8 +131,10 @@ def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision) -> Stage
         cp_f = cp_b = sum(x.time_s(links["cp"][0]) for x in cp_a2a)
     else:
         cp_s = Collective("send_recv", kv_chunk, cp, cp - 1, "").time_s(links["cp"][0]) if cp > 1 else 0.0
-        cp_f = max(0.0, cp_s - lt.attention_forward_s)
-        cp_b = max(0.0, 2 * cp_s - 2.5 * lt.attention_forward_s)  # K/V again plus dK/dV
+        a_p2p = overlap_cost(c, "send_recv")
+        cp_f = max(0.0, cp_s - lt.attention_forward_s) + a_p2p * min(cp_s, lt.attention_forward_s)
+        cp_b = (max(0.0, 2 * cp_s - 2.5 * lt.attention_forward_s)  # K/V again plus dK/dV
+                + a_p2p * min(2 * cp_s, 2.5 * lt.attention_forward_s))
 
     shard = lay.shard_group
     z3_f = z3_b = 0.0
@@ -135,8 +142,10 @@ def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision) -> Stage
         link = links["shard"][0]
         ag = Collective("all_gather", block_t * prec.param_bytes, shard, 1, "").time_s(link)
         rs = Collective("reduce_scatter", block_t * prec.wire_grad_bytes, shard, 1, "").time_s(link)
-        z3_f = max(0.0, ag - lt.forward_s)
-        z3_b = max(0.0, ag + rs - lt.backward_s)
+        a_ag, a_rs = overlap_cost(c, "all_gather"), overlap_cost(c, "reduce_scatter")
+        # what does not hide, plus what hiding costs the compute beside it
+        z3_f = max(0.0, ag - lt.forward_s) + a_ag * min(ag, lt.forward_s)
+        z3_b = max(0.0, ag + rs - lt.backward_s) + (a_ag * ag + a_rs * rs) * min(1.0, lt.backward_s / (ag + rs))
 
     # recomputation runs inside the backward: full = the forward again (with the TP collectives it
     # replays); selective = GPT's attention core (Korthikanti et al.), or for plait's Llama, whose

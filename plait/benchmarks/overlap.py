@@ -1,0 +1,115 @@
+"""How much a collective running beside compute slows the compute down (for `plait bench calibrate`).
+
+Overlapping communication with compute is not free on a GPU: NCCL's kernels occupy streaming
+multiprocessors and memory bandwidth while they run, so the matmuls beside them run slower. The
+planner hides ZeRO-3's gathers, data-parallel gradient reductions and ring attention's transfers
+behind compute; without this cost it predicts steps faster than they run.
+
+Measured on every rank of a group of `nproc` GPUs, per collective op:
+  alone    a chain of bf16 matmuls (a transformer MLP's shape), timed by itself
+  beside   the same chain while the op runs back to back on a second stream, sized to outlast it
+The slowdown is beside / alone - 1: the extra compute time per second of overlapped collective.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+OPS = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+def measure(device: str, nproc: int, timeout_s: float = 300.0) -> dict[str, float]:
+    """{op: fractional compute slowdown while the op runs beside it}, the median over ranks (gloo:
+    all-gather and all-reduce; it has no reduce-scatter)."""
+    from plait.launch import run as launch_run
+
+    per_rank = launch_run(_rank, ({"device": device, "nproc": nproc, "timeout": timeout_s},), nproc=nproc,
+                          device_type=device)
+    return {op: statistics.median(r[op] for r in per_rank) for op in OPS if op in per_rank[0]}
+
+
+def _rank(opts: dict) -> dict[str, float]:
+    import torch
+    import torch.distributed as dist
+
+    from plait.config import ParallelConfig
+    from plait.launch import init_distributed
+
+    dims = init_distributed(ParallelConfig(nproc=opts["nproc"], timeout_s=opts["timeout"]), opts["device"])
+    dev, n = dims.device, dims.world_size
+    cuda = dev.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    tokens, hidden, ffn = (8192, 4096, 14336) if cuda else (256, 256, 512)
+    x = torch.randn(tokens, hidden, device=dev, dtype=dtype)
+    w = torch.randn(hidden, ffn, device=dev, dtype=dtype) / hidden ** 0.5
+    w2 = torch.randn(ffn, hidden, device=dev, dtype=dtype) / ffn ** 0.5
+    size = (256 << 20) if cuda else (4 << 20)  # bytes of the collective's full buffer
+    numel = size // x.element_size() // n * n
+    full = torch.empty(numel, device=dev, dtype=dtype)
+    part = torch.empty(numel // n, device=dev, dtype=dtype)
+    ops = {"all_gather": lambda a: dist.all_gather_into_tensor(full, part, async_op=a),
+           "reduce_scatter": lambda a: dist.reduce_scatter_tensor(part, full, async_op=a),
+           "all_reduce": lambda a: dist.all_reduce(full, async_op=a)}
+    ops = {k: f for k, f in ops.items() if cuda or k != "reduce_scatter"}  # gloo has no reduce-scatter
+
+    def compute(reps):
+        for _ in range(reps):
+            (x @ w) @ w2
+
+    def timed(fn) -> float:
+        if cuda:
+            torch.cuda.synchronize(dev)
+        dist.barrier()
+        t = _clock(cuda, dev)
+        fn()
+        return t()
+
+    def agreed(k: int) -> int:  # every rank must issue the same number of collectives
+        t = torch.tensor([k], device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    compute(3)
+    reps = agreed(max(1, int(0.05 / max(timed(lambda: compute(4)) / 4, 1e-6))))  # ~50 ms of matmuls
+    out = {}
+    for op, call in ops.items():
+        call(False)
+        calls = agreed(int(1.5 * 0.05 / max(timed(lambda: call(False)), 1e-6)) + 1)  # to outlast the matmuls
+        alone, beside = [], []
+        for _ in range(5):
+            alone.append(timed(lambda: compute(reps)))
+            if cuda:
+                torch.cuda.synchronize(dev)
+            dist.barrier()
+            # async collectives run on the backend's own stream (NCCL) or threads (gloo), beside
+            # the matmuls on this one; the clock runs on this stream only
+            works = [call(True) for _ in range(calls)]
+            t = _clock(cuda, dev)
+            compute(reps)
+            beside.append(t())
+            for wk in works:
+                wk.wait()
+        out[op] = max(0.0, statistics.median(beside) / statistics.median(alone) - 1.0)
+    if cuda:
+        torch.cuda.synchronize(dev)
+    dist.barrier()
+    return out
+
+
+def _clock(cuda: bool, dev):
+    import time
+
+    import torch
+
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+
+        def stop() -> float:
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+
+        return stop
+    t0 = time.perf_counter()
+    return lambda: time.perf_counter() - t0
