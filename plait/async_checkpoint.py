@@ -66,26 +66,35 @@ class AsyncSaver:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._report: dict | None = None
+        self._late: dict | None = None  # a write's report collected by a save that had to wait for it
         self.waited_s = 0.0  # how long the last snapshot waited for the previous write
 
     def snapshot(self, engine) -> Callable[[Path], None]:
         """The engine's own `save`, reading a host copy of its optimizer state taken now."""
         t0 = time.perf_counter()
-        self.wait()  # the previous write still reads the host buffers
+        self._keep(self.wait())  # the previous write still reads the host buffers
         self.waited_s = time.perf_counter() - t0
         frozen = copy.copy(engine)  # a shallow copy: same pieces, shard and writer role ...
         frozen.opt = self.host.take(engine.opt)  # ... but the state as it is at this step boundary
         return frozen.save
 
     def save(self, step: int, write: Callable[[Path], None], info: dict) -> Path:
-        self.wait()
+        self._keep(self.wait())
         self._thread = threading.Thread(target=self._run, args=(step, write, info), name=f"plait-ckpt-{step}",
                                         daemon=True)
         self._thread.start()
         return self.root / ckpt.step_dir_name(step)
 
+    def _keep(self, report: dict | None) -> None:
+        if report is not None:
+            self._late = report
+
     def poll(self) -> dict | None:
-        """If the running write has finished: raise its error, or return its report once."""
+        """If a write has finished: raise its error, or return its report once (also a report that a
+        save collected while waiting for the write)."""
+        if self._late is not None:
+            report, self._late = self._late, None
+            return report
         if self._thread is not None and not self._thread.is_alive():
             return self.wait()
         return None

@@ -117,3 +117,25 @@ def test_a_second_run_on_a_folder_in_use_is_refused(corpus, tmp_path, capfd):
         assert f"train.out = '{run}': is in use by another plait run (pid {os.getpid()} on" in line
     assert not (run / "metrics.jsonl").exists()
     assert main(train_args(corpus, run, 2)) == 0  # free again once the holder is done
+
+
+def test_an_async_write_that_a_save_waited_for_still_reports_its_time(tmp_path):
+    """A save that finds the previous background write still running waits for it; that write's
+    report (step, seconds) is handed out by the next poll, not lost (metrics.jsonl logs it)."""
+    import time
+
+    from plait.async_checkpoint import AsyncSaver
+
+    saver = AsyncSaver(tmp_path, keep_last=3, rank=0, world=1, timeout_s=60)
+
+    def write(d):
+        time.sleep(0.3)
+        (d / "state.bin").write_bytes(b"x" * 64)
+
+    saver.save(1, write, {})
+    saver.save(2, write, {})  # the first write is still running: this save waits for it
+    first = saver.poll()
+    assert first["checkpoint_written"] == 1 and first["checkpoint_write_s"] >= 0.3
+    assert saver.wait()["checkpoint_written"] == 2
+    assert saver.poll() is None
+    assert ckpt.latest_valid(tmp_path).name == ckpt.step_dir_name(2)
