@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from data_parallel import _adamw, _cleanup, _measure, _model_cfg, _model_section, card_slug  # noqa: E402
+from data_parallel import _adamw, _cleanup, _measure, _model_cfg, _model_section, _release, card_slug  # noqa: E402
 
 
 def _batch(a, vocab, rank, device):
@@ -152,6 +152,7 @@ def _one(b, variant, dims, device, cp) -> dict:
         else:
             step, keep = _torch(b, dims, device)
         row = _measure(b, variant, step, device, tokens_per_gpu_step=b.seq / cp)
+        _release(keep)  # else the next sequence length's model finds this one's memory still taken
         del step, keep
         return row
     except Exception as e:  # noqa: BLE001 - every rank meets an out-of-memory alike

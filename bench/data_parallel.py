@@ -182,6 +182,14 @@ def _measure(a, variant, step, device, ledger=None, tokens_per_gpu_step: float |
     return row
 
 
+def _release(keep) -> None:
+    """Remove plait's engine hooks (`Engine.close`) from what a variant kept alive: the hooks live in
+    autograd's C++ graph, so without this the model and its optimizer state outlive the variant."""
+    for k in keep if isinstance(keep, (tuple, list)) else (keep,):
+        if hasattr(k, "close"):
+            k.close()
+
+
 def _cleanup(device) -> None:
     """Drop the last variant: compiled code (so no variant inherits another's graphs or holds its
     tensors), garbage (engines and their hooks form cycles), cached GPU memory, the peak counter."""
@@ -229,6 +237,7 @@ def worker(a) -> list[dict]:
             else:
                 step, keep = _torch_step(a, variant, device, dims)
             row = _measure(a, variant, step, device, ledger)
+            _release(keep)
             del step, keep
         except Exception as e:  # noqa: BLE001 (reported in the row)
             row = {"variant": variant, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}

@@ -47,6 +47,10 @@ class Parallelized:
     data_rank: int
     data_size: int
 
+    def close(self) -> None:
+        """Let this rank's model, engine and optimizer state be freed once unreferenced (Engine.close)."""
+        self.engine.close()
+
 
 def autocast_for(dtype: torch.dtype, device: torch.device):
     if dtype == torch.bfloat16:

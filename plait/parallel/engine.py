@@ -233,6 +233,15 @@ class Engine:
     def gather_for_inference(self) -> None:
         """Make the model part usable for inference by this rank (ZeRO-3 gathers; the rest already are)."""
 
+    def close(self) -> None:
+        """Remove the hooks this engine put on the model. A gradient hook is held by autograd's C++
+        graph, which Python's garbage collector cannot see through: until it is removed, the model,
+        the engine and its optimizer state stay alive after the last reference to them is gone (a
+        second model built in the same process would find that memory taken)."""
+        for h in getattr(self, "hooks", []):
+            h.remove()
+        self.hooks = []
+
 
 def _ranges(pieces) -> list[tuple[int, int]]:
     """Owned-space ranges of the pieces, sorted, adjacent ones merged."""

@@ -251,6 +251,4 @@ class Zero3(Sharded):
         """Gather every unit and remove the hooks: the model is whole on every rank from now on."""
         for i in range(len(self.gather)):
             self.gather.wait(i)
-        for h in self.hooks:
-            h.remove()
-        self.hooks = []
+        self.close()
