@@ -3,8 +3,8 @@ model, the layout, the cluster it ran on and what was measured, so each predicti
 beside its measurement (`plait plan --check bench/results`, tests/test_planner_recorded.py).
 
 The benches name their layouts in the variant (`plait-zero3`, `plait-tp4-sp-sel`, `plait-1f1b`);
-`_layout` reads those names the way bench/data_parallel.py, bench/tensor_parallel.py and
-bench/pipeline.py build their runs. Rows of other systems (fsdp2, torch-*, hf) are peers, not
+`_layout` reads those names the way bench/data_parallel.py, bench/tensor_parallel.py,
+bench/pipeline.py and bench/context_parallel.py build their runs. Rows of other systems (fsdp2, torch-*, hf) are peers, not
 plait, and are skipped; so are runs whose shape the planner cannot express (uneven pipeline stages).
 """
 
@@ -28,6 +28,7 @@ SUPERSEDED = {
     "dp-h100-2gpu.json": "made with the same code as the *-before-zero3-memory runs",
     "dp-h200-2gpu.json": "made before the ZeRO-3 memory change",
     "dp-8b-h200-2gpu.json": "made before the ZeRO-3 memory change",
+    "cp-h100-2gpu-before-ring-ops.json": "ring attention was an autograd.Function then (re-run by selective recompute)",
 }
 # Runs made before the fused loss dropped each chunk before forming the next (plait/loss.py): they
 # held a finished chunk while forming the next one and while casting the weight gradient.
@@ -106,12 +107,17 @@ def _layout(bench: str, variant: str, row: dict, config: dict, n_gpus: int, comm
             return dict(dp=n_gpus, zero=3, micro_batch=mb), m * mb
         return dict(pp=n_gpus, dp=1, zero=1, micro_batch=mb, schedule=sched, v=2 if sched == "interleaved" else 1,
                     stage_split=split), m * mb
+    if bench == "context_parallel":  # ZeRO-3 over every GPU; one sequence per data-parallel rank
+        cp = row["cp"]
+        impl = variant.split("-")[-1] if cp > 1 else "ring"
+        return dict(cp=cp, dp=n_gpus // cp, zero=3, micro_batch=1, recompute=config["recompute"],
+                    cp_impl=impl), n_gpus // cp
     return None
 
 
 def variant_spans_all(lay: dict) -> bool:
     """plait-1gpu runs on one GPU of the machine; every other row on all of them."""
-    return lay.get("tp", 1) * lay.get("pp", 1) * lay.get("dp", 1) > 1
+    return lay.get("tp", 1) * lay.get("pp", 1) * lay.get("dp", 1) * lay.get("cp", 1) > 1
 
 
 def load(folder: str | Path) -> list[Run]:
@@ -125,7 +131,7 @@ def load(folder: str | Path) -> list[Run]:
         data = json.loads(path.read_text())
         bench, config = data.get("benchmark"), data.get("config") or {}
         card = data.get("card")
-        if bench not in ("data_parallel", "tensor_parallel", "pipeline") or card_key(card) is None:
+        if bench not in ("data_parallel", "tensor_parallel", "pipeline", "context_parallel") or card_key(card) is None:
             continue
         if path.name in SUPERSEDED:
             continue
@@ -138,9 +144,10 @@ def load(folder: str | Path) -> list[Run]:
                 continue
             lay, gb = got
             used = n if variant_spans_all(lay) else 1
-            key = f"{path.name}:{row['variant']}"
+            seq = row.get("seq", config.get("seq"))  # a sweep over sequence lengths records it per row
+            key = f"{path.name}:{row['variant']}" + (f"@{seq}" if "seq" in row else "")
             runs.setdefault(key, []).append(Run(
-                key, card_key(card), used, config["preset"], _model_overrides(config), config["seq"], gb, lay,
+                key, card_key(card), used, config["preset"], _model_overrides(config), seq, gb, lay,
                 row["step_s_median"], row.get("peak_mem_gb_max_rank", row["peak_mem_gb"])))
     return [_merge(rs) for rs in runs.values()]
 
