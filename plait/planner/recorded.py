@@ -35,6 +35,10 @@ SUPERSEDED = {
 LOSS_HELD_THIRD_CHUNK = {"dp-h100-4gpu.json", "dp-h100-4gpu-fsdp2-fused.json", "dp-8b-6layers-h100-4gpu.json",
                          "dp-8b-h100-4gpu.json", "dp-8b-h200-2gpu-zero3.json", "tp-h100-4gpu.json",
                          "pp-h100-2gpu.json"}
+# Sweeps run before `Engine.close` (plait/parallel/engine.py): each variant's later sequence lengths
+# ran with the earlier length's model, engine and optimizer state still allocated (its hooks kept
+# them alive), so only the first length a variant ran is a clean measurement.
+FIRST_ROW_ONLY = {"cp-h100-2gpu.json"}
 
 
 @dataclass(frozen=True)
@@ -136,9 +140,14 @@ def load(folder: str | Path) -> list[Run]:
         if path.name in SUPERSEDED:
             continue
         n = int(data["gpus"])
+        seen = set()
         for row in data.get("rows", []):
+            first = row["variant"] not in seen
+            seen.add(row["variant"])
             if "step_s_median" not in row:
                 continue  # the variant failed (out of memory, timed out): nothing was measured
+            if path.name in FIRST_ROW_ONLY and not first:
+                continue
             got = _layout(bench, row["variant"], row, config, n, data.get("command"))
             if got is None:
                 continue
