@@ -34,7 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from data_parallel import _adamw, _cleanup, _measure, _model_cfg, _model_section, _release, card_slug  # noqa: E402
+from data_parallel import (_adamw, _cleanup, _measure, _model_cfg, _model_section, _release, card_slug,  # noqa: E402
+                           run_variants)
 
 
 def _batch(a, vocab, rank, device):
@@ -199,8 +200,6 @@ def main(argv=None) -> int:
 
     import torch
 
-    from plait.launch import spawn
-
     if a.device == "cuda" and not torch.cuda.is_available():
         ap.error("no GPU visible; use --device cpu --preset tiny --no-compile --gpus 2 --seqs 64,128 for a smoke test")
     a.gpus = a.gpus or (torch.cuda.device_count() if a.device == "cuda" else 2)
@@ -216,19 +215,7 @@ def main(argv=None) -> int:
               "command": " ".join(["python", "bench/context_parallel.py"] + (argv or sys.argv[1:])),
               "config": {"preset": a.preset, "model": a.model, "seqs": a.seqs, "recompute": a.recompute,
                          "steps": a.steps, "warmup": a.warmup, "compile": a.compile}, "rows": []}
-    t0 = time.perf_counter()
-    for variant in variants:
-        try:
-            rows = spawn(worker, (a, variant), a.gpus, device_type=a.device, timeout_s=1800)[0]
-        except Exception as e:  # noqa: BLE001
-            rows = [{"variant": variant, "seq": 0, "error": str(e).splitlines()[0][:300]}]
-        result["rows"] += rows
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({**result, "wall_s": time.perf_counter() - t0}, indent=1))
-    result["wall_s"] = time.perf_counter() - t0
-    out.write_text(json.dumps(result, indent=1))
-    print(f"\nwrote {out} in {result['wall_s']:.0f} s\n" + _table(result))
-    return 0
+    return run_variants(worker, a, variants, result, out, lambda v: {"seq": 0}, _table, timeout_s=1800)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from data_parallel import _adamw, _cleanup, _measure, _model_cfg, _model_section, card_slug  # noqa: E402
+from data_parallel import _adamw, _cleanup, _measure, _model_cfg, _model_section, run_variants, card_slug  # noqa: E402
 
 ALL = ["plait-zero3", "plait-gpipe", "plait-1f1b", "plait-interleaved", "plait-zb", "torch-gpipe", "torch-1f1b",
        "torch-interleaved", "torch-zb"]
@@ -248,8 +248,6 @@ def main(argv=None) -> int:
 
     import torch
 
-    from plait.launch import spawn
-
     if a.device == "cuda" and not torch.cuda.is_available():
         ap.error("no GPU visible; use --device cpu --preset tiny --no-compile --gpus 4 for a smoke test")
     a.gpus = a.gpus or (torch.cuda.device_count() if a.device == "cuda" else 4)
@@ -262,19 +260,7 @@ def main(argv=None) -> int:
               "config": {"preset": a.preset, "model": a.model, "seq": a.seq, "micro_batch": a.micro_batch,
                          "stage_layers": a.stage_layers,
                          "steps": a.steps, "warmup": a.warmup, "compile": a.compile}, "rows": []}
-    t0 = time.perf_counter()
-    for variant in a.variants:
-        try:
-            rows = spawn(worker, (a, variant), a.gpus, device_type=a.device, timeout_s=900)[0]
-        except Exception as e:  # noqa: BLE001
-            rows = [{"variant": variant, "microbatches": a.microbatches, "error": str(e).splitlines()[0][:300]}]
-        result["rows"] += rows
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({**result, "wall_s": time.perf_counter() - t0}, indent=1))
-    result["wall_s"] = time.perf_counter() - t0
-    out.write_text(json.dumps(result, indent=1))
-    print(f"\nwrote {out} in {result['wall_s']:.0f} s\n" + _table(result))
-    return 0
+    return run_variants(worker, a, a.variants, result, out, lambda v: {"microbatches": a.microbatches}, _table)
 
 
 if __name__ == "__main__":

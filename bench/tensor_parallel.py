@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from data_parallel import _adamw, _cleanup, _measure, _model_cfg, _model_section, card_slug  # noqa: E402
+from data_parallel import _adamw, _cleanup, _measure, _model_cfg, _model_section, card_slug, run_variants  # noqa: E402
 
 DEFAULT = ["plait-tp1-z3", "plait-tp2-sp", "plait-tp2", "plait-tp4-sp", "plait-tp4", "plait-tp4-sp-sel",
            "torch-tp2", "torch-tp4"]
@@ -224,8 +224,6 @@ def main(argv=None) -> int:
 
     import torch
 
-    from plait.launch import spawn
-
     if a.device == "cuda" and not torch.cuda.is_available():
         ap.error("no GPU visible; use --device cpu --preset tiny --no-compile --gpus 4 for a smoke test")
     a.gpus = a.gpus or (torch.cuda.device_count() if a.device == "cuda" else 4)
@@ -241,19 +239,7 @@ def main(argv=None) -> int:
               "date": time.strftime("%Y-%m-%d"), "command": " ".join(["python", "bench/tensor_parallel.py"] + (argv or sys.argv[1:])),
               "config": {"preset": a.preset, "model": a.model, "seq": a.seq, "global_batch": a.global_batch,
                          "steps": a.steps, "warmup": a.warmup, "compile": a.compile}, "rows": []}
-    t0 = time.perf_counter()
-    for variant in a.variants:  # one set of processes per variant: clean memory peaks
-        try:
-            rows = spawn(worker, (a, variant), a.gpus, device_type=a.device, timeout_s=900)[0]
-        except Exception as e:  # keep what was measured; say what failed
-            rows = [{"variant": variant, "error": str(e).splitlines()[0][:300], **layout(variant, a.gpus)}]
-        result["rows"] += rows
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({**result, "wall_s": time.perf_counter() - t0}, indent=1))
-    result["wall_s"] = time.perf_counter() - t0
-    out.write_text(json.dumps(result, indent=1))
-    print(f"\nwrote {out} in {result['wall_s']:.0f} s\n" + _table(result))
-    return 0
+    return run_variants(worker, a, a.variants, result, out, lambda v: layout(v, a.gpus), _table)
 
 
 if __name__ == "__main__":

@@ -55,6 +55,9 @@ def add_arguments(p) -> None:
     o.add_argument("--check", metavar="DIR",
                    help="instead: predict every plait run recorded in DIR (bench/results) and print predicted vs "
                         "measured step time and peak memory with the errors (with --hardware: for runs on its GPU)")
+    o.add_argument("--published", action="store_true",
+                   help="instead: predict the published runs of other systems (plait/planner/published.py) and "
+                        "print predicted vs measured tokens/s/GPU with the errors")
     o.add_argument("--fleet-jobs", type=int, default=0,
                    help="instead: place N random jobs on the cluster with each placement policy and compare")
     o.add_argument("--seed", type=int, default=0, help="seed of the --fleet-jobs trace")
@@ -76,6 +79,11 @@ def run(args, extra) -> int:
 
         checks = recorded.check(recorded.load(args.check), {profile.gpu: profile} if profile else None)
         print(recorded.table(checks))
+        return 0
+    if args.published:
+        from plait.planner import published
+
+        print(published.table(published.check()))
         return 0
     c = inputs.make_cluster(args.gpu, args.nodes, args.gpus_per_node, inputs.parse_overrides(extra))
     if profile is not None:

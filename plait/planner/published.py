@@ -1,0 +1,96 @@
+"""Published measurements of other systems, for checking the planner's absolute numbers on
+clusters plait has not run on (`plait plan --published`).
+
+Each run is what its authors measured and wrote down with enough of the setup to rebuild it: the
+model's shape, the GPUs and nodes, the layout, the batch and sequence, and tokens per second per
+GPU. The planner predicts each with its default hardware for that GPU (catalog peak x efficiency,
+the catalog's links: no profile was measured on those clusters) and the error is reported as it
+comes out. Nothing here is fitted: a constant tuned to make these rows agree would only move the
+error to the next cluster.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+TORCHTITAN = "https://github.com/pytorch/torchtitan/blob/main/docs/performance.md"
+# Llama 2 shapes (the presets are Llama 3's); vocabulary 32,000, sequence 4,096
+LLAMA2_13B = dict(layers=40, hidden=5120, heads=40, kv_heads=40, ffn=13824, vocab=32000, seq=4096)
+LLAMA2_70B = dict(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=32000, seq=4096)
+
+
+@dataclass(frozen=True)
+class Published:
+    name: str
+    source: str
+    gpu: str
+    nodes: int
+    gpus_per_node: int
+    layout: dict
+    """plait.planner.inputs.make_layout arguments"""
+    global_batch: int
+    tokens_per_s_per_gpu: float
+    preset: str | None = None
+    shape: dict = field(default_factory=dict)
+
+
+# torchtitan, FSDP2 on 64 A100 80GB (8 nodes x 8), bf16 compute, local batch 1-2 sequences. Its
+# "selective op" checkpointing is priced as plait's selective, but it is not the same work:
+# torchtitan's policy keeps every other matmul's output and recomputes the rest, about a sixth
+# more FLOPs than plait's selective (which recomputes no matmul); those rows show it.
+RUNS: tuple[Published, ...] = (
+    Published("torchtitan Llama 3 8B, FSDP2, selective op AC", TORCHTITAN, "a100-80gb", 8, 8,
+              dict(dp=64, zero=3, micro_batch=1, recompute="selective"), 64, 2973, "8b", dict(seq=8192)),
+    Published("torchtitan Llama 3 70B, FSDP2, full AC", TORCHTITAN, "a100-80gb", 8, 8,
+              dict(dp=64, zero=3, micro_batch=1, recompute="full"), 64, 331, "70b", dict(seq=8192)),
+    Published("torchtitan Llama 2 13B, FSDP2, no AC", TORCHTITAN, "a100-80gb", 8, 8,
+              dict(dp=64, zero=3, micro_batch=2, recompute="none"), 128, 2162, None, LLAMA2_13B),
+    Published("torchtitan Llama 2 13B, FSDP2, selective op AC", TORCHTITAN, "a100-80gb", 8, 8,
+              dict(dp=64, zero=3, micro_batch=2, recompute="selective"), 128, 1904, None, LLAMA2_13B),
+    Published("torchtitan Llama 2 70B, FSDP2, selective op AC", TORCHTITAN, "a100-80gb", 8, 8,
+              dict(dp=64, zero=3, micro_batch=1, recompute="selective"), 64, 355, None, LLAMA2_70B),
+    Published("torchtitan Llama 2 70B, FSDP2, full AC", TORCHTITAN, "a100-80gb", 8, 8,
+              dict(dp=64, zero=3, micro_batch=2, recompute="full"), 128, 353, None, LLAMA2_70B),
+)
+
+
+@dataclass(frozen=True)
+class Checked:
+    run: Published
+    predicted: float
+    """tokens per second per GPU"""
+    fits: bool
+
+    @property
+    def error(self) -> float:
+        """(predicted - measured) / measured: positive = the planner thinks it faster."""
+        return self.predicted / self.run.tokens_per_s_per_gpu - 1
+
+
+def check(runs: tuple[Published, ...] = RUNS) -> list[Checked]:
+    from plait.planner import inputs
+    from plait.planner.hardware import cluster
+    from plait.planner.predict import predict
+
+    out = []
+    for r in runs:
+        d = inputs.model_dims(r.preset, **r.shape)
+        c = cluster(r.gpu, r.nodes, r.gpus_per_node)
+        p = predict(d, inputs.make_layout(c, **r.layout), c, r.global_batch, "mixed")
+        out.append(Checked(r, p.tokens_per_s / c.n_gpus, p.fits))
+    return out
+
+
+def table(checks: list[Checked]) -> str:
+    lines = [f"{'published run':<52} {'GPUs':>5} {'tok/s/GPU pred/meas':>21} {'err':>7}"]
+    for c in checks:
+        r = c.run
+        fit = "" if c.fits else "  (predicted not to fit)"
+        lines.append(f"{r.name:<52} {r.nodes * r.gpus_per_node:>5} {c.predicted:>10.0f} / {r.tokens_per_s_per_gpu:<8.0f} "
+                     f"{c.error:>+7.1%}{fit}")
+    errs = [abs(c.error) for c in checks]
+    lines.append(f"{'mean |error|':<52} {'':>5} {'':>21} {statistics.mean(errs):>7.1%}")
+    lines.append(f"{'worst |error|':<52} {'':>5} {'':>21} {max(errs):>7.1%}")
+    lines.append("sources: " + ", ".join(sorted({c.run.source for c in checks})))
+    return "\n".join(lines)
