@@ -272,7 +272,10 @@ def _coerce(section: str, key: str, value: Any, typ: type) -> Any:
         try:
             return _coerce(section, key, value, bool)
         except UserError:
-            raise bad_value(name, value, "expected true, false or auto") from None
+            hint = ""
+            if name == "checkpoint.resume" and isinstance(value, str) and ("/" in value or Path(value).is_dir()):
+                hint = f"; to continue the run in a folder, give it as --out: --out {value} --resume"
+            raise bad_value(name, value, "expected true, false or auto" + hint) from None
     if typ is bool:
         if isinstance(value, bool):
             return value

@@ -83,6 +83,9 @@ def test_resume_without_a_checkpoint_refuses_and_auto_starts_fresh(corpus, tmp_p
     assert "resumed from" in capfd.readouterr().err and [r["step"] for r in _rows(empty)] == [1, 2, 3]
     assert main(["train", "--out", str(empty), "--checkpoint.resume", "maybe"]) == 2
     assert "checkpoint.resume = 'maybe': expected true, false or auto" in _error_line(capfd)
+    # a run folder given to --resume (as other tools take it): the line says how plait takes it
+    assert main(["train", "--resume", str(empty)]) == 2
+    assert f"to continue the run in a folder, give it as --out: --out {empty} --resume" in _error_line(capfd)
 
 
 def test_metrics_hold_one_curve_after_resuming_from_an_older_checkpoint(corpus, tmp_path, capfd):
