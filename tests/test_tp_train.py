@@ -77,3 +77,19 @@ def test_bad_tensor_parallel_input_is_one_line(corpus, tmp_path, capfd, extra, n
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0], err
     assert not (tmp_path / "r" / "metrics.jsonl").exists()
+
+
+def test_hsdp_x_tp_on_eight_processes_trains_as_one_process(corpus, tmp_path):
+    """HSDP (2 replicas x ZeRO-3 over 2 shards) x TP 2 with SP: 8 gloo processes, the same global
+    batch of 4 sequences as one process, the same losses and weights."""
+    one, hsdp = tmp_path / "one", tmp_path / "hsdp"
+    assert main(_args(corpus, one, steps=3, extra=["--train.micro_batch", "4"])) == 0
+    assert main(_args(corpus, hsdp, steps=3, extra=["--nproc", "8", "--tp", "2", "--dp", "2", "--parallel.dp_replicate",
+                                                   "2", "--zero", "3", "--train.micro_batch", "1"])) == 0
+    ref, rows = _rows(one), _rows(hsdp)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for a, b in zip(rows, ref):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * b["loss"], a["step"]
+    w = full_weights(hsdp / "checkpoints" / "step_00000003")
+    wref = full_weights(one / "checkpoints" / "step_00000003")
+    assert w.keys() == wref.keys() and max((w[k] - wref[k]).abs().max().item() for k in w) <= 1e-5
