@@ -1,0 +1,41 @@
+"""The 8-process layouts of a full node, on CPU: TP 8 (two key/value heads replicated over eight
+ranks), PP 8 with 1F1B and one layer a stage, and CP 2 x TP 4 (two query heads a rank, the ring over
+pairs), each end to end through `plait train` against one process on the same global batch of 8
+sequences: the same losses and the same weights. (HSDP x TP is in test_tp_train.py; PP 2 x TP 2 x
+DP 2 in test_pipeline.py; CP 2 x TP 2 x PP 2 in test_context_parallel.py.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from dp_runs import cli_train, metrics_rows
+from plait.cli import main
+from plait.parallel.sharded_state import full_weights
+
+M8 = {"preset": "custom", "vocab_size": 259, "dim": 64, "n_layers": 8, "n_heads": 8, "n_kv_heads": 2,
+      "ffn_dim": 96, "max_seq_len": 64}
+LAYOUTS = {
+    "tp8": ["--tp", "8", "--dp", "1", "--train.micro_batch", "8"],
+    "pp8-1f1b": ["--pp", "8", "--dp", "1", "--schedule", "1f1b", "--microbatches", "8", "--train.micro_batch", "1"],
+    "cp2-tp4": ["--cp", "2", "--tp", "4", "--dp", "1", "--train.micro_batch", "8"],
+}
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("eight") / "one"
+    assert main(cli_train(corpus, out, M8, 3, ["--train.micro_batch", "8"])) == 0
+    return out
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_eight_process_layout_trains_as_one_process(corpus, tmp_path, reference, name):
+    out = tmp_path / name
+    assert main(cli_train(corpus, out, M8, 3, ["--nproc", "8", *LAYOUTS[name]])) == 0
+    rows, ref = metrics_rows(out), metrics_rows(reference)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for a, b in zip(rows, ref):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * b["loss"], (name, a["step"])
+    w = full_weights(out / "checkpoints" / "step_00000003")
+    wref = full_weights(reference / "checkpoints" / "step_00000003")
+    assert w.keys() == wref.keys() and max((w[k] - wref[k]).abs().max().item() for k in w) <= 1e-5
