@@ -1,6 +1,6 @@
 """The 8-process layouts of a full node, on CPU: TP 8 (two key/value heads replicated over eight
-ranks), PP 8 with 1F1B and one layer a stage, and CP 2 x TP 4 (two query heads a rank, the ring over
-pairs), each end to end through `plait train` against one process on the same global batch of 8
+ranks), PP 8 with 1F1B and with ZB-H1 (one layer a stage), TP 4 x ZeRO-3 over DP 2, and CP 2 x TP 4
+(two query heads a rank, the ring over pairs), each end to end through `plait train` against one process on the same global batch of 8
 sequences: the same losses and the same weights. (HSDP x TP is in test_tp_train.py; PP 2 x TP 2 x
 DP 2 in test_pipeline.py; CP 2 x TP 2 x PP 2 in test_context_parallel.py.)"""
 
@@ -17,6 +17,8 @@ M8 = {"preset": "custom", "vocab_size": 259, "dim": 64, "n_layers": 8, "n_heads"
 LAYOUTS = {
     "tp8": ["--tp", "8", "--dp", "1", "--train.micro_batch", "8"],
     "pp8-1f1b": ["--pp", "8", "--dp", "1", "--schedule", "1f1b", "--microbatches", "8", "--train.micro_batch", "1"],
+    "pp8-zb": ["--pp", "8", "--dp", "1", "--schedule", "zb", "--microbatches", "8", "--train.micro_batch", "1"],
+    "tp4-dp2-zero3": ["--tp", "4", "--dp", "2", "--zero", "3", "--train.micro_batch", "4"],
     "cp2-tp4": ["--cp", "2", "--tp", "4", "--dp", "1", "--train.micro_batch", "8"],
 }
 
