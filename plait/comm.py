@@ -334,8 +334,10 @@ def resolve_key(key: str) -> tuple[Comm, str]:
 
 
 def _fresh(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """A registered op may not return its input (a group of one does nothing): copy it then."""
-    return x.clone() if out is x else out
+    """A registered op may not return its input (a group of one does nothing): copy it then. And it
+    returns contiguous tensors, as its fake implementation promises the compiler (a gather or an
+    all-to-all along an inner axis leaves a strided view)."""
+    return x.clone(memory_format=torch.contiguous_format) if out is x else out.contiguous()
 
 
 @torch.library.custom_op("plait::all_reduce", mutates_args=())

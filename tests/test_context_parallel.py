@@ -167,6 +167,29 @@ def test_every_rank_does_the_same_attention_work():
         assert all(len(step) <= 4 for r in range(cp) for step in block_plan(cp, r))
 
 
+def test_batched_ring_calls_cover_exactly_the_chunk_pairs():
+    """The flash kernels' plan (one call a ring step: the own block causally over both chunks, an
+    earlier block's early chunk for both queries, a later block for the late queries) attends
+    exactly the (query chunk, key chunk) pairs `block_plan` lists, each with the same mask."""
+    from plait.parallel.context import block_plan, ring_calls
+
+    chunks = {"early": [0], "late": [1], "both": [0, 1]}
+    for cp in (2, 3, 4, 8):
+        for r in range(cp):
+            batched = ring_calls(cp, r)
+            assert all(len(step) == 1 for step in batched)
+            for step, calls in zip(block_plan(cp, r), batched):
+                got = set()
+                for qp, kp, kind in calls:
+                    for qi in chunks[qp]:
+                        for ki in chunks[kp]:
+                            if kind == "full":
+                                got.add((qi, ki, "full"))
+                            elif ki <= qi:  # a square causal call over the chunks in position order
+                                got.add((qi, ki, "causal" if ki == qi else "full"))
+                assert got == set(step), (cp, r)
+
+
 @pytest.mark.parametrize("name", list(RUNS))
 def test_matches_the_single_process_run(runs, name):
     per_rank, refs, root = runs
@@ -367,3 +390,22 @@ def test_block_kernels_agree(causal):
         assert (dq1 + dq2 - qq.grad).abs().max() < 1e-12, how
         assert (torch.cat([dk1, dk2], 2) - kk.grad).abs().max() < 1e-12, how
         assert (torch.cat([dv1, dv2], 2) - vv.grad).abs().max() < 1e-12, how
+
+
+@pytest.mark.parametrize("impl", ["ring", "ulysses"])
+def test_compiled_cp_with_selective_recompute_trains_as_one_process(corpus, tmp_path, impl):
+    """What a GPU user runs: compiled blocks with selective recompute around the ring's registered op
+    (and Ulysses' all-to-alls), CP 2 against one eager process - the compiled graph takes the op's
+    outputs as they come (shape and strides) and recompute does not run the ring again."""
+    from dp_runs import cli_train, metrics_rows
+    from plait.cli import main
+
+    one, cp = tmp_path / "one", tmp_path / f"cp-{impl}"
+    assert main(cli_train(corpus, one, CPM, 2, ["--train.micro_batch", "2", "--train.recompute", "selective"])) == 0
+    assert main(cli_train(corpus, cp, CPM, 2, ["--nproc", "2", "--cp", "2", "--dp", "1", "--parallel.cp_impl", impl,
+                                               "--train.micro_batch", "2", "--train.recompute", "selective",
+                                               "--train.compile", "on"])) == 0
+    ref, got = metrics_rows(one), metrics_rows(cp)
+    assert [r["step"] for r in got] == [1, 2]
+    for a, b in zip(got, ref):  # compiled kernels round differently: close, not bitwise
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * b["loss"], (impl, a["step"], a["loss"], b["loss"])

@@ -9,7 +9,8 @@ Ring attention. Every rank starts with its own K/V (both chunks, only the key/va
 grouped-query attention); at each of C steps it attends its queries to the K/V block it holds while
 the block moves on to the next rank (non-blocking P2P posted before the block's attention, so the
 transfer overlaps it). Per (query chunk, key chunk) pair: an earlier key chunk is attended in full,
-the same chunk causally, a later one is skipped (fully masked). Partial outputs merge by log-sum-exp:
+the same chunk causally, a later one is skipped (fully masked); the flash kernels attend each ring
+step's pairs in one call (`ring_calls`). Partial outputs merge by log-sum-exp:
   lse = logaddexp(lse_a, lse_b),  out = out_a exp(lse_a - lse) + out_b exp(lse_b - lse).
 Backward runs the ring again: each rank recomputes each block's probabilities from its queries and
 the final log-sum-exp, adds dQ locally, and adds the block's dK/dV to an accumulator that travels
@@ -56,6 +57,29 @@ def block_plan(cp: int, rank: int) -> list[list[tuple[int, int, str]]]:
     return plan
 
 
+def ring_calls(cp: int, rank: int, batched: bool = True) -> list[list[tuple[str, str, str]]]:
+    """Per ring step, the attention calls a rank makes on the block it holds: (query part, key part,
+    kind), a part being "both" chunks, the "early" one or the "late" one. Batched, a step is one
+    call: the rank's own block causally over both chunks at once (they are in position order, so
+    the square causal mask is the right one), an earlier rank's block with both query chunks against
+    its early chunk, a later rank's with the late query chunk against both - 2C-1 fewer calls than
+    one per chunk pair, the same work. Unbatched: `block_plan`'s chunk pairs, one call each (the
+    math path, whose scores would otherwise be a (2c x 2c) square)."""
+    if not batched:
+        name = ("early", "late")
+        return [[(name[qi], name[ki], kind) for qi, ki, kind in step] for step in block_plan(cp, rank)]
+    plan = []
+    for s in range(cp):
+        held = (rank - s) % cp
+        if s == 0:
+            plan.append([("both", "both", "causal")])
+        elif held < rank:
+            plan.append([("both", "early", "full")])
+        else:
+            plan.append([("late", "both", "full")])
+    return plan
+
+
 def work(cp: int, rank: int) -> float:
     """Attention work of a rank in units of one full chunk-by-chunk block (a causal one is half)."""
     return sum(1.0 if kind == "full" else 0.5 for step in block_plan(cp, rank) for _, _, kind in step)
@@ -91,9 +115,12 @@ class ContextParallel:
         return torch.ops.plait.ring_attention(q, k, v, docs, self.comm.key(self.dim))[0]
 
 
-def _blocks(x: torch.Tensor) -> list[torch.Tensor]:
-    c = x.shape[2] // 2
-    return [x[:, :, :c], x[:, :, c:]]
+def _part(x: torch.Tensor | None, part: str, dim: int = 2) -> torch.Tensor | None:
+    """Both of a rank's chunks of `x` along `dim`, or the early or late one (a view)."""
+    if x is None or part == "both":
+        return x
+    c = x.shape[dim] // 2
+    return x.narrow(dim, 0, c) if part == "early" else x.narrow(dim, c, c)
 
 
 def _expand(kv: torch.Tensor, groups: int) -> torch.Tensor:
@@ -115,29 +142,43 @@ def _ring_forward(q, k, v, docs, comm, dim) -> tuple[torch.Tensor, torch.Tensor]
     how = blk.kernel(q, docs)
     groups = 1 if how in blk.NATIVE_GQA else q.shape[1] // k.shape[1]
     acc = torch.promote_types(q.dtype, torch.float32)  # 16-bit inputs merge in fp32
-    qs = [x.contiguous() for x in _blocks(q)]
-    qdocs = _doc_blocks(docs)
-    out = [torch.zeros(x.shape, dtype=acc, device=q.device) for x in qs]
-    lse = [torch.full(x.shape[:-1], float("-inf"), dtype=acc, device=q.device) for x in qs]
+    q = q.contiguous()
+    out = lse = None
     block = [torch.stack([k, v]).contiguous()] + ([docs.contiguous()] if docs is not None else [])  # what travels
     nxt, prv = (r + 1) % C, (r - 1) % C
-    for step, pairs in enumerate(block_plan(C, r)):
+    for step, calls in enumerate(ring_calls(C, r, batched=how in blk.NATIVE_GQA)):
         pending = None
         if step < C - 1:  # the next block is on its way while this one is attended
             incoming, pending = _exchange(comm, dim, block, nxt, prv, async_op=True)
-        ks = [x.contiguous() for x in _blocks(_expand(block[0][0], groups))]
-        vs = [x.contiguous() for x in _blocks(_expand(block[0][1], groups))]
-        kdocs = _doc_blocks(block[1] if docs is not None else None)
-        for qi, ki, kind in pairs:
-            b_out, b_lse = blk.forward(qs[qi], ks[ki], vs[ki], kind == "causal", scale, how, qdocs[qi], kdocs[ki])
-            new = torch.logaddexp(lse[qi], b_lse)
+        kk, vv = _expand(block[0][0], groups), _expand(block[0][1], groups)
+        kdocs = block[1] if docs is not None else None
+        for qp, kp, kind in calls:
+            b_out, b_lse = blk.forward(_part(q, qp).contiguous(), _part(kk, kp).contiguous(), _part(vv, kp).contiguous(),
+                                       kind == "causal", scale, how, _part(docs, qp, 1), _part(kdocs, kp, 1))
+            if out is None:  # the first call covers every query (batched or not, the own block's causal one)
+                out, lse = _first(q, b_out, b_lse, qp, acc)
+                continue
+            o, l_ = _part(out, qp), _part(lse, qp)
+            new = torch.logaddexp(l_, b_lse)
             safe = blk._no_inf(new)
-            out[qi] = out[qi] * torch.exp(lse[qi] - safe)[..., None] + b_out * torch.exp(b_lse - safe)[..., None]
-            lse[qi] = new
+            o.mul_(torch.exp(l_ - safe)[..., None]).add_(b_out * torch.exp(b_lse - safe)[..., None])
+            l_.copy_(new)
         if pending is not None:
             pending.wait()
             block = incoming
-    return torch.cat(out, dim=2), torch.cat(lse, dim=2)
+    return out, lse
+
+
+def _first(q, b_out, b_lse, part, acc):
+    """The running (out, lse) after a rank's first call: that call's result where it attended, and
+    nothing seen yet (out 0, lse -inf) elsewhere."""
+    if part == "both":
+        return b_out.to(acc), b_lse.to(acc)
+    out = torch.zeros(q.shape, dtype=acc, device=q.device)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+    _part(out, part).copy_(b_out)
+    _part(lse, part).copy_(b_lse)
+    return out, lse
 
 
 def _ring_backward(dout, q, k, v, out, lse, docs, comm, dim):
@@ -148,31 +189,29 @@ def _ring_backward(dout, q, k, v, out, lse, docs, comm, dim):
     how = blk.kernel(q, docs)
     groups = 1 if how in blk.NATIVE_GQA else q.shape[1] // k.shape[1]
     acc = torch.promote_types(q.dtype, torch.float32)
-    qs, dos, outs = ([x.contiguous() for x in _blocks(t)] for t in (q, dout, out))
-    lses = [x[..., 0].contiguous() for x in _blocks(lse[..., None])]
-    qdocs = _doc_blocks(docs)
-    dq = [torch.zeros(x.shape, dtype=acc, device=q.device) for x in qs]
+    q, dout, out, lse = q.contiguous(), dout.contiguous(), out.contiguous(), lse.contiguous()
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     block = [torch.stack([k, v]).contiguous()] + ([docs.contiguous()] if docs is not None else [])
     nxt, prv = (r + 1) % C, (r - 1) % C
     B, Hkv, T, d = k.shape
     arrived, moving = torch.zeros(block[0].shape, dtype=acc, device=k.device), None  # this block's dK/dV so far
-    for step, pairs in enumerate(block_plan(C, r)):
+    for step, calls in enumerate(ring_calls(C, r, batched=how in blk.NATIVE_GQA)):
         pending = None
         if step < C - 1:
             incoming, pending = _exchange(comm, dim, block, nxt, prv, async_op=True)
-        ks = [x.contiguous() for x in _blocks(_expand(block[0][0], groups))]
-        vs = [x.contiguous() for x in _blocks(_expand(block[0][1], groups))]
-        kdocs = _doc_blocks(block[1] if docs is not None else None)
-        dk = [torch.zeros(x.shape, dtype=acc, device=k.device) for x in ks]
-        dv = [torch.zeros(x.shape, dtype=acc, device=k.device) for x in vs]
-        for qi, ki, kind in pairs:
-            g = blk.backward(dos[qi], qs[qi], ks[ki], vs[ki], outs[qi], lses[qi], kind == "causal", scale, how,
-                             qdocs[qi], kdocs[ki])
-            dq[qi] += g[0]
-            dk[ki] += g[1]
-            dv[ki] += g[2]
+        kk, vv = _expand(block[0][0], groups), _expand(block[0][1], groups)
+        kdocs = block[1] if docs is not None else None
+        dk = torch.zeros(kk.shape, dtype=acc, device=k.device)
+        dv = torch.zeros(vv.shape, dtype=acc, device=k.device)
+        for qp, kp, kind in calls:
+            g = blk.backward(_part(dout, qp).contiguous(), _part(q, qp).contiguous(), _part(kk, kp).contiguous(),
+                             _part(vv, kp).contiguous(), _part(out, qp).contiguous(), _part(lse, qp).contiguous(),
+                             kind == "causal", scale, how, _part(docs, qp, 1), _part(kdocs, kp, 1))
+            _part(dq, qp).add_(g[0])
+            _part(dk, kp).add_(g[1])
+            _part(dv, kp).add_(g[2])
         # fold expanded query-head groups back onto the key/value heads they share
-        mine = torch.stack([torch.cat(x, dim=2).view(B, Hkv, groups, T, d).sum(2) for x in (dk, dv)])
+        mine = torch.stack([x.view(B, Hkv, groups, T, d).sum(2) for x in (dk, dv)])
         if moving is not None:  # the accumulator of the block now held, sent on by the previous rank
             moving[1].wait()
             arrived = moving[0][0]
@@ -182,7 +221,7 @@ def _ring_backward(dout, q, k, v, out, lse, docs, comm, dim):
             block = incoming
     moving[1].wait()  # the last hop brought this rank's own block's accumulator home
     home = moving[0][0]  # (2, ...): dK and dV, returned as tensors of their own (a registered op's outputs may not alias)
-    return torch.cat(dq, dim=2).to(q.dtype), home[0].to(k.dtype, copy=True), home[1].to(v.dtype, copy=True)
+    return dq.to(q.dtype), home[0].to(k.dtype, copy=True), home[1].to(v.dtype, copy=True)
 
 
 # The ring as registered ops: torch.compile keeps a block that calls it in one graph (the op is
@@ -194,7 +233,7 @@ def _ring_backward(dout, q, k, v, out, lse, docs, comm, dim):
 def _op_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: torch.Tensor | None,
              key: str) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse = _ring_forward(q, k, v, docs, *resolve_key(key))
-    return out.to(q.dtype), lse
+    return out.to(q.dtype).contiguous(), lse.contiguous()  # a kernel's output may be strided
 
 
 @_op_ring.register_fake
@@ -227,13 +266,6 @@ def _ring_grad(ctx, dout, dlse):
 
 
 _op_ring.register_autograd(_ring_grad, setup_context=_ring_setup)
-
-
-def _doc_blocks(docs):
-    if docs is None:
-        return [None, None]
-    c = docs.shape[1] // 2
-    return [docs[:, :c], docs[:, c:]]
 
 
 def apply_cp(model, comm, dim: str = "cp", impl: str = "ring") -> ContextParallel:
