@@ -154,6 +154,21 @@ def metrics_rows(run: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
 
 
+def assert_same_cli_run(run: Path, ref: Path, steps: int, loss_tol: float = 1e-5, weights: bool = True) -> None:
+    """A `plait train` run logged steps 1..steps with the reference run's losses (relative `loss_tol`)
+    and, with `weights`, ended with its weights (1e-5, every rank's checkpoint files gathered)."""
+    from plait.parallel.sharded_state import full_weights
+
+    rows, want = metrics_rows(run), metrics_rows(ref)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1)), Path(run).name
+    for a, b in zip(rows, want):
+        assert rel(a["loss"], b["loss"]) <= loss_tol, (Path(run).name, a["step"], a["loss"], b["loss"])
+    if weights:
+        last = f"step_{steps:08d}"
+        w, wref = full_weights(Path(run) / "checkpoints" / last), full_weights(Path(ref) / "checkpoints" / last)
+        assert w.keys() == wref.keys() and max_weight_diff(w, wref) <= 1e-5, Path(run).name
+
+
 def assert_equivalent(name: str, got: dict, ref: dict, got_dir, ref_weights: dict) -> None:
     """The equivalence every layout test asserts: loss per step within 1e-5 (relative), final
     weights within 1e-5 after gathering the run's checkpoint files, the pre-clip grad norm within

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from dp_runs import cli_train, metrics_rows
+from dp_runs import assert_same_cli_run, cli_train
 from plait.cli import main
-from plait.parallel.sharded_state import full_weights
 
 M8 = {"preset": "custom", "vocab_size": 259, "dim": 64, "n_layers": 8, "n_heads": 8, "n_kv_heads": 2,
       "ffn_dim": 96, "max_seq_len": 64}
@@ -34,10 +33,4 @@ def reference(corpus, tmp_path_factory):
 def test_eight_process_layout_trains_as_one_process(corpus, tmp_path, reference, name):
     out = tmp_path / name
     assert main(cli_train(corpus, out, M8, 3, ["--nproc", "8", *LAYOUTS[name]])) == 0
-    rows, ref = metrics_rows(out), metrics_rows(reference)
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    for a, b in zip(rows, ref):
-        assert abs(a["loss"] - b["loss"]) <= 1e-5 * b["loss"], (name, a["step"])
-    w = full_weights(out / "checkpoints" / "step_00000003")
-    wref = full_weights(reference / "checkpoints" / "step_00000003")
-    assert w.keys() == wref.keys() and max((w[k] - wref[k]).abs().max().item() for k in w) <= 1e-5
+    assert_same_cli_run(out, reference, 3)

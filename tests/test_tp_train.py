@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from dp_runs import cli_train, metrics_rows
+from dp_runs import assert_same_cli_run, cli_train
 from plait.cli import main
 from plait.parallel.sharded_state import full_weights
 
@@ -19,10 +19,6 @@ TPM = {"preset": "custom", "vocab_size": 259, "dim": 48, "n_layers": 2, "n_heads
 
 def _args(corpus, out, steps=6, extra=()):
     return cli_train(corpus, out, TPM, steps, extra)
-
-
-def _rows(run):
-    return metrics_rows(run)
 
 
 def test_resume_across_tensor_parallel_layouts(corpus, tmp_path, capfd):
@@ -38,15 +34,8 @@ def test_resume_across_tensor_parallel_layouts(corpus, tmp_path, capfd):
                                           "--train.micro_batch", "2", "--train.sample_tokens", "8", "--resume"])) == 0
     assert main(_args(corpus, solo, extra=["--nproc", "1", "--dp", "1", "--zero", "0", "--train.micro_batch", "4",
                                            "--resume"])) == 0
-    ref = _rows(one)
     for folder in (run, solo):
-        rows = _rows(folder)
-        assert [r["step"] for r in rows] == list(range(1, 7))
-        for a, b in zip(rows, ref):
-            assert abs(a["loss"] - b["loss"]) <= 1e-5 * b["loss"], (folder.name, a["step"])
-        w = full_weights(folder / "checkpoints" / "step_00000006")
-        wref = full_weights(one / "checkpoints" / "step_00000006")
-        assert w.keys() == wref.keys() and max((w[k] - wref[k]).abs().max().item() for k in w) <= 1e-5
+        assert_same_cli_run(folder, one, 6)
     files = sorted(f.name for f in (run / "checkpoints" / "step_00000006").iterdir())
     assert "model.shard003-of-004.pt" in files and "model.pt" not in files  # 2 shards x 2 tp ranks
     out = capfd.readouterr()
@@ -86,10 +75,4 @@ def test_hsdp_x_tp_on_eight_processes_trains_as_one_process(corpus, tmp_path):
     assert main(_args(corpus, one, steps=3, extra=["--train.micro_batch", "4"])) == 0
     assert main(_args(corpus, hsdp, steps=3, extra=["--nproc", "8", "--tp", "2", "--dp", "2", "--parallel.dp_replicate",
                                                    "2", "--zero", "3", "--train.micro_batch", "1"])) == 0
-    ref, rows = _rows(one), _rows(hsdp)
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    for a, b in zip(rows, ref):
-        assert abs(a["loss"] - b["loss"]) <= 1e-5 * b["loss"], a["step"]
-    w = full_weights(hsdp / "checkpoints" / "step_00000003")
-    wref = full_weights(one / "checkpoints" / "step_00000003")
-    assert w.keys() == wref.keys() and max((w[k] - wref[k]).abs().max().item() for k in w) <= 1e-5
+    assert_same_cli_run(hsdp, one, 3)

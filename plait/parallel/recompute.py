@@ -35,20 +35,22 @@ KEPT = {getattr(_aten, n).default for n in ("_scaled_dot_product_flash_attention
         if hasattr(_aten, n)}
 
 
+@functools.cache  # looked up by every branch's policy, every call: once is enough
 def _collectives() -> tuple[set, set]:
     """(entering, leaving) collectives of a tensor-parallel region, as registered ops."""
     import plait.comm  # noqa: F401  (registers the plait:: collectives)
 
     ops = torch.ops.plait
-    return {ops.all_gather.default}, {ops.all_reduce.default, ops.reduce_scatter.default}
+    return frozenset({ops.all_gather.default}), frozenset({ops.all_reduce.default, ops.reduce_scatter.default})
 
 
-def _ring() -> set:
+@functools.cache
+def _ring() -> frozenset:
     """Ring attention's registered op (plait/parallel/context.py): kept like an attention kernel,
     so backward does not run the ring - and its communication - a second time."""
     import plait.parallel.context  # noqa: F401  (registers plait::ring_attention)
 
-    return {torch.ops.plait.ring_attention.default}
+    return frozenset({torch.ops.plait.ring_attention.default})
 
 
 class _BranchPolicy:
