@@ -127,6 +127,8 @@ class TrainConfig:
     """Seed of the weights (per parameter name) and of the data order (per step)."""
     dtype: str = "auto"
     """Compute precision: auto (bf16 on CUDA, fp32 on CPU), fp32 or bf16. Master weights stay fp32."""
+    fp8: str = "off"
+    """FP8 matmuls in the blocks' linear layers: off, tensorwise (one scale per tensor: the fastest) or rowwise (one scale per row: more accurate). Needs bf16 compute and FP8 tensor cores (H100/H200) on a GPU; the embedding, attention, output head and master weights keep their precision."""
     device: str = "auto"
     """auto (CUDA when present), cpu or cuda."""
     compile: str = "auto"
@@ -134,7 +136,7 @@ class TrainConfig:
     eval_every: int = 50
     """Validation loss every this many steps (0 = only at the end)."""
     eval_batches: int = 8
-    """Micro-batches of held-out data per validation."""
+    """Global batches (micro_batch x grad_accum x dp windows) of held-out data per validation: the same windows at every layout of one global batch."""
     out: str = ""
     """Run folder for config, metrics and checkpoints (default runs/<timestamp>)."""
     progress: bool = True

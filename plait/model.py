@@ -304,6 +304,13 @@ class Transformer(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
+    def block_linears(self) -> list[nn.Linear]:
+        """Every block's projections (not the embedding or the output head): the matmuls that FP8
+        and the zero-bubble pipeline's weight-gradient store take over."""
+        return [lin for block in self.layers.values()
+                for lin in (block.attn.wq, block.attn.wk, block.attn.wv, block.attn.wo,
+                            block.mlp.w1, block.mlp.w2, block.mlp.w3)]
+
 
 def build_model(cfg: ModelConfig, seed: int, device: str | torch.device = "cpu") -> Transformer:
     """Build on the meta device (no memory, no time), then materialise and init on `device`."""

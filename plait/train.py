@@ -150,9 +150,12 @@ def micro_batch(data, cfg: Config, par, step: int, micro: int) -> tuple:
 
 
 def evaluate(par, data, cfg: Config, device) -> float:
-    """Mean validation loss: each data-parallel rank takes its slice of the held-out windows."""
+    """Mean validation loss over eval_batches global batches of held-out windows, each data-parallel
+    rank taking its slice: the same windows, and so the same loss, at every layout of one global
+    batch (micro_batch x grad_accum x dp)."""
+    t = cfg.train
     losses = [par.runner.loss(*(a.to(device) for a in batch))
-              for batch in data.val_batches(cfg.train.eval_batches, micro_batch=cfg.train.micro_batch,
+              for batch in data.val_batches(t.eval_batches * t.grad_accum, micro_batch=t.micro_batch,
                                             dp_rank=par.data_rank, dp_size=par.data_size,
                                             seq_len=cfg.train.seq_len, seed=cfg.train.seed,
                                             documents=cfg.data.document_mask)]

@@ -59,6 +59,7 @@ def validate_config(cfg: Config) -> Config:
                         f"exceeds model.max_seq_len = {cfg.model.max_seq_len}; shorten it or raise model.max_seq_len")
     if t.dtype not in ("auto", "fp32", "bf16"):
         raise bad_value("train.dtype", t.dtype, "choose auto, fp32 or bf16")
+    _check_fp8(cfg)
     if t.device not in ("auto", "cpu", "cuda"):
         raise bad_value("train.device", t.device, "choose auto, cpu or cuda")
     if t.compile not in ("auto", "on", "off"):
@@ -214,3 +215,21 @@ def validate_resilience(cfg: Config) -> None:
             raise bad_value("train.replica_check_every", t.replica_check_every, "this layout keeps no two copies of "
                             "the same parameters (one data-parallel rank, or ZeRO shards them); use --zero 0 with "
                             "--dp 2 or more, or --parallel.dp_replicate 2 or more")
+
+
+def _check_fp8(cfg: Config) -> None:
+    import torch
+
+    from plait.fp8 import RECIPES
+
+    t = cfg.train
+    if t.fp8 == "off":
+        return
+    if t.fp8 not in RECIPES:
+        raise bad_value("train.fp8", t.fp8, f"choose off, {', '.join(RECIPES)}")
+    gpu = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
+    if gpu and t.dtype == "fp32":
+        raise bad_value("train.fp8", t.fp8, "needs bf16 compute on a GPU; set train.dtype bf16 (or auto)")
+    if cfg.parallel.pp > 1 and cfg.parallel.schedule == "zb":
+        raise bad_value("train.fp8", t.fp8, "does not compose with the zero-bubble schedule's deferred "
+                        "weight gradients; choose parallel.schedule 1f1b or interleaved")

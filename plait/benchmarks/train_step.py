@@ -6,6 +6,10 @@ memory peaks and compile caches do not leak between them. Variants:
   plait-eager    the same without torch.compile
   hf             LlamaForCausalLM, fp32 weights + bf16 autocast, SDPA attention, fused AdamW
   hf-compile     the same under torch.compile
+  plait-fp8-R    plait with --train.fp8 R (R = tensorwise or rowwise)
+  plait-ao-R     plait's step with torchao's Float8Linear (recipe R) in the blocks instead of plait's
+                 own FP8 matmuls: the maintained library, measured against them
+  plait-RC       plait with --train.recompute RC (selective or full)
 MFU = tokens/s x (6N + 12·L·H·Q·T) / peak, with the same N for every variant.
 
   plait bench train --presets 125m,1b --seq 2048 --micro-batch 125m=16,1b=8 --out bench/results/x.json
@@ -51,14 +55,31 @@ def _hf_step_fn(cfg, micro_batch, seq, compiled):
     return step
 
 
-def _plait_step_fn(cfg, micro_batch, seq, compiled):
+def _torchao_fp8(model, recipe, device):
+    """Stands in for `plait.fp8.apply_fp8`: torchao's Float8Linear over the same block linears."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    mine = {id(lin) for lin in model.block_linears()}
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe),
+                               module_filter_fn=lambda mod, fqn: id(mod) in mine)
+
+
+def _plait_step_fn(cfg, micro_batch, seq, compiled, variant="plait"):
     import torch
 
+    import plait.fp8
     from plait.config import Config
     from plait.parallel.build import parallelize
 
     full = Config()
     full.model = cfg
+    for part in variant.split("-")[1:]:
+        if part in ("selective", "full"):
+            full.train.recompute = part
+        if part in ("tensorwise", "rowwise"):
+            full.train.fp8 = part
+    if "-ao-" in variant:
+        plait.fp8.apply_fp8 = _torchao_fp8  # parallelize imports it at call time
     # one device: the trainer's own build, engine and step
     par = parallelize(full, None, torch.device("cuda"), torch.bfloat16, compile=compiled)
 
@@ -82,17 +103,19 @@ def profile(step, x, y, top: int = 30) -> None:
 
 
 def child(preset: str, variant: str, micro_batch: int, seq: int, steps: int, warmup: int,
-          with_profile: bool = False) -> dict:
+          with_profile: bool = False, n_layers: int = 0) -> dict:
     import torch
 
     from plait.config import build_config
     from plait.metrics import flops_per_token, peak_flops
 
-    cfg = build_config({"model": {"preset": preset, "max_seq_len": max(seq, 2048)}}).model
+    over = {"n_layers": n_layers} if n_layers else {}
+    cfg = build_config({"model": {"preset": preset, "max_seq_len": max(seq, 2048), **over}}).model
     torch.manual_seed(0)
-    make = _plait_step_fn if variant.startswith("plait") else _hf_step_fn
     t_build = time.perf_counter()
-    step = make(cfg, micro_batch, seq, compiled=not variant.endswith("eager") and variant != "hf")
+    compiled = not variant.endswith("eager") and variant != "hf"
+    step = (_plait_step_fn(cfg, micro_batch, seq, compiled, variant) if variant.startswith("plait")
+            else _hf_step_fn(cfg, micro_batch, seq, compiled))
     x = torch.randint(0, cfg.vocab_size, (micro_batch, seq), device="cuda")
     y = torch.randint(0, cfg.vocab_size, (micro_batch, seq), device="cuda")
     for _ in range(warmup):
@@ -113,11 +136,21 @@ def child(preset: str, variant: str, micro_batch: int, seq: int, steps: int, war
     tok_s = micro_batch * seq / med
     fpt = flops_per_token(cfg, seq)
     peak = peak_flops(torch.device("cuda"), torch.bfloat16)
-    return {"preset": preset, "variant": variant, "micro_batch": micro_batch, "seq_len": seq,
+    return {"preset": preset, "n_layers": cfg.n_layers, "params": sum(p.numel() for p in _params(cfg)),
+            "variant": variant, "micro_batch": micro_batch, "seq_len": seq,
             "step_s_median": med, "step_s_min": times[0], "tokens_per_s": tok_s,
             "mfu": tok_s * fpt / peak if peak else None, "flops_per_token": fpt,
             "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9, "warmup_and_compile_s": warm_s,
             "loss": float(loss)}
+
+
+def _params(cfg):
+    import torch
+
+    from plait.model import Transformer
+
+    with torch.device("meta"):
+        return list(Transformer(cfg).parameters())
 
 
 def add_arguments(ap) -> None:
@@ -127,6 +160,7 @@ def add_arguments(ap) -> None:
     ap.add_argument("--micro-batch", default="8", help="one value, or preset=value pairs: 125m=16,1b=8")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--n-layers", type=int, default=0, help="override the presets' layer count (0: keep)")
     ap.add_argument("--out")
     ap.add_argument("--profile", action="store_true", help="print a kernel-time table per variant (stderr)")
     ap.add_argument("--child", nargs=3, metavar=("PRESET", "VARIANT", "MB"), help=argparse.SUPPRESS)
@@ -135,7 +169,7 @@ def add_arguments(ap) -> None:
 def run(a) -> int:
     if a.child:
         print("RESULT " + json.dumps(child(a.child[0], a.child[1], int(a.child[2]), a.seq, a.steps, a.warmup,
-                                           a.profile)))
+                                           a.profile, a.n_layers)))
         return 0
     import torch
 
@@ -145,7 +179,8 @@ def run(a) -> int:
         for variant in a.variants.split(","):
             m = int(mb.get(preset, a.micro_batch if not mb else 8))
             cmd = [sys.executable, "-m", "plait.benchmarks.train_step", "--child", preset, variant, str(m),
-                   "--seq", str(a.seq), "--steps", str(a.steps), "--warmup", str(a.warmup)]
+                   "--seq", str(a.seq), "--steps", str(a.steps), "--warmup", str(a.warmup),
+                   "--n-layers", str(a.n_layers)]
             cmd += ["--profile"] if a.profile else []
             r = subprocess.run(cmd, capture_output=True, text=True)
             if a.profile:
@@ -161,12 +196,12 @@ def run(a) -> int:
         os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
         with open(a.out, "w") as f:
             json.dump(result, f, indent=1)
-    print(f"\n{'preset':6} {'variant':12} {'mb':>3} {'tok/s':>9} {'MFU':>6} {'mem GB':>7}")
+    print(f"\n{'preset':6} {'variant':20} {'mb':>3} {'tok/s':>9} {'MFU':>6} {'mem GB':>7}")
     for r in rows:
         if "error" in r:
-            print(f"{r['preset']:6} {r['variant']:12} {r['micro_batch']:>3} ERROR {r['error']}")
+            print(f"{r['preset']:6} {r['variant']:20} {r['micro_batch']:>3} ERROR {r['error']}")
         else:
-            print(f"{r['preset']:6} {r['variant']:12} {r['micro_batch']:>3} {r['tokens_per_s']:>9.0f} "
+            print(f"{r['preset']:6} {r['variant']:20} {r['micro_batch']:>3} {r['tokens_per_s']:>9.0f} "
                   f"{100 * r['mfu']:>5.1f}% {r['peak_mem_gb']:>7.1f}")
     return 0
 

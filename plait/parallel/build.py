@@ -11,7 +11,8 @@ The order is fixed, and each step depends on the ones before it:
                                   gather and free) stay outside the recomputed region
   5. materialise + init by name   each weight is drawn in full from (seed, name) and this rank keeps
                                   its box: every layout starts from the single-device model
-  6. compute dtype                bf16 weights on GPU; the engine keeps fp32 masters
+  6. compute dtype                bf16 weights on GPU; the engine keeps fp32 masters; with FP8 the
+                                  blocks' linears quantize those weights at each matmul
   7. compile                      per block, after every structural change and before the engine's
                                   hooks, so ZeRO-3's hooks run eagerly around the compiled code (a
                                   zero-bubble pipeline defers weight gradients from inside backward,
@@ -100,15 +101,17 @@ def parallelize(cfg: Config, comm, device: torch.device, dtype: torch.dtype, com
     model.tie()
     model.init_weights(t.seed)
     model.to(dtype)  # 6
+    if t.fp8 != "off":  # the blocks' matmuls in FP8, reading the weights TP and the engine leave in place
+        from plait.fp8 import apply_fp8
+
+        apply_fp8(model, t.fp8, device)
     store = None
     if stage is not None and p.schedule == "zb":  # weight gradients deferred: blocks stay eager
         from plait.parallel.wgrad import WeightGradStore
 
         store = WeightGradStore()
-        for block in model.layers.values():
-            for lin in (block.attn.wq, block.attn.wk, block.attn.wv, block.attn.wo, block.mlp.w1, block.mlp.w2,
-                        block.mlp.w3):
-                store.serve(lin)
+        for lin in model.block_linears():
+            store.serve(lin)
     if compile:  # 7
         if store is None:
             apply_compile(model, hooks_outside=comm is not None and p.zero == 3)

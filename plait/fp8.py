@@ -1,0 +1,111 @@
+"""FP8 matmuls for the blocks' linear layers (`--train.fp8 tensorwise|rowwise`).
+
+Each linear y = x W^T runs as three FP8 GEMMs through `torch._scaled_mm` (cuBLAS's FP8 kernels on
+H100/H200, a reference kernel on CPUs): the forward x W^T and the backward's dx = dy W and
+dW = dy^T x. Every operand is cast to FP8 on the fly from its bf16 tensor with a dynamic scale that
+puts its largest magnitude (amax) at the format's largest finite value; the GEMM multiplies the
+inverse scales back in. No state is kept between steps (no amax history), so checkpoints, resume
+and every parallel layout are untouched: a rank quantizes exactly the tensors its bf16 matmul would
+have read.
+
+Two scalings:
+- tensorwise: one scale per operand. x and W in e4m3 (3 mantissa bits), dy in e5m2 (5 exponent
+  bits: gradients span a wider range). The fastest: the scales apply once, outside the GEMM.
+- rowwise: one scale per row of the contraction, (M, 1) for the left operand and (1, N) for the
+  right, all operands e4m3 and scales rounded down to powers of two (exact to apply). An outlier
+  token or channel then costs precision only in its own row.
+
+The bf16 originals are what backward saves (the activation memory of bf16), each quantized again
+along the axis its backward GEMM contracts. The embedding, norms, attention, output head and loss
+stay bf16, the optimizer's master weights fp32. Under torch.compile the casts fuse with the
+transposes each GEMM needs (the right operand column-major) into one pass per operand.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from plait.errors import bad_value
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+RECIPES = ("tensorwise", "rowwise")
+_EPS = 1e-12  # an all-zero operand gets a finite scale (and quantizes to zeros)
+_ALIGN = 16  # cuBLAS FP8 GEMMs need every dimension a multiple of 16
+
+
+def quantize(x: torch.Tensor, fmt: torch.dtype, dim: int | None, pow2: bool = False):
+    """(x in `fmt`, inverse scale): x scaled so that its amax, over `dim` (kept as a size-1 axis) or
+    the whole tensor (dim None), lands on fmt's largest finite value."""
+    a = x.abs().amax() if dim is None else x.abs().amax(dim=dim, keepdim=True)
+    top = torch.finfo(fmt).max
+    scale = top / a.float().clamp(min=_EPS)
+    if pow2:  # a power of two multiplies exactly: the scale itself adds no rounding
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    q = (x.float() * scale).clamp(-top, top).to(fmt)
+    return q, scale.reciprocal()
+
+
+def fp8_gemm(a: torch.Tensor, b: torch.Tensor, fa: torch.dtype, fb: torch.dtype, rowwise: bool,
+             out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+    """a (M, K) @ b (K, N) with both operands quantized along K (rowwise) or whole (tensorwise)."""
+    qa, sa = quantize(a, fa, -1 if rowwise else None, rowwise)  # sa (M, 1) or ()
+    qb, sb = quantize(b, fb, 0 if rowwise else None, rowwise)  # sb (1, N) or ()
+    qa = qa.contiguous()  # _scaled_mm: left operand row-major,
+    qb = qb.t().contiguous().t()  # right operand column-major (no copy when b is a transposed weight)
+    return torch._scaled_mm(qa, qb, scale_a=sa, scale_b=sb, out_dtype=out_dtype, use_fast_accum=fast_accum)
+
+
+class _FP8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, rowwise):
+        x = x.to(weight.dtype)
+        ctx.save_for_backward(x, weight)
+        ctx.rowwise = rowwise
+        x2 = x.reshape(-1, x.shape[-1])  # (M, K)
+        # fast accumulation in the forward only, as is usual: the gradients' long sums keep full
+        # accumulation precision
+        y = fp8_gemm(x2, weight.t(), E4M3, E4M3, rowwise, x.dtype, fast_accum=True)
+        return y.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        rowwise = ctx.rowwise
+        g = E4M3 if rowwise else E5M2
+        dy2 = dy.reshape(-1, dy.shape[-1]).to(weight.dtype)  # (M, N)
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = fp8_gemm(dy2, weight, g, E4M3, rowwise, x.dtype, fast_accum=False).view(x.shape)
+        dw = None
+        if ctx.needs_input_grad[1]:
+            dw = fp8_gemm(dy2.t(), x.reshape(-1, x.shape[-1]), g, E4M3, rowwise, weight.dtype, fast_accum=False)
+        return dx, dw, None
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: str) -> torch.Tensor:
+    """x @ weight^T in FP8; shapes cuBLAS cannot take (a dimension not a multiple of 16, such as one
+    token at a time when generating) run the bf16 matmul instead."""
+    m = x.numel() // x.shape[-1]
+    if m % _ALIGN or x.shape[-1] % _ALIGN or weight.shape[0] % _ALIGN:
+        return F.linear(x, weight)
+    return _FP8Linear.apply(x, weight, recipe == "rowwise")
+
+
+def _forward(linear: nn.Linear, recipe: str, x: torch.Tensor) -> torch.Tensor:
+    return fp8_linear(x, linear.weight, recipe)  # the weight read at each call: TP and ZeRO swap it
+
+
+def apply_fp8(model, recipe: str, device: torch.device) -> None:
+    """Route every block linear of `model` through FP8 GEMMs scaled by `recipe`."""
+    if recipe not in RECIPES:
+        raise bad_value("train.fp8", recipe, f"choose off, {', '.join(RECIPES)}")
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        raise bad_value("train.fp8", recipe, f"needs FP8 tensor cores (H100, H200, L40S, B200); {name} has none: "
+                        "set train.fp8 off")
+    for lin in model.block_linears():
+        lin.forward = functools.partial(_forward, lin, recipe)

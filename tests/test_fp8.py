@@ -1,0 +1,161 @@
+"""FP8 matmuls (plait.fp8): the scaling logic exactly, the GEMMs against fp32, and training with
+`--train.fp8` alone and composed with TP x ZeRO-3 (CPU, torch's reference FP8 kernel)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from plait.cli import main
+from plait.fp8 import E4M3, E5M2, fp8_gemm, fp8_linear, quantize
+from tests.dp_runs import cli_train, metrics_rows, rel
+
+# every matmul dimension a multiple of 16 (cuBLAS's FP8 rule), also per rank at TP 2
+F8M = {"preset": "custom", "vocab_size": 259, "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
+       "ffn_dim": 128, "max_seq_len": 64}
+
+
+def _rel_err(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2])
+def test_tensorwise_scale_puts_amax_on_the_format_max(fmt):
+    x = torch.randn(40, 48) * 7.0
+    q, inv = quantize(x, fmt, None)
+    assert inv.shape == () and q.dtype == fmt
+    assert q.float().abs().max().item() == torch.finfo(fmt).max  # the largest element lands on it
+    # dequantized, every element is within the format's half-spacing (2^-4 for e4m3, 2^-3 for e5m2
+    # relative; subnormals absolute)
+    mant = 3 if fmt == E4M3 else 2
+    err = (q.float() * inv - x).abs()
+    bound = x.abs() * 2.0 ** -(mant + 1) + inv * 2.0 ** -9
+    assert bool((err <= bound * 1.0001).all())
+
+
+def test_rowwise_scales_each_row_by_a_power_of_two():
+    x = torch.randn(32, 64) * torch.logspace(-3, 3, 32)[:, None]  # rows six decades apart
+    q, inv = quantize(x, E4M3, -1, pow2=True)
+    assert inv.shape == (32, 1)
+    assert bool((torch.log2(inv) == torch.round(torch.log2(inv))).all())  # exact powers of two
+    row_max = q.float().abs().amax(-1)
+    top = torch.finfo(E4M3).max
+    assert bool(((row_max >= top / 2) & (row_max <= top)).all())  # rounding down costs <= 1 bit of range
+    assert _rel_err(q.float() * inv, x) < 0.04
+
+
+def test_zero_operand_stays_finite():
+    q, inv = quantize(torch.zeros(16, 16), E4M3, -1, pow2=True)
+    assert bool(torch.isfinite(inv).all()) and q.float().abs().max().item() == 0.0
+
+
+@pytest.mark.parametrize("rowwise", [False, True])
+def test_gemm_applies_the_inverse_scales(rowwise):
+    """_scaled_mm multiplies by exactly the dequantized operands, also for a transposed weight (the
+    right operand column-major)."""
+    a, w = torch.randn(48, 64), torch.randn(32, 64) * 0.1
+    b = w.t()
+    got = fp8_gemm(a, b, E4M3, E4M3, rowwise, torch.float32, fast_accum=False)
+    qa, sa = quantize(a, E4M3, -1 if rowwise else None, rowwise)
+    qb, sb = quantize(b, E4M3, 0 if rowwise else None, rowwise)
+    want = (qa.float() * sa) @ (qb.float() * sb)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert _rel_err(got, a @ b) < 0.06
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_linear_forward_and_gradients_track_fp32(recipe):
+    torch.manual_seed(0)
+    x = torch.randn(4, 16, 64, requires_grad=True)
+    w = (torch.randn(96, 64) * 0.05).requires_grad_()
+    dy = torch.randn(4, 16, 96) * 1e-3
+    y = fp8_linear(x, w, recipe)
+    (gx, gw) = torch.autograd.grad(y, (x, w), dy)
+    ry = F.linear(x, w)
+    (rx, rw) = torch.autograd.grad(ry, (x, w), dy)
+    assert y.shape == ry.shape and gx.shape == x.shape and gw.shape == w.shape
+    for got, want in ((y, ry), (gx, rx), (gw, rw)):
+        assert 1e-4 < _rel_err(got, want) < 0.08  # quantized (not the fp32 matmul), and close to it
+
+
+def test_rowwise_confines_an_outlier_to_its_row():
+    """One token 1e5 times larger: with one scale per tensor the other tokens fall into e4m3's
+    subnormals; with one per row they keep full precision."""
+    torch.manual_seed(0)
+    x, w = torch.randn(32, 64), torch.randn(48, 64) * 0.1
+    x[3] *= 1e5
+    want = x @ w.t()
+    errs = {}
+    for recipe in ("tensorwise", "rowwise"):
+        y = fp8_linear(x, w, recipe)
+        rest = torch.arange(32) != 3
+        errs[recipe] = _rel_err(y[rest], want[rest])
+    assert errs["rowwise"] < 0.06 < errs["tensorwise"], errs
+
+
+def test_unaligned_shapes_run_the_plain_matmul():
+    x, w = torch.randn(1, 1, 64), torch.randn(48, 64)  # one token, as when generating
+    torch.testing.assert_close(fp8_linear(x, w, "rowwise"), F.linear(x, w), rtol=0, atol=0)
+
+
+def _losses(run):
+    return [r["loss"] for r in metrics_rows(run)]
+
+
+def test_fp8_training_and_its_composition_with_tp_and_zero3(corpus, tmp_path):
+    """One process: FP8 (both scalings) trains within 2% of fp32's loss at every step, and is not
+    fp32 (the matmuls really are quantized). TP 2 x ZeRO-3 over DP 2 with FP8 follows the
+    one-process FP8 run on the same micro-batches: column-parallel shards quantize exactly as the
+    full matrix would (scales per output row), row-parallel ones per shard of the contraction, so the
+    match is to quantization, not rounding."""
+    steps = 6
+    runs = {}
+    one = ["--train.micro_batch", "2", "--train.grad_accum", "2"]  # the micro-batches DP 2 reads
+    for name, extra in (("fp32", one), ("tensorwise", [*one, "--train.fp8", "tensorwise"]),
+                        ("rowwise", [*one, "--train.fp8", "rowwise"]),
+                        ("rowwise-tp2-zero3", ["--train.micro_batch", "2", "--train.fp8", "rowwise", "--nproc", "4",
+                                               "--tp", "2", "--dp", "2", "--parallel.zero", "3"])):
+        runs[name] = tmp_path / name
+        assert main(cli_train(corpus, runs[name], F8M, steps, extra)) == 0
+    ref = _losses(runs["fp32"])
+    for recipe in ("tensorwise", "rowwise"):
+        got = _losses(runs[recipe])
+        assert len(got) == steps
+        assert all(1e-6 < rel(a, b) < 0.02 for a, b in zip(got, ref)), (recipe, got, ref)
+    tp = _losses(runs["rowwise-tp2-zero3"])
+    diffs = [rel(a, b) for a, b in zip(tp, _losses(runs["rowwise"]))]
+    print("fp8 rowwise TP2 x ZeRO-3 vs one process: max loss rel diff", max(diffs))
+    assert len(tp) == steps and max(diffs) < 1e-5  # fp32 matmuls there would differ by ~1e-4
+    # validation reads the same held-out windows at both layouts (one global batch of them)
+    vals = [[r["val_loss"] for r in metrics_rows(runs[n]) if r.get("val_loss") is not None]
+            for n in ("rowwise", "rowwise-tp2-zero3")]
+    assert len(vals[0]) == 2 and all(rel(a, b) < 1e-5 for a, b in zip(*vals)), vals
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--train.fp8", "e4m3"], "train.fp8 = 'e4m3': choose off, tensorwise, rowwise"),
+    (["--train.fp8", "rowwise", "--nproc", "2", "--pp", "2", "--parallel.schedule", "zb"], "zero-bubble"),
+])
+def test_bad_fp8_input_is_one_line(extra, needle, corpus, tmp_path, capsys):
+    assert main(cli_train(corpus, tmp_path / "r", F8M, 2, extra)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLAS FP8 GEMMs need an H100-class GPU")
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_linear_on_cuda_eager_and_compiled(recipe):
+    """cuBLAS's FP8 GEMMs (the scales' layouts as _scaled_mm wants them on the GPU), eager and
+    under torch.compile, against the bf16 matmul."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 256, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(768, 512, device="cuda") * 0.05).to(torch.bfloat16).requires_grad_()
+    dy = torch.randn(4, 256, 768, device="cuda", dtype=torch.bfloat16)
+    want = [t.float() for t in (F.linear(x, w), *torch.autograd.grad(F.linear(x, w), (x, w), dy))]
+    for fn in (fp8_linear, torch.compile(fp8_linear)):
+        y = fn(x, w, recipe)
+        got = [t.float() for t in (y, *torch.autograd.grad(y, (x, w), dy))]
+        assert y.dtype == torch.bfloat16
+        for g, r in zip(got, want):
+            assert 1e-4 < _rel_err(g, r) < 0.08
