@@ -23,8 +23,6 @@ transposes each GEMM needs (the right operand column-major) into one pass per op
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -95,8 +93,16 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: str) -> torch.Tens
     return _FP8Linear.apply(x, weight, recipe == "rowwise")
 
 
-def _forward(linear: nn.Linear, recipe: str, x: torch.Tensor) -> torch.Tensor:
-    return fp8_linear(x, linear.weight, recipe)  # the weight read at each call: TP and ZeRO swap it
+class FP8Linear(nn.Linear):
+    """An nn.Linear whose matmul runs in FP8 with `recipe`'s scaling; its weight is the parameter it
+    had (the bf16 copy TP and the engine manage). A class rather than a per-module forward: the
+    compiled blocks then guard on the same code and share one graph, where distinct bound callables
+    made every block compile again (and fall back to eager past dynamo's recompile limit)."""
+
+    recipe = "tensorwise"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.recipe)
 
 
 def apply_fp8(model, recipe: str, device: torch.device) -> None:
@@ -108,4 +114,5 @@ def apply_fp8(model, recipe: str, device: torch.device) -> None:
         raise bad_value("train.fp8", recipe, f"needs FP8 tensor cores (H100, H200, L40S, B200); {name} has none: "
                         "set train.fp8 off")
     for lin in model.block_linears():
-        lin.forward = functools.partial(_forward, lin, recipe)
+        lin.__class__ = FP8Linear  # in place: parameters, names and hooks stay
+        lin.recipe = recipe
