@@ -6,8 +6,10 @@
 The script registers a torchtitan "train spec" (torchtitan's extension point for outside models) whose
 Llama 3 flavor has exactly the shape of plait's preset (plait/config.py): same dim, layers, heads,
 KV heads, SwiGLU width, vocabulary, RoPE and norm settings, and the same parameter count, tied
-input/output embeddings included (1b ties them, as Llama 3.2 1B and plait do). Everything else is
-torchtitan's own recipe as its Llama 3 configs ship it:
+input/output embeddings included (1b ties them, as Llama 3.2 1B and plait do; torchtitan's Llama 3
+has no tying option, so the spec's model class ties the head to the embedding and FSDP shards the two
+as one parameter). Everything else is
+torchtitan's own code and its performance recipe (the options its benchmarks and float8 docs use):
   - FSDP2 over all GPUs (data_parallel_shard_degree = ngpu); fp32 sharded parameters with bf16
     compute and fp32 gradient reduction (torchtitan's defaults). On one GPU torchtitan does not wrap
     in FSDP and uses bf16 autocast over fp32 parameters instead.
@@ -65,11 +67,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="selective AC: 'op' (per-op policy) or N (every N-th block)")
     p.add_argument("--float8", choices=["none", "tensorwise", "rowwise"], default="none",
                    help="float8 linears via torchtitan's torchao converter")
-    p.add_argument("--no-compile", action="store_true", help="run eagerly (torchtitan's default is off; "
-                   "the recipe benchmarked here turns it on)")
+    p.add_argument("--no-compile", action="store_true",
+                   help="run eagerly instead of compiling each block and the loss")
     p.add_argument("--untie", action="store_true", help="untie the embeddings even if the preset ties them")
     p.add_argument("--out", default="", help="also write the JSON result here")
-    p.add_argument("--extra", default="", help="more torchtitan CLI options, e.g. '--parallelism.fsdp_reshard_after_forward never'")
+    p.add_argument("--extra", default="",
+                   help="more torchtitan options, one string given with '=' since it starts with '--': "
+                        "--extra='--parallelism.fsdp_reshard_after_forward never'")
     args = p.parse_args(argv)
     if args.warmup >= args.steps:
         p.error("--warmup must be smaller than --steps")
@@ -416,6 +420,7 @@ def summarize(args: argparse.Namespace, raw: dict, command: list[str]) -> dict:
         "mfu_plait_formula_pct": 100 * tps_mean * matmul_flops_per_token(shape, args.seq) / PEAK_BF16_FLOPS,
         "final_loss": raw["steps"][-1]["loss_metrics/global_avg_loss"] if raw["steps"] else None,
         "command": " ".join(shlex.quote(c) for c in command),
+        "launch": raw.get("launch", ""),
         "torchtitan_args": " ".join(shlex.quote(c) for c in raw["torchtitan_args"]),
         "per_step": [{"step": s["step"], "tps": round(s["throughput(tps)"], 1),
                       "mfu_pct": round(s["mfu(%)"], 2), "loss": round(s["loss_metrics/global_avg_loss"], 4),
@@ -439,6 +444,7 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
             return rc or 1
         with open(env["TT_PEER_RESULT"]) as f:
             raw = json.load(f)
+    raw["launch"] = " ".join(shlex.quote(c) for c in cmd)
     user_cmd = [sys.executable, os.path.relpath(__file__), *argv]
     summary = summarize(args, raw, user_cmd)
     text = json.dumps(summary, indent=1)
