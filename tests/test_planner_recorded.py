@@ -19,7 +19,9 @@ def test_every_recorded_plait_run_is_predicted_and_peak_memory_is_within_goal():
     # selective recomputation, and the pipeline schedules
     for want in ("dp-h100-4gpu.json:plait-1gpu", "dp-h100-4gpu.json:plait-ddp", "dp-h100-4gpu.json:plait-zero2",
                  "dp-8b-h100-4gpu.json:plait-zero3", "tp-h100-4gpu.json:plait-tp4-sp-sel", "tp-h100-4gpu.json:plait-tp2",
-                 "pp-h100-2gpu.json:plait-1f1b", "pp-h100-2gpu.json:plait-interleaved", "pp-h100-2gpu.json:plait-zb"):
+                 "pp-h100-2gpu.json:plait-1f1b", "pp-h100-2gpu.json:plait-interleaved", "pp-h100-2gpu.json:plait-zb",
+                 "train-step-h100-2026-11-26.json:plait@1b/16L-mb2-s8192",
+                 "train-step-h100-2026-11-26.json:plait@8b/8L-mb2-s2048"):
         assert want in names, want
     assert not any(r.source.split(":")[0] in recorded.SUPERSEDED for r in runs)
     checks = recorded.check(runs)

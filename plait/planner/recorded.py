@@ -3,7 +3,7 @@ model, the layout, the cluster it ran on and what was measured, so each predicti
 beside its measurement (`plait plan --check bench/results`, tests/test_planner_recorded.py).
 
 The benches name their layouts in the variant (`plait-zero3`, `plait-tp4-sp-sel`, `plait-1f1b`);
-`_layout` reads those names the way bench/data_parallel.py, bench/tensor_parallel.py,
+`_layout` reads those names the way plait.benchmarks.train_step, bench/data_parallel.py, bench/tensor_parallel.py,
 bench/pipeline.py and bench/context_parallel.py build their runs. Rows of other systems (fsdp2, torch-*, hf) are peers, not
 plait, and are skipped; so are runs whose shape the planner cannot express (uneven pipeline stages).
 """
@@ -29,10 +29,12 @@ SUPERSEDED = {
     "dp-h200-2gpu.json": "made before the ZeRO-3 memory change",
     "dp-8b-h200-2gpu.json": "made before the ZeRO-3 memory change",
     "cp-h100-2gpu-before-ring-ops.json": "ring attention was an autograd.Function then (re-run by selective recompute)",
+    "train-step-h200-2026-11-26.json": "made with a per-tensor optimizer and an fp32 weight-gradient pass in the loss",
 }
+BENCHES = ("train_step", "data_parallel", "tensor_parallel", "pipeline", "context_parallel")
 # Runs made before the fused loss dropped each chunk before forming the next (plait/loss.py): they
 # held a finished chunk while forming the next one and while casting the weight gradient.
-LOSS_HELD_THIRD_CHUNK = {"dp-h100-4gpu.json", "dp-h100-4gpu-fsdp2-fused.json", "dp-8b-6layers-h100-4gpu.json",
+LOSS_HELD_THIRD_CHUNK = {"train-step-h200-2026-11-26b.json", "dp-h100-4gpu.json", "dp-h100-4gpu-fsdp2-fused.json", "dp-8b-6layers-h100-4gpu.json",
                          "dp-8b-h100-4gpu.json", "dp-8b-h200-2gpu-zero3.json", "tp-h100-4gpu.json",
                          "pp-h100-2gpu.json"}
 # Sweeps run before `Engine.close` (plait/parallel/engine.py): each variant's later sequence lengths
@@ -86,6 +88,11 @@ def _layout(bench: str, variant: str, row: dict, config: dict, n_gpus: int, comm
     """(layout arguments, global batch) of a plait row, or None for peers and unexpressible runs."""
     if not variant.startswith("plait"):
         return None
+    if bench == "train_step":  # one GPU; FP8 and eager variants are not priced by the planner
+        rc = {"plait": "none", "plait-selective": "selective", "plait-full": "full"}.get(variant)
+        if rc is None:
+            return None
+        return dict(dp=1, zero=0, micro_batch=row["micro_batch"], recompute=rc), row["micro_batch"]
     if bench == "data_parallel":
         mb = config["micro_batch"]
         if variant == "plait-1gpu":
@@ -135,11 +142,11 @@ def load(folder: str | Path) -> list[Run]:
         data = json.loads(path.read_text())
         bench, config = data.get("benchmark"), data.get("config") or {}
         card = data.get("card")
-        if bench not in ("data_parallel", "tensor_parallel", "pipeline", "context_parallel") or card_key(card) is None:
+        if bench not in BENCHES or card_key(card) is None:
             continue
         if path.name in SUPERSEDED:
             continue
-        n = int(data["gpus"])
+        n = int(data.get("gpus", 1))
         seen = set()
         for row in data.get("rows", []):
             first = row["variant"] not in seen
@@ -148,6 +155,9 @@ def load(folder: str | Path) -> list[Run]:
                 continue  # the variant failed (out of memory, timed out): nothing was measured
             if path.name in FIRST_ROW_ONLY and not first:
                 continue
+            if bench == "train_step":  # each row its own model and batch
+                config = {"preset": row["preset"], "seq": row["seq_len"],
+                          "model": [f"n_layers={row['n_layers']}"] if "n_layers" in row else []}
             got = _layout(bench, row["variant"], row, config, n, data.get("command"))
             if got is None:
                 continue
@@ -155,6 +165,9 @@ def load(folder: str | Path) -> list[Run]:
             used = n if variant_spans_all(lay) else 1
             seq = row.get("seq", config.get("seq"))  # a sweep over sequence lengths records it per row
             key = f"{path.name}:{row['variant']}" + (f"@{seq}" if "seq" in row else "")
+            if bench == "train_step":
+                key += f"@{row['preset']}" + (f"/{row['n_layers']}L" if "n_layers" in row else "") + \
+                       f"-mb{row['micro_batch']}-s{seq}"
             runs.setdefault(key, []).append(Run(
                 key, card_key(card), used, config["preset"], _model_overrides(config), seq, gb, lay,
                 row["step_s_median"], row.get("peak_mem_gb_max_rank", row["peak_mem_gb"])))
