@@ -105,8 +105,8 @@ def _losses(run):
 
 def test_fp8_training_and_its_composition_with_tp_and_zero3(corpus, tmp_path):
     """One process: FP8 (both scalings) trains within 2% of fp32's loss at every step, and is not
-    fp32 (the matmuls really are quantized). TP 2 x ZeRO-3 over DP 2 with FP8 follows the
-    one-process FP8 run on the same micro-batches: column-parallel shards quantize exactly as the
+    fp32 (the matmuls really are quantized). TP 2 x ZeRO-3 over DP 2, and a 1F1B pipeline over 2
+    stages, with FP8 follow the one-process FP8 run on the same micro-batches: column-parallel shards quantize exactly as the
     full matrix would (scales per output row), row-parallel ones per shard of the contraction, so the
     match is to quantization, not rounding."""
     steps = 6
@@ -115,7 +115,8 @@ def test_fp8_training_and_its_composition_with_tp_and_zero3(corpus, tmp_path):
     for name, extra in (("fp32", one), ("tensorwise", [*one, "--train.fp8", "tensorwise"]),
                         ("rowwise", [*one, "--train.fp8", "rowwise"]),
                         ("rowwise-tp2-zero3", ["--train.micro_batch", "2", "--train.fp8", "rowwise", "--nproc", "4",
-                                               "--tp", "2", "--dp", "2", "--parallel.zero", "3"])):
+                                               "--tp", "2", "--dp", "2", "--parallel.zero", "3"]),
+                        ("rowwise-pp2", [*one, "--train.fp8", "rowwise", "--nproc", "2", "--pp", "2", "--dp", "1"])):
         runs[name] = tmp_path / name
         assert main(cli_train(corpus, runs[name], F8M, steps, extra)) == 0
     ref = _losses(runs["fp32"])
@@ -123,10 +124,11 @@ def test_fp8_training_and_its_composition_with_tp_and_zero3(corpus, tmp_path):
         got = _losses(runs[recipe])
         assert len(got) == steps
         assert all(1e-6 < rel(a, b) < 0.02 for a, b in zip(got, ref)), (recipe, got, ref)
-    tp = _losses(runs["rowwise-tp2-zero3"])
-    diffs = [rel(a, b) for a, b in zip(tp, _losses(runs["rowwise"]))]
-    print("fp8 rowwise TP2 x ZeRO-3 vs one process: max loss rel diff", max(diffs))
-    assert len(tp) == steps and max(diffs) < 1e-5  # fp32 matmuls there would differ by ~1e-4
+    for name in ("rowwise-tp2-zero3", "rowwise-pp2"):  # a pipeline stage's blocks run FP8 too
+        got = _losses(runs[name])
+        diffs = [rel(a, b) for a, b in zip(got, _losses(runs["rowwise"]))]
+        print(f"fp8 {name} vs one process: max loss rel diff", max(diffs))
+        assert len(got) == steps and max(diffs) < 1e-5, name  # fp32 matmuls there would differ by ~1e-4
     # validation reads the same held-out windows at both layouts (one global batch of them)
     vals = [[r["val_loss"] for r in metrics_rows(runs[n]) if r.get("val_loss") is not None]
             for n in ("rowwise", "rowwise-tp2-zero3")]
