@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from plait.cli import main
 from plait.fp8 import E4M3, E5M2, fp8_gemm, fp8_linear, quantize
-from tests.dp_runs import cli_train, metrics_rows, rel
+from dp_runs import cli_train, metrics_rows, rel
 
 # every matmul dimension a multiple of 16 (cuBLAS's FP8 rule), also per rank at TP 2
 F8M = {"preset": "custom", "vocab_size": 259, "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
