@@ -15,7 +15,8 @@ backward frees activations rather than held through the forward pass.
 
 The schedule around a step (hooks on the model and on every block; `_OnBackward` markers are
 identities whose backward marks where a block's backward starts and ends):
-  forward   root: gather (it stays until its gradients are reduced: the norms are used by every
+  forward   finish the previous backward's reductions (frees their buffers before activations
+            build up); root: gather (it stays until its gradients are reduced: the norms are used by every
             block, and a block runs right after); block i: wait for its gather, start gathering
             block i+1 (prefetch, so the transfer hides under block i's compute), run, free.
   backward  start: start gathering the last block.
@@ -126,6 +127,10 @@ class Zero3(Sharded):
     # ---- forward -----------------------------------------------------------------------------------
 
     def _model_pre(self, module, args):
+        # the previous backward's last reductions (the root's packed gradient among them, a full
+        # copy of its embedding and output) would otherwise stay queued, and their buffers held,
+        # through this forward's activation peak; they finished long ago, so this costs no time
+        self.inflight.wait_all()
         self.gather.wait(self.root)
         self.gather.gather(0)
 
