@@ -59,7 +59,6 @@ def validate_config(cfg: Config) -> Config:
                         f"exceeds model.max_seq_len = {cfg.model.max_seq_len}; shorten it or raise model.max_seq_len")
     if t.dtype not in ("auto", "fp32", "bf16"):
         raise bad_value("train.dtype", t.dtype, "choose auto, fp32 or bf16")
-    _check_fp8(cfg)
     if t.device not in ("auto", "cpu", "cuda"):
         raise bad_value("train.device", t.device, "choose auto, cpu or cuda")
     if t.compile not in ("auto", "on", "off"):
@@ -87,6 +86,7 @@ def validate_config(cfg: Config) -> Config:
     dims = validate_parallel(cfg)
     derive_grad_accum(cfg, dims.dp_replicate * dims.dp_shard)
     validate_pipeline(cfg)
+    _check_fp8(cfg)
     return cfg
 
 
@@ -233,3 +233,16 @@ def _check_fp8(cfg: Config) -> None:
     if cfg.parallel.pp > 1 and cfg.parallel.schedule == "zb":
         raise bad_value("train.fp8", t.fp8, "does not compose with the zero-bubble schedule's deferred "
                         "weight gradients; choose parallel.schedule 1f1b or interleaved")
+    # cuBLAS's FP8 GEMMs take only dimensions that are multiples of 16: every matmul of a training
+    # step must be, or FP8 would quietly run in bf16 (generation's one token at a time may)
+    m, p = cfg.model, cfg.parallel
+    kv_rows = max(m.n_kv_heads // p.tp, 1) * m.head_dim
+    for field, size, what in (("model.dim", m.dim, "the model width"),
+                              ("model.ffn_dim", m.ffn_dim // p.tp, "the MLP width per tensor-parallel rank"),
+                              ("model.n_heads", m.n_heads * m.head_dim // p.tp, "the query width per tensor-parallel rank"),
+                              ("model.n_kv_heads", kv_rows, "the key/value width per tensor-parallel rank"),
+                              ("train.micro_batch", t.micro_batch * t.seq_len // p.cp, "the tokens of a micro-batch per rank")):
+        if size % 16:
+            raise bad_value("train.fp8", t.fp8, f"needs {what} a multiple of 16 (it is {size}, from {field} = "
+                            f"{getattr(m if field.startswith('model') else t, field.split('.')[1])}); "
+                            "change it or set train.fp8 off")

@@ -138,6 +138,9 @@ def test_fp8_training_and_its_composition_with_tp_and_zero3(corpus, tmp_path):
 @pytest.mark.parametrize("extra,needle", [
     (["--train.fp8", "e4m3"], "train.fp8 = 'e4m3': choose off, tensorwise, rowwise"),
     (["--train.fp8", "rowwise", "--nproc", "2", "--pp", "2", "--parallel.schedule", "zb"], "zero-bubble"),
+    (["--train.fp8", "rowwise", "--model.ffn_dim", "120"], "MLP width per tensor-parallel rank a multiple of 16 (it is 120"),
+    (["--train.fp8", "tensorwise", "--nproc", "4", "--cp", "4", "--train.micro_batch", "1"],
+     "tokens of a micro-batch per rank a multiple of 16 (it is 8, from train.micro_batch = 1)"),
 ])
 def test_bad_fp8_input_is_one_line(extra, needle, corpus, tmp_path, capsys):
     assert main(cli_train(corpus, tmp_path / "r", F8M, 2, extra)) == 2
