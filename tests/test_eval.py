@@ -17,7 +17,8 @@ from conftest import micro_config
 @pytest.fixture(scope="module")
 def run(corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("eval") / "run"
-    train(preflight(micro_config(corpus, out, train={"steps": 4, "eval_batches": 3})))
+    # two micro-batches a step: the validation set is eval_batches global batches of 2 x 4 sequences
+    train(preflight(micro_config(corpus, out, train={"steps": 4, "eval_batches": 3, "grad_accum": 2})))
     return out
 
 
@@ -34,7 +35,7 @@ def test_eval_reproduces_the_runs_validation_loss(run, corpus, capsys):
     # same weights, same windows (the run's seed, micro-batch, sequence and eval batches), fp32
     assert r["loss"] == pytest.approx(state["val_loss"], rel=1e-6)
     assert r["perplexity"] == pytest.approx(math.exp(state["val_loss"]), rel=1e-6)
-    assert r["tokens"] == 3 * 4 * 32
+    assert r["tokens"] == 3 * 2 * 4 * 32
     assert main(["eval", "--checkpoint", str(run), "--data", str(corpus)]) == 0
     loss, ppl = _reported(capsys.readouterr().out)
     assert loss == pytest.approx(state["val_loss"], abs=1e-4) and ppl == pytest.approx(math.exp(loss), rel=1e-3)
@@ -52,7 +53,7 @@ def test_an_hf_export_evaluates_like_its_checkpoint(run, corpus, tmp_path, capsy
     # the HF folder carries no run config: its defaults give seed 0, the micro run's seed too, so
     # with the run's batch shape both read the same windows with the same fp32 weights
     hf = evaluate(str(tmp_path / "hf"), TokenData(corpus), batches=3, batch_size=4, seq_len=32)
-    assert hf["loss"] == pytest.approx(evaluate(str(run), TokenData(corpus))["loss"], rel=1e-5)
+    assert hf["loss"] == pytest.approx(evaluate(str(run), TokenData(corpus), batches=3, batch_size=4)["loss"], rel=1e-5)
 
 
 @pytest.mark.parametrize("case, needle", [

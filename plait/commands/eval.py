@@ -1,9 +1,9 @@
 """`plait eval --checkpoint RUN_OR_HF_DIR --data DIR`: held-out loss and perplexity of a checkpoint.
 
-The windows are `TokenData.val_batches` with the run's seed, micro-batch and sequence length unless
-overridden, i.e. the windows the run itself validated on with one data-parallel rank: a
-checkpoint's `val_loss` is reproduced, and two checkpoints evaluated on the same folder with the
-same flags see the same tokens.
+The windows are `TokenData.val_batches` with the run's seed, sequence length and validation set
+(train.eval_batches global batches, read a micro-batch at a time) unless overridden, i.e. the
+windows the run itself validated on at whatever layout it ran: a checkpoint's `val_loss` is
+reproduced, and two checkpoints evaluated on the same folder with the same flags see the same tokens.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ def add_arguments(p) -> None:
     p.add_argument("--checkpoint", required=True,
                    help="a step_XXXXXXXX folder, a run folder (newest valid checkpoint) or a HuggingFace Llama folder")
     p.add_argument("--data", required=True, help="a folder made by `plait data prepare`; its validation split is read")
-    p.add_argument("--batches", type=int, default=0, help="batches to average (default: the run's train.eval_batches)")
+    p.add_argument("--batches", type=int, default=0, help="batches to average (default: the run's validation set, train.eval_batches global batches)")
     p.add_argument("--batch-size", type=int, default=0, help="sequences per batch (default: the run's train.micro_batch)")
     p.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (default: the run's train.seq_len)")
     p.add_argument("--device", default="cpu")
@@ -49,6 +49,19 @@ def _same_tokenizer(model_tok, data) -> bool:
     return digest(model_tok.path) == digest(data.path / spec.get("file", "tokenizer.json"))
 
 
+def _global_batch(checkpoint: str, t) -> int:
+    """Sequences per optimizer step of the run (an HF folder records none: one micro-batch)."""
+    import json
+
+    from plait import checkpoint as ckpt
+    from plait import hf
+
+    if hf.is_hf_dir(checkpoint):
+        return t.micro_batch
+    state = json.loads((ckpt.resolve_for_reading(checkpoint) / "train_state.json").read_text())
+    return int(state.get("global_batch") or t.micro_batch * t.grad_accum)
+
+
 def evaluate(checkpoint: str, data, *, batches: int = 0, batch_size: int = 0, seq_len: int = 0,
              device: str = "cpu") -> dict:
     """Mean next-token loss over the validation windows, and perplexity = exp(loss).
@@ -77,7 +90,9 @@ def evaluate(checkpoint: str, data, *, batches: int = 0, batch_size: int = 0, se
         raise bad_value("--data", str(data.path), "was prepared with another tokenizer than the checkpoint's; "
                         "prepare it with the model's tokenizer.json")
     t = cfg.train
-    batches, batch_size, seq_len = batches or t.eval_batches, batch_size or t.micro_batch, seq_len or t.seq_len
+    if not batches:  # the run's validation set: eval_batches of its global batch, a micro-batch at a time
+        batches = t.eval_batches * _global_batch(checkpoint, t) // (batch_size or t.micro_batch)
+    batch_size, seq_len = batch_size or t.micro_batch, seq_len or t.seq_len
     if seq_len > cfg.model.max_seq_len:
         raise bad_value("--seq-len", seq_len, f"exceeds the model's max_seq_len {cfg.model.max_seq_len}; use a shorter one")
     longest = max((len(s) for s in data.splits["val"].shards), default=0)
