@@ -104,6 +104,11 @@ class FP8Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_linear(x, self.weight, self.recipe)
 
+    def matmul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x @ weight^T in FP8 for part of this layer's weight (the KV head a tensor-parallel rank
+        uses where heads are replicated)."""
+        return fp8_linear(x, weight, self.recipe)
+
 
 def apply_fp8(model, recipe: str, device: torch.device) -> None:
     """Route every block linear of `model` through FP8 GEMMs scaled by `recipe`."""

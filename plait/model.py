@@ -124,7 +124,9 @@ class Attention(nn.Module):
         self.cp = None  # `plait.parallel.context.ContextParallel` when the sequence is split over ranks
 
     def _kv(self, proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        return proj(x) if self.kv_rows is None else F.linear(x, proj.weight[self.kv_rows])
+        if self.kv_rows is None:
+            return proj(x)
+        return proj.matmul(x, proj.weight[self.kv_rows]) if hasattr(proj, "matmul") else F.linear(x, proj.weight[self.kv_rows])
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv=None, docs=None) -> torch.Tensor:
         """kv: this layer's `plait.kv_cache.LayerCache` when generating (x holds the new positions only).
