@@ -212,3 +212,32 @@ def test_a_replicated_kv_head_projects_in_fp8():
     got = attn._kv(attn.wk, x)
     torch.testing.assert_close(got, fp8_linear(x, attn.wk.weight[16:32], "rowwise"), rtol=0, atol=0)
     assert not torch.equal(got, F.linear(x, attn.wk.weight[16:32]))
+
+
+@pytest.mark.parametrize("recompute,per_layer", [("none", 7 + 14), ("selective", 7 + 2 + 14)])
+def test_selective_recompute_keeps_the_fp8_gemms(recompute, per_layer):
+    """Selective recomputation keeps FP8 GEMM outputs as it keeps bf16 matmul outputs: backward
+    runs again only each branch's last projection (wo, w2) besides its own two GEMMs a linear."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from plait.config import build_config
+    from plait.fp8 import apply_fp8
+    from plait.model import Transformer
+    from plait.parallel.recompute import apply_recompute
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._scaled_mm.default:
+                Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    cfg = build_config({"model": F8M}).model
+    model = Transformer(cfg)
+    apply_fp8(model, "tensorwise", torch.device("cpu"))
+    apply_recompute(model, recompute)
+    x = torch.randint(0, cfg.vocab_size, (2, 32))
+    with Count():
+        model(x, x).backward()
+    assert Count.n == cfg.n_layers * per_layer

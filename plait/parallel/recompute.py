@@ -28,7 +28,9 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 _aten = torch.ops.aten
-MATMULS = {_aten.mm.default, _aten.addmm.default}
+# the FP8 linears' forward GEMM (plait/fp8.py) counts as the matmul it replaces; its quantization
+# passes around it are recomputed like any element-wise op
+MATMULS = {_aten.mm.default, _aten.addmm.default, _aten._scaled_mm.default}
 # attention kernels (whichever SDPA picks) and the collectives that enter a tensor-parallel region
 KEPT = {getattr(_aten, n).default for n in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
                                             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
