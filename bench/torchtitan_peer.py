@@ -126,7 +126,7 @@ def torchtitan_model_args(s: dict, seq: int):
         tie_embeddings: bool = False
 
     # torchtitan sizes SwiGLU as multiple_of * ceil(int(mult * int(8 * dim / 3)) / multiple_of);
-    # multiple_of = ffn_dim with a multiplier just under ffn_dim / int(8 * dim / 3) lands exactly on it.
+    # multiple_of = ffn_dim with the multiplier ffn_dim / int(8 * dim / 3) lands exactly on it.
     base = int(2 * 4 * s["dim"] / 3)
     mult = s["ffn_dim"] / base
     # RoPE: torchtitan always applies Llama 3 frequency scaling; factor 1 leaves frequencies as they are.

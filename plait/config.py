@@ -136,7 +136,7 @@ class TrainConfig:
     eval_every: int = 50
     """Validation loss every this many steps (0 = only at the end)."""
     eval_batches: int = 8
-    """Global batches (micro_batch x grad_accum x dp windows) of held-out data per validation: the same windows at every layout of one global batch."""
+    """Global batches (micro_batch x grad_accum x dp windows) of held-out data per validation: the same windows at every layout of one global batch. Each costs grad_accum forward passes per rank (a pipeline runs them one after another): lower it for long accumulations."""
     out: str = ""
     """Run folder for config, metrics and checkpoints (default runs/<timestamp>)."""
     progress: bool = True

@@ -43,7 +43,8 @@ def quantize(x: torch.Tensor, fmt: torch.dtype, dim: int | None, pow2: bool = Fa
     scale = top / a.float().clamp(min=_EPS)
     if pow2:  # a power of two multiplies exactly: the scale itself adds no rounding
         scale = torch.exp2(torch.floor(torch.log2(scale)))
-    q = (x.float() * scale).clamp(-top, top).to(fmt)
+    # one fp32 copy of x scaled in place, not three (eager); copy=True: an fp32 x must stay untouched
+    q = x.to(torch.float32, copy=True).mul_(scale).clamp_(-top, top).to(fmt)
     return q, scale.reciprocal()
 
 
@@ -119,5 +120,6 @@ def apply_fp8(model, recipe: str, device: torch.device) -> None:
         raise bad_value("train.fp8", recipe, f"needs FP8 tensor cores (H100, H200, L40S, B200); {name} has none: "
                         "set train.fp8 off")
     for lin in model.block_linears():
+        assert lin.bias is None, "FP8Linear computes no bias; plait's linears have none"
         lin.__class__ = FP8Linear  # in place: parameters, names and hooks stay
         lin.recipe = recipe

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.config import ModelConfig
+from plait.fp8 import FP8Linear
 from plait.loss import ce_chunk, linear_cross_entropy
 
 
@@ -126,7 +127,8 @@ class Attention(nn.Module):
     def _kv(self, proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         if self.kv_rows is None:
             return proj(x)
-        return proj.matmul(x, proj.weight[self.kv_rows]) if hasattr(proj, "matmul") else F.linear(x, proj.weight[self.kv_rows])
+        rows = proj.weight[self.kv_rows]
+        return proj.matmul(x, rows) if isinstance(proj, FP8Linear) else F.linear(x, rows)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv=None, docs=None) -> torch.Tensor:
         """kv: this layer's `plait.kv_cache.LayerCache` when generating (x holds the new positions only).

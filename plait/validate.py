@@ -236,13 +236,15 @@ def _check_fp8(cfg: Config) -> None:
     # cuBLAS's FP8 GEMMs take only dimensions that are multiples of 16: every matmul of a training
     # step must be, or FP8 would quietly run in bf16 (generation's one token at a time may)
     m, p = cfg.model, cfg.parallel
-    kv_rows = max(m.n_kv_heads // p.tp, 1) * m.head_dim
-    for field, size, what in (("model.dim", m.dim, "the model width"),
-                              ("model.ffn_dim", m.ffn_dim // p.tp, "the MLP width per tensor-parallel rank"),
-                              ("model.n_heads", m.n_heads * m.head_dim // p.tp, "the query width per tensor-parallel rank"),
-                              ("model.n_kv_heads", kv_rows, "the key/value width per tensor-parallel rank"),
-                              ("train.micro_batch", t.micro_batch * t.seq_len // p.cp, "the tokens of a micro-batch per rank")):
+    kv = max(m.n_kv_heads // p.tp, 1)
+    for what, size, source in (
+            ("the model width", m.dim, f"model.dim = {m.dim}"),
+            ("the MLP width per tensor-parallel rank", m.ffn_dim // p.tp, f"model.ffn_dim / tp = {m.ffn_dim} / {p.tp}"),
+            ("the query width per tensor-parallel rank", m.dim // p.tp, f"model.dim / tp = {m.dim} / {p.tp}"),
+            ("the key/value width per tensor-parallel rank", kv * m.head_dim,
+             f"{kv} KV head(s) of model.dim / model.n_heads = {m.head_dim}"),
+            ("the tokens of a micro-batch per rank", t.micro_batch * t.seq_len // p.cp,
+             f"train.micro_batch x train.seq_len / cp = {t.micro_batch} x {t.seq_len} / {p.cp}")):
         if size % 16:
-            raise bad_value("train.fp8", t.fp8, f"needs {what} a multiple of 16 (it is {size}, from {field} = "
-                            f"{getattr(m if field.startswith('model') else t, field.split('.')[1])}); "
+            raise bad_value("train.fp8", t.fp8, f"needs {what} a multiple of 16 (it is {size}: {source}); "
                             "change it or set train.fp8 off")

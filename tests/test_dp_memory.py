@@ -52,6 +52,7 @@ def _body(dims, corpus):
     train(config(corpus, zero=3, dtype="bf16", steps=1), groups.comm("hsdp"), before_step=lambda e: got.update(measure_memory(e)))
     out[(3, "bf16", "hsdp")] = got
     # ZeRO-3 over two micro-batches: what the in-flight reductions keep alive as each forward begins
+    # (2 steps x 2 micro-batches = 4 forwards: this helper runs no validation)
     kept = []
 
     def step_fn(par, batches, lr):

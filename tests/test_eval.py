@@ -41,6 +41,8 @@ def test_eval_reproduces_the_runs_validation_loss(run, corpus, capsys):
     assert loss == pytest.approx(state["val_loss"], abs=1e-4) and ppl == pytest.approx(math.exp(loss), rel=1e-3)
     other = evaluate(str(run), TokenData(corpus), batches=2, batch_size=2, seq_len=16)
     assert other["tokens"] == 2 * 2 * 16 and other["loss"] != r["loss"]
+    # a batch larger than the validation set (3 x 8 sequences) still reads one batch
+    assert evaluate(str(run), TokenData(corpus), batch_size=64)["batches"] == 1
 
 
 def test_an_hf_export_evaluates_like_its_checkpoint(run, corpus, tmp_path, capsys):

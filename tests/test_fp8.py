@@ -128,12 +128,14 @@ def test_fp8_training_and_its_composition_with_tp_and_zero3(corpus, tmp_path):
         assert all(1e-6 < rel(a, b) < 0.02 for a, b in zip(got, ref)), (recipe, got, ref)
     # a pipeline stage's blocks run FP8 as one process's do; at TP 4 more of the GEMMs contract over
     # a split dimension (scales per shard of a row), so the match loosens, still below FP8 vs fp32
+    gap = max(rel(a, b) for a, b in zip(_losses(runs["fp32"]), _losses(runs["rowwise"])))  # ~2e-4
     bounds = {"rowwise-tp2-zero3": 1e-5, "rowwise-pp2": 1e-5, "rowwise-tp4": 1e-4}
     for name, bound in bounds.items():
         got = _losses(runs[name])
         diffs = [rel(a, b) for a, b in zip(got, _losses(runs["rowwise"]))]
-        print(f"fp8 {name} vs one process: max loss rel diff", max(diffs))
-        assert len(got) == steps and max(diffs) < bound, name  # fp32 matmuls differ by ~2e-4
+        print(f"fp8 {name} vs one process: max loss rel diff {max(diffs):.2e} (FP8 vs fp32: {gap:.2e})")
+        # closer to one FP8 process than FP8 is to fp32: the layout's matmuls did run in FP8
+        assert len(got) == steps and max(diffs) < min(bound, gap / 3), name
     # validation reads the same held-out windows at both layouts (one global batch of them)
     vals = [[r["val_loss"] for r in metrics_rows(runs[n]) if r.get("val_loss") is not None]
             for n in ("rowwise", "rowwise-tp2-zero3")]
@@ -143,9 +145,9 @@ def test_fp8_training_and_its_composition_with_tp_and_zero3(corpus, tmp_path):
 @pytest.mark.parametrize("extra,needle", [
     (["--train.fp8", "e4m3"], "train.fp8 = 'e4m3': choose off, tensorwise, rowwise"),
     (["--train.fp8", "rowwise", "--nproc", "2", "--pp", "2", "--parallel.schedule", "zb"], "zero-bubble"),
-    (["--train.fp8", "rowwise", "--model.ffn_dim", "120"], "MLP width per tensor-parallel rank a multiple of 16 (it is 120"),
+    (["--train.fp8", "rowwise", "--model.ffn_dim", "120"], "MLP width per tensor-parallel rank a multiple of 16 (it is 120: model.ffn_dim / tp = 120 / 1)"),
     (["--train.fp8", "tensorwise", "--nproc", "4", "--cp", "4", "--train.micro_batch", "1"],
-     "tokens of a micro-batch per rank a multiple of 16 (it is 8, from train.micro_batch = 1)"),
+     "tokens of a micro-batch per rank a multiple of 16 (it is 8: train.micro_batch x train.seq_len / cp = 1 x 32 / 4)"),
 ])
 def test_bad_fp8_input_is_one_line(extra, needle, corpus, tmp_path, capsys):
     assert main(cli_train(corpus, tmp_path / "r", F8M, 2, extra)) == 2

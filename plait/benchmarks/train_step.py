@@ -76,8 +76,10 @@ def _plait_step_fn(cfg, micro_batch, seq, compiled, variant="plait"):
     for part in variant.split("-")[1:]:
         if part in ("selective", "full"):
             full.train.recompute = part
-        if part in ("tensorwise", "rowwise"):
+        elif part in ("tensorwise", "rowwise"):
             full.train.fp8 = part
+        elif part not in ("fp8", "ao", "eager"):  # a typo must not run bf16 under an FP8 name
+            raise SystemExit(f"variant {variant!r}: unknown part {part!r}")
     if "-ao-" in variant:
         plait.fp8.apply_fp8 = _torchao_fp8  # parallelize imports it at call time
     # one device: the trainer's own build, engine and step

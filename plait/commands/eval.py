@@ -3,7 +3,10 @@
 The windows are `TokenData.val_batches` with the run's seed, sequence length and validation set
 (train.eval_batches global batches, read a micro-batch at a time) unless overridden, i.e. the
 windows the run itself validated on at whatever layout it ran: a checkpoint's `val_loss` is
-reproduced, and two checkpoints evaluated on the same folder with the same flags see the same tokens.
+reproduced (to rounding, and where the run validated in FP8 to FP8's error: evaluation runs the
+plain matmuls), and two checkpoints evaluated on the same folder with the same flags see the same
+tokens. Checkpoints saved before validation read whole global batches (eval_batches micro-batches
+per rank) logged a loss over fewer windows.
 """
 
 from __future__ import annotations
@@ -91,7 +94,7 @@ def evaluate(checkpoint: str, data, *, batches: int = 0, batch_size: int = 0, se
                         "prepare it with the model's tokenizer.json")
     t = cfg.train
     if not batches:  # the run's validation set: eval_batches of its global batch, a micro-batch at a time
-        batches = t.eval_batches * _global_batch(checkpoint, t) // (batch_size or t.micro_batch)
+        batches = max(1, -(-t.eval_batches * _global_batch(checkpoint, t) // (batch_size or t.micro_batch)))
     batch_size, seq_len = batch_size or t.micro_batch, seq_len or t.seq_len
     if seq_len > cfg.model.max_seq_len:
         raise bad_value("--seq-len", seq_len, f"exceeds the model's max_seq_len {cfg.model.max_seq_len}; use a shorter one")

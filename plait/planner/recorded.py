@@ -34,8 +34,8 @@ SUPERSEDED = {
 BENCHES = ("train_step", "data_parallel", "tensor_parallel", "pipeline", "context_parallel")
 # Runs made before the fused loss dropped each chunk before forming the next (plait/loss.py): they
 # held a finished chunk while forming the next one and while casting the weight gradient.
-LOSS_HELD_THIRD_CHUNK = {"train-step-h200-2026-11-26b.json", "dp-h100-4gpu.json", "dp-h100-4gpu-fsdp2-fused.json", "dp-8b-6layers-h100-4gpu.json",
-                         "dp-8b-h100-4gpu.json", "dp-8b-h200-2gpu-zero3.json", "tp-h100-4gpu.json",
+LOSS_HELD_THIRD_CHUNK = {"train-step-h200-2026-11-26b.json", "dp-h100-4gpu.json", "dp-h100-4gpu-fsdp2-fused.json",
+                         "dp-8b-6layers-h100-4gpu.json", "dp-8b-h100-4gpu.json", "dp-8b-h200-2gpu-zero3.json", "tp-h100-4gpu.json",
                          "pp-h100-2gpu.json"}
 # Sweeps run before `Engine.close` (plait/parallel/engine.py): each variant's later sequence lengths
 # ran with the earlier length's model, engine and optimizer state still allocated (its hooks kept
