@@ -235,3 +235,51 @@ def test_3d_matches_the_single_process_run(corpus, tmp_path_factory, name, _thre
     ref = train(cfg, None, root / f"ref-{name}")
     got = _three_d["runs"][-1][name]
     assert_equivalent(name, got, ref, root / name, full_weights(root / f"ref-{name}"))
+
+
+def test_zero_bubble_linears_defer_inside_compiled_blocks():
+    """ZB-H1 with compiled blocks: the served linears break out of the graphs (their backward defers
+    dW, a side effect no graph can hold), everything between them compiles, and every block shares
+    the first block's graphs. dx comes at once and matches the plain model's; dW waits for W."""
+    import copy
+
+    import torch
+    from torch._dynamo.utils import counters
+
+    from plait.config import build_config
+    from plait.model import Transformer, rope_table
+    from plait.parallel.wgrad import WeightGradStore
+
+    cfg = build_config({"model": {"preset": "custom", "vocab_size": 64, "dim": 32, "n_layers": 3, "n_heads": 4,
+                                  "n_kv_heads": 2, "ffn_dim": 64, "max_seq_len": 32}}).model
+    model = Transformer(cfg)
+    ref = copy.deepcopy(model)
+    store = WeightGradStore()
+    for lin in model.block_linears():
+        store.serve(lin)
+    cos, sin = (t[:16] for t in rope_table(cfg))
+    x0 = torch.randn(2, 16, cfg.dim)
+    torch._dynamo.reset()
+    counters.clear()
+    graphs = []
+    x = x0.clone().requires_grad_()
+    h = x
+    for block in model.layers.values():
+        block.compile(backend="aot_eager")
+        h = block(h, cos, sin)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] > 1 and graphs[0] == graphs[-1]  # pieces between the linears; no block compiles again
+    with store.input_grads_only("m"):
+        h.sum().backward()
+    assert all(lin.weight.grad is None for lin in model.block_linears())  # deferred ...
+    assert len(store.pending["m"]) == 3 * 7
+    xr = x0.clone().requires_grad_()
+    hr = xr
+    for block in ref.layers.values():
+        hr = block(hr, cos, sin)
+    hr.sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad)  # ... while dx is complete
+    store.run("m")
+    for a, b in zip(model.block_linears(), ref.block_linears()):
+        torch.testing.assert_close(a.weight.grad, b.weight.grad)
+    torch._dynamo.reset()

@@ -81,3 +81,15 @@ def test_bad_pipeline_input_is_one_line(corpus, tmp_path, capfd, extra, needle):
     assert main(_args(corpus, tmp_path / "r", extra=extra)) == 2
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0], err
+
+
+def test_compiled_zero_bubble_trains_as_one_process(corpus, tmp_path):
+    """What a GPU user runs: ZB-H1 with compiled blocks (the linears between the compiled pieces
+    defer their weight gradients) against one eager process."""
+    from dp_runs import assert_same_cli_run
+
+    one, zb = tmp_path / "one", tmp_path / "zb"
+    assert main(_args(corpus, one, steps=2, extra=["--train.grad_accum", "4"])) == 0
+    assert main(_args(corpus, zb, steps=2, extra=["--nproc", "2", "--pp", "2", "--dp", "1", "--schedule", "zb",
+                                                  "--microbatches", "4", "--train.compile", "on"])) == 0
+    assert_same_cli_run(zb, one, 2, loss_tol=1e-4, weights=False)  # compiled kernels round differently

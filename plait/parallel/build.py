@@ -16,7 +16,8 @@ The order is fixed, and each step depends on the ones before it:
   7. compile                      per block, after every structural change and before the engine's
                                   hooks, so ZeRO-3's hooks run eagerly around the compiled code (a
                                   zero-bubble pipeline defers weight gradients from inside backward,
-                                  which a compiled block cannot: its blocks stay eager)
+                                  which a compiled graph cannot: its linears run between the
+                                  compiled pieces of each block)
   8. data parallelism / ZeRO      the engine over this rank's (local) parameters, told how tensor
                                   parallelism cut them and which matrix is a tied copy
 and the step runner: the plain micro-batch loop, or the pipeline executor over the schedule.
@@ -106,17 +107,14 @@ def parallelize(cfg: Config, comm, device: torch.device, dtype: torch.dtype, com
 
         apply_fp8(model, t.fp8, device)
     store = None
-    if stage is not None and p.schedule == "zb":  # weight gradients deferred: blocks stay eager
+    if stage is not None and p.schedule == "zb":  # weight gradients deferred: linears leave the graphs
         from plait.parallel.wgrad import WeightGradStore
 
         store = WeightGradStore()
         for lin in model.block_linears():
             store.serve(lin)
     if compile:  # 7
-        if store is None:
-            apply_compile(model, hooks_outside=comm is not None and p.zero == 3)
-        else:
-            compile_loss(model)
+        apply_compile(model, hooks_outside=comm is not None and p.zero == 3)
     engine = apply_data_parallel(model, cfg, comm, groups, compile=compile, split=split,  # 8
                                  pipeline=stage is not None)
     data_rank, data_size = (comm.rank("dp"), comm.size("dp")) if comm is not None else (0, 1)

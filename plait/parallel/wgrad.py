@@ -8,16 +8,18 @@ micro-batch and accumulates them through autograd, so gradient hooks (DDP bucket
 reductions) fire as they would have. Norm gains and the embedding keep their gradients in B: they
 are a few element-wise passes, not worth deferring.
 
-The deferral is a side effect of backward, which a compiled block cannot carry: blocks of a
-zero-bubble pipeline run eagerly (`plait.parallel.build` compiles only the loss then).
+The deferral is a side effect of backward, which a compiled graph cannot carry: the served linears
+are left out of the compiled block (`torch._dynamo.disable`), so torch.compile fuses what lies
+between them (norms, RoPE, attention, SwiGLU, residuals) into graphs of their own while each
+linear, a GEMM either way, runs eagerly with its deferral.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 
@@ -45,13 +47,21 @@ class WeightGradStore:
         grads = [(dy.flatten(0, -2).t() @ x.flatten(0, -2).to(dy.dtype)).to(w.dtype) for w, x, dy in items]
         torch.autograd.backward(weights, grads)
 
-    def serve(self, linear: torch.nn.Linear) -> None:
-        """Route `linear`'s forward through this store."""
-        linear.forward = functools.partial(_deferrable, linear, self)
+    def serve(self, linear: nn.Linear) -> None:
+        """Route `linear`'s forward through this store (in place: parameters, names and hooks stay)."""
+        linear.__class__ = DeferrableLinear
+        linear.store = self
 
 
-def _deferrable(linear, store, x):
-    return _Linear.apply(x, linear.weight, store)
+class DeferrableLinear(nn.Linear):
+    """A linear whose weight gradient its store may defer. A class, not a bound forward per module:
+    compiled blocks then guard on the same code and share one graph set."""
+
+    store: WeightGradStore
+
+    @torch._dynamo.disable  # a graph break: the deferral is a side effect of backward
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Linear.apply(x, self.weight, self.store)
 
 
 class _Linear(torch.autograd.Function):
