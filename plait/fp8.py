@@ -58,38 +58,50 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, fa: torch.dtype, fb: torch.dtype,
     return torch._scaled_mm(qa, qb, scale_a=sa, scale_b=sb, out_dtype=out_dtype, use_fast_accum=fast_accum)
 
 
+# The three GEMMs of a linear y = x W^T, x (..., K), W (N, K), dy (..., N). Fast accumulation in the
+# forward only, as is usual: the gradients' long sums keep full accumulation precision.
+def forward_gemm(x: torch.Tensor, weight: torch.Tensor, rowwise: bool) -> torch.Tensor:
+    y = fp8_gemm(x.reshape(-1, x.shape[-1]), weight.t(), E4M3, E4M3, rowwise, x.dtype, fast_accum=True)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def input_grad_gemm(dy: torch.Tensor, weight: torch.Tensor, rowwise: bool, out_dtype: torch.dtype) -> torch.Tensor:
+    g = E4M3 if rowwise else E5M2  # tensorwise: gradients in e5m2, for their range
+    dx = fp8_gemm(dy.reshape(-1, dy.shape[-1]).to(weight.dtype), weight, g, E4M3, rowwise, out_dtype, fast_accum=False)
+    return dx.view(*dy.shape[:-1], weight.shape[1])
+
+
+def weight_grad_gemm(dy: torch.Tensor, x: torch.Tensor, rowwise: bool, out_dtype: torch.dtype) -> torch.Tensor:
+    g = E4M3 if rowwise else E5M2
+    dy2 = dy.reshape(-1, dy.shape[-1]).to(x.dtype)
+    return fp8_gemm(dy2.t(), x.reshape(-1, x.shape[-1]), g, E4M3, rowwise, out_dtype, fast_accum=False)
+
+
+def aligned(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether cuBLAS's FP8 GEMMs take x @ weight^T and its gradients (every dimension a multiple of 16)."""
+    return not (x.numel() // x.shape[-1] % _ALIGN or x.shape[-1] % _ALIGN or weight.shape[0] % _ALIGN)
+
+
 class _FP8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, rowwise):
         x = x.to(weight.dtype)
         ctx.save_for_backward(x, weight)
         ctx.rowwise = rowwise
-        x2 = x.reshape(-1, x.shape[-1])  # (M, K)
-        # fast accumulation in the forward only, as is usual: the gradients' long sums keep full
-        # accumulation precision
-        y = fp8_gemm(x2, weight.t(), E4M3, E4M3, rowwise, x.dtype, fast_accum=True)
-        return y.view(*x.shape[:-1], weight.shape[0])
+        return forward_gemm(x, weight, rowwise)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        rowwise = ctx.rowwise
-        g = E4M3 if rowwise else E5M2
-        dy2 = dy.reshape(-1, dy.shape[-1]).to(weight.dtype)  # (M, N)
-        dx = None
-        if ctx.needs_input_grad[0]:
-            dx = fp8_gemm(dy2, weight, g, E4M3, rowwise, x.dtype, fast_accum=False).view(x.shape)
-        dw = None
-        if ctx.needs_input_grad[1]:
-            dw = fp8_gemm(dy2.t(), x.reshape(-1, x.shape[-1]), g, E4M3, rowwise, weight.dtype, fast_accum=False)
+        dx = input_grad_gemm(dy, weight, ctx.rowwise, x.dtype) if ctx.needs_input_grad[0] else None
+        dw = weight_grad_gemm(dy, x, ctx.rowwise, weight.dtype) if ctx.needs_input_grad[1] else None
         return dx, dw, None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: str) -> torch.Tensor:
     """x @ weight^T in FP8; shapes cuBLAS cannot take (a dimension not a multiple of 16, such as one
     token at a time when generating) run the bf16 matmul instead."""
-    m = x.numel() // x.shape[-1]
-    if m % _ALIGN or x.shape[-1] % _ALIGN or weight.shape[0] % _ALIGN:
+    if not aligned(x, weight):
         return F.linear(x, weight)
     return _FP8Linear.apply(x, weight, recipe == "rowwise")
 

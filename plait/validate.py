@@ -230,9 +230,6 @@ def _check_fp8(cfg: Config) -> None:
     gpu = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
     if gpu and t.dtype == "fp32":
         raise bad_value("train.fp8", t.fp8, "needs bf16 compute on a GPU; set train.dtype bf16 (or auto)")
-    if cfg.parallel.pp > 1 and cfg.parallel.schedule == "zb":
-        raise bad_value("train.fp8", t.fp8, "does not compose with the zero-bubble schedule's deferred "
-                        "weight gradients; choose parallel.schedule 1f1b or interleaved")
     # cuBLAS's FP8 GEMMs take only dimensions that are multiples of 16: every matmul of a training
     # step must be, or FP8 would quietly run in bf16 (generation's one token at a time may)
     m, p = cfg.model, cfg.parallel

@@ -117,6 +117,8 @@ def test_fp8_training_and_its_composition_with_tp_and_zero3(corpus, tmp_path):
                         ("rowwise-tp2-zero3", ["--train.micro_batch", "2", "--train.fp8", "rowwise", "--nproc", "4",
                                                "--tp", "2", "--dp", "2", "--parallel.zero", "3"]),
                         ("rowwise-pp2", [*one, "--train.fp8", "rowwise", "--nproc", "2", "--pp", "2", "--dp", "1"]),
+                        ("rowwise-pp2-zb", [*one, "--train.fp8", "rowwise", "--nproc", "2", "--pp", "2", "--dp", "1",
+                                            "--schedule", "zb"]),
                         # TP 4 over 2 KV heads: each rank projects the one KV head it uses, in FP8 too
                         ("rowwise-tp4", [*one, "--train.fp8", "rowwise", "--nproc", "4", "--tp", "4", "--dp", "1"])):
         runs[name] = tmp_path / name
@@ -126,10 +128,11 @@ def test_fp8_training_and_its_composition_with_tp_and_zero3(corpus, tmp_path):
         got = _losses(runs[recipe])
         assert len(got) == steps
         assert all(1e-6 < rel(a, b) < 0.02 for a, b in zip(got, ref)), (recipe, got, ref)
-    # a pipeline stage's blocks run FP8 as one process's do; at TP 4 more of the GEMMs contract over
+    # a pipeline stage's blocks run FP8 as one process's do (ZB-H1's deferred weight gradients too);
+    # at TP 4 more of the GEMMs contract over
     # a split dimension (scales per shard of a row), so the match loosens, still below FP8 vs fp32
     gap = max(rel(a, b) for a, b in zip(_losses(runs["fp32"]), _losses(runs["rowwise"])))  # ~2e-4
-    bounds = {"rowwise-tp2-zero3": 1e-5, "rowwise-pp2": 1e-5, "rowwise-tp4": 1e-4}
+    bounds = {"rowwise-tp2-zero3": 1e-5, "rowwise-pp2": 1e-5, "rowwise-pp2-zb": 1e-5, "rowwise-tp4": 1e-4}
     for name, bound in bounds.items():
         got = _losses(runs[name])
         diffs = [rel(a, b) for a, b in zip(got, _losses(runs["rowwise"]))]
@@ -144,7 +147,6 @@ def test_fp8_training_and_its_composition_with_tp_and_zero3(corpus, tmp_path):
 
 @pytest.mark.parametrize("extra,needle", [
     (["--train.fp8", "e4m3"], "train.fp8 = 'e4m3': choose off, tensorwise, rowwise"),
-    (["--train.fp8", "rowwise", "--nproc", "2", "--pp", "2", "--parallel.schedule", "zb"], "zero-bubble"),
     (["--train.fp8", "rowwise", "--model.ffn_dim", "120"], "MLP width per tensor-parallel rank a multiple of 16 (it is 120: model.ffn_dim / tp = 120 / 1)"),
     (["--train.fp8", "tensorwise", "--nproc", "4", "--cp", "4", "--train.micro_batch", "1"],
      "tokens of a micro-batch per rank a multiple of 16 (it is 8: train.micro_batch x train.seq_len / cp = 1 x 32 / 4)"),
@@ -243,3 +245,30 @@ def test_selective_recompute_keeps_the_fp8_gemms(recompute, per_layer):
     with Count():
         model(x, x).backward()
     assert Count.n == cfg.n_layers * per_layer
+
+
+def test_zero_bubble_defers_fp8_weight_gradients():
+    """A zero-bubble pipeline's store serving an FP8 linear keeps its recipe: dx at once and the
+    deferred dW are the FP8 GEMMs the plain FP8 linear computes."""
+    import copy
+
+    from plait.fp8 import FP8Linear
+    from plait.parallel.wgrad import WeightGradStore
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 48, bias=False)
+    ref = copy.deepcopy(lin)
+    lin.__class__, lin.recipe = FP8Linear, "rowwise"
+    store = WeightGradStore()
+    store.serve(lin)
+    x = torch.randn(2, 16, 64, requires_grad=True)
+    dy = torch.randn(2, 16, 48)
+    with store.input_grads_only(0):
+        lin(x).backward(dy)
+    assert lin.weight.grad is None and len(store.pending[0]) == 1
+    xr = x.detach().clone().requires_grad_()
+    fp8_linear(xr, ref.weight, "rowwise").backward(dy)
+    torch.testing.assert_close(x.grad, xr.grad, rtol=0, atol=0)
+    store.run(0)
+    torch.testing.assert_close(lin.weight.grad, ref.weight.grad, rtol=0, atol=0)
+    assert not torch.equal(ref.weight.grad, (dy.flatten(0, 1).t() @ x.detach().flatten(0, 1)))  # FP8, not fp32

@@ -22,6 +22,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from plait.fp8 import FP8Linear, aligned, forward_gemm, input_grad_gemm, weight_grad_gemm
+
 
 class WeightGradStore:
     def __init__(self):
@@ -43,14 +45,16 @@ class WeightGradStore:
         items = self.pending.pop(key, [])
         if not items:
             return
-        weights = [w for w, _, _ in items]
-        grads = [(dy.flatten(0, -2).t() @ x.flatten(0, -2).to(dy.dtype)).to(w.dtype) for w, x, dy in items]
+        weights = [w for w, _, _, _ in items]
+        grads = [_weight_grad(dy, x, w, rowwise) for w, x, dy, rowwise in items]
         torch.autograd.backward(weights, grads)
 
     def serve(self, linear: nn.Linear) -> None:
-        """Route `linear`'s forward through this store (in place: parameters, names and hooks stay)."""
+        """Route `linear`'s forward through this store (in place: parameters, names and hooks stay);
+        an FP8 linear (plait.fp8) keeps its recipe for all three of its GEMMs."""
+        recipe = getattr(linear, "recipe", None) if isinstance(linear, FP8Linear) else None
         linear.__class__ = DeferrableLinear
-        linear.store = self
+        linear.store, linear.rowwise = self, None if recipe is None else recipe == "rowwise"
 
 
 class DeferrableLinear(nn.Linear):
@@ -58,26 +62,38 @@ class DeferrableLinear(nn.Linear):
     compiled blocks then guard on the same code and share one graph set."""
 
     store: WeightGradStore
+    rowwise: bool | None = None  # None: bf16 GEMMs; else FP8 with rowwise or tensorwise scales
 
     @torch._dynamo.disable  # a graph break: the deferral is a side effect of backward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Linear.apply(x, self.weight, self.store)
+        fp8 = self.rowwise if self.rowwise is not None and aligned(x, self.weight) else None
+        return _Linear.apply(x, self.weight, self.store, fp8)
+
+
+def _weight_grad(dy, x, weight, rowwise):
+    if rowwise is not None:
+        return weight_grad_gemm(dy, x, rowwise, weight.dtype)
+    return (dy.flatten(0, -2).t() @ x.flatten(0, -2).to(dy.dtype)).to(weight.dtype)
 
 
 class _Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, store):
+    def forward(ctx, x, weight, store, rowwise):
+        if rowwise is not None:
+            x = x.to(weight.dtype)
         ctx.save_for_backward(x, weight)
-        ctx.store = store
-        return F.linear(x, weight)
+        ctx.store, ctx.rowwise = store, rowwise
+        return F.linear(x, weight) if rowwise is None else forward_gemm(x, weight, rowwise)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        dx = dy @ weight.to(dy.dtype) if ctx.needs_input_grad[0] else None
+        rowwise = ctx.rowwise
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = dy @ weight.to(dy.dtype) if rowwise is None else input_grad_gemm(dy, weight, rowwise, x.dtype)
         store = ctx.store
         if store.key is not None:
-            store.pending[store.key].append((weight, x, dy))
-            return dx, None, None
-        dw = (dy.flatten(0, -2).t() @ x.flatten(0, -2).to(dy.dtype)).to(weight.dtype)
-        return dx, dw, None
+            store.pending[store.key].append((weight, x, dy, rowwise))
+            return dx, None, None, None
+        return dx, _weight_grad(dy, x, weight, rowwise), None, None
