@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.config import ModelConfig
-from plait.fp8 import FP8Linear
 from plait.loss import ce_chunk, linear_cross_entropy
 
 
@@ -127,8 +126,10 @@ class Attention(nn.Module):
     def _kv(self, proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         if self.kv_rows is None:
             return proj(x)
-        rows = proj.weight[self.kv_rows]
-        return proj.matmul(x, rows) if isinstance(proj, FP8Linear) else F.linear(x, rows)
+        # a linear that computes its matmul its own way (FP8, a deferred weight gradient) offers
+        # `matmul(x, weight)` for part of its weight; a plain one is F.linear
+        matmul = getattr(proj, "matmul", F.linear)
+        return matmul(x, proj.weight[self.kv_rows])
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv=None, docs=None) -> torch.Tensor:
         """kv: this layer's `plait.kv_cache.LayerCache` when generating (x holds the new positions only).

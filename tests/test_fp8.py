@@ -275,3 +275,30 @@ def test_zero_bubble_defers_fp8_weight_gradients():
     store.run(0)
     torch.testing.assert_close(lin.weight.grad, ref.weight.grad, rtol=0, atol=0)
     assert not torch.equal(ref.weight.grad, (dy.flatten(0, 1).t() @ x.detach().flatten(0, 1)))  # FP8, not fp32
+
+
+def test_a_replicated_kv_head_defers_its_fp8_weight_gradient():
+    """Zero-bubble with FP8 where TP replicates KV heads: the rank's own head's rows project in FP8
+    and their weight gradient waits for W like the rest."""
+    from plait.config import build_config
+    from plait.fp8 import apply_fp8
+    from plait.model import Transformer
+    from plait.parallel.wgrad import WeightGradStore
+
+    cfg = build_config({"model": F8M}).model
+    model = Transformer(cfg)
+    apply_fp8(model, "rowwise", torch.device("cpu"))
+    store = WeightGradStore()
+    for lin in model.block_linears():
+        store.serve(lin)
+    attn = model.layers["0"].attn
+    attn.kv_rows = slice(16, 32)
+    x = torch.randn(2, 16, cfg.dim)
+    y = attn._kv(attn.wk, x)
+    torch.testing.assert_close(y, fp8_linear(x, attn.wk.weight[16:32].detach(), "rowwise"), rtol=0, atol=0)
+    with store.input_grads_only(0):
+        y.sum().backward()
+    assert attn.wk.weight.grad is None and len(store.pending[0]) == 1
+    store.run(0)
+    g = attn.wk.weight.grad
+    assert g[16:32].abs().sum() > 0 and g[:16].abs().sum() == 0 and g[32:].abs().sum() == 0

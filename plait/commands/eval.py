@@ -5,8 +5,8 @@ The windows are `TokenData.val_batches` with the run's seed, sequence length and
 windows the run itself validated on at whatever layout it ran: a checkpoint's `val_loss` is
 reproduced (to rounding, and where the run validated in FP8 to FP8's error: evaluation runs the
 plain matmuls), and two checkpoints evaluated on the same folder with the same flags see the same
-tokens. Checkpoints saved before validation read whole global batches (eval_batches micro-batches
-per rank) logged a loss over fewer windows.
+tokens. Checkpoints saved before validation read whole global batches logged their loss over
+eval_batches micro-batches per rank, fewer windows than this default reads.
 """
 
 from __future__ import annotations

@@ -64,10 +64,15 @@ class DeferrableLinear(nn.Linear):
     store: WeightGradStore
     rowwise: bool | None = None  # None: bf16 GEMMs; else FP8 with rowwise or tensorwise scales
 
-    @torch._dynamo.disable  # a graph break: the deferral is a side effect of backward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fp8 = self.rowwise if self.rowwise is not None and aligned(x, self.weight) else None
-        return _Linear.apply(x, self.weight, self.store, fp8)
+        return self.matmul(x, self.weight)
+
+    @torch._dynamo.disable  # a graph break: the deferral is a side effect of backward
+    def matmul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x @ weight^T for this layer's weight or part of it (a replicated KV head's rows): the
+        deferred gradient flows through the slice to the parameter."""
+        fp8 = self.rowwise if self.rowwise is not None and aligned(x, weight) else None
+        return _Linear.apply(x, weight, self.store, fp8)
 
 
 def _weight_grad(dy, x, weight, rowwise):
