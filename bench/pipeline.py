@@ -17,7 +17,9 @@ a step), each in its own set of G worker processes.
   torch-zb                       ScheduleInterleavedZeroBubble, v = 2 (torch's zero-bubble schedule
                                  needs several stages per rank; plait's ZB-H1 runs one)
 plait rows add the measured bubble of the last timed step (per-action times on every rank, synced)
-next to the schedule's simulated one.
+next to the schedule's simulated one (equal costs) and its replay (the measured action times through
+the schedule's dependencies, messages instant: the bubble the stages' costs force). Measured minus
+replayed is what transfers and the executor added.
 
 Writes bench/results/pp-<card>-<G>gpu[-<tag>].json and prints a table.
 `--device cpu --preset tiny --no-compile --gpus 4` runs the same code over gloo as a smoke test.
@@ -49,6 +51,13 @@ def _batch(a, vocab, device):
     return rows[:, :-1].to(device), rows[:, 1:].to(device)
 
 
+def _split(a, v: int) -> str:
+    """--stage-layers for a schedule of v chunks a rank: "balance" applies to every schedule (it splits
+    pp x v stages); explicit counts are per rank, so only one-chunk schedules take them. torch's
+    stages get the same split as plait's."""
+    return a.stage_layers if a.stage_layers == "balance" or v == 1 else ""
+
+
 def _plait(a, variant, dims, device, comm):
     import torch
 
@@ -60,7 +69,7 @@ def _plait(a, variant, dims, device, comm):
     cfg = build_config({"model": _model_section(a), "train": {"lr": 1e-4, "warmup_steps": 0, "micro_batch": a.micro_batch},
                         "parallel": {"pp": pp, "schedule": sched if pp > 1 else "1f1b", "v": 2 if sched == "interleaved" else 1,
                                      "zero": 3 if pp == 1 else 1,
-                                     "stage_layers": a.stage_layers if pp > 1 and sched != "interleaved" else ""}})
+                                     "stage_layers": _split(a, 2 if sched == "interleaved" else 1) if pp > 1 else ""}})
     if pp == 1:  # the same global batch over G data-parallel ranks
         cfg.train.grad_accum = a.microbatches // a.gpus
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -86,12 +95,14 @@ def _torch(a, variant, dims, device):
                                               ScheduleInterleavedZeroBubble)
 
     from plait.model import Transformer
-    from plait.parallel.stages import rank_chunks, stage_layer_ids
+    from plait.parallel.stages import rank_chunks, resolve_counts, stage_layer_ids
 
     sched = variant.split("-")[1]
     v = 2 if sched in ("interleaved", "zb") else 1
     mcfg, pp, rank = _model_cfg(a), a.gpus, dist.get_rank()
-    chunks = rank_chunks(pp, v, rank, stage_layer_ids(mcfg.n_layers, pp * v))
+    split = _split(a, v)
+    counts = resolve_counts(split, mcfg, a.seq, pp * v) if split else None
+    chunks = rank_chunks(pp, v, rank, stage_layer_ids(mcfg.n_layers, pp * v, counts))
     cuda = device.type == "cuda"
 
     class Stage(torch.nn.Module):
@@ -173,6 +184,7 @@ def worker(a, variant) -> list[dict]:
     from plait.launch import init_distributed
 
     plait_pp = variant.startswith("plait") and variant != "plait-zero3"
+    runner_sched = None
     pp = a.gpus if plait_pp else 1
     dims = init_distributed(ParallelConfig(nproc=a.gpus, pp=pp, timeout_s=900), a.device)
     device = dims.device
@@ -180,6 +192,7 @@ def worker(a, variant) -> list[dict]:
         if variant.startswith("plait"):
             step, par = _plait(a, variant, dims, device, Comm(dims, Ledger(enabled=False)))
             row = _measure_pp(a, variant, step, device, par.runner)
+            runner_sched = par.runner.schedule(a.microbatches) if hasattr(par.runner, "timeline") else None
         else:
             step, keep = _torch(a, variant, dims, device)
             row = _measure_pp(a, variant, step, device)
@@ -195,6 +208,8 @@ def worker(a, variant) -> list[dict]:
 
         flat = [(r, act[3], act[4], act[0], act[1], act[2]) for r, acts in spans for act in acts]
         row["measured_bubble"] = tl.bubble(flat, len(spans))
+        if runner_sched is not None:
+            row["replayed_bubble"] = tl.replayed_bubble(flat, runner_sched)
     peak = torch.tensor([row["peak_mem_gb"]], dtype=torch.float64, device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     row["peak_mem_gb_max_rank"] = peak.item()
@@ -209,7 +224,7 @@ def _table(result) -> str:
     z3 = next((r for r in rows if r["variant"] == "plait-zero3" and "error" not in r), None)
     lines = [f"{result['card']}, {result['gpus']} GPUs, torch {result['torch']}, {result['config']['preset']} "
              f"{result['config']['model']}, seq {result['config']['seq']}, micro-batch {result['config']['micro_batch']}",
-             f"{'variant':18} {'m':>3} {'tok/s/GPU':>10} {'MFU':>6} {'peak GB':>8} {'bubble':>7} {'sim.':>6} {'vs torch':>9} {'vs z3':>6}"]
+             f"{'variant':18} {'m':>3} {'tok/s/GPU':>10} {'MFU':>6} {'peak GB':>8} {'bubble':>7} {'replay':>7} {'sim.':>6} {'vs torch':>9} {'vs z3':>6}"]
     for r in rows:
         if "error" in r:
             lines.append(f"{r['variant']:18} {r['microbatches']:3} ERROR {r['error']}")
@@ -220,10 +235,11 @@ def _table(result) -> str:
         mfu = f"{100 * r['mfu']:5.1f}%" if r.get("mfu") else "   n/a"
         bub = f"{100 * r['measured_bubble']:6.1f}%" if "measured_bubble" in r else f"{'':7}"
         sim = f"{100 * r['simulated_bubble']:5.1f}%" if "simulated_bubble" in r else f"{'':6}"
+        rep = f"{100 * r['replayed_bubble']:6.1f}%" if "replayed_bubble" in r else f"{'':7}"
         vs = f"{tok / peer['tokens_per_s_per_gpu']:8.2f}x" if peer else f"{'':9}"
         vz = f"{tok / z3['tokens_per_s_per_gpu']:5.2f}x" if z3 else ""
         lines.append(f"{r['variant']:18} {r['microbatches']:3} {tok:10.0f} {mfu} {r['peak_mem_gb_max_rank']:8.1f} "
-                     f"{bub} {sim} {vs} {vz}")
+                     f"{bub} {rep} {sim} {vs} {vz}")
     return "\n".join(lines)
 
 
@@ -238,7 +254,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--variants", default=",".join(ALL))
-    ap.add_argument("--stage-layers", default="", help="plait's layers per stage (v = 1 schedules), e.g. 9,7")
+    ap.add_argument("--stage-layers", default="", help="layers per stage for plait and torch alike: balance (every "
+                    "schedule; the output head's cost counted) or counts per rank for v = 1 schedules, e.g. 9,7")
     ap.add_argument("--no-compile", dest="compile", action="store_false")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--tag", default="")

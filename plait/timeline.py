@@ -25,6 +25,27 @@ def bubble(spans, pp: int) -> float:
     return 1.0 - busy / (pp * makespan) if makespan > 0 else 0.0
 
 
+def replayed_bubble(spans, sched) -> float:
+    """The bubble the schedule's dependencies alone force when every action takes the time it took
+    (the simulator replaying the measured durations, messages instant). The measured bubble minus
+    this one is what the executor and the links added: waits for transfers, launch gaps. Unequal
+    stages raise both alike, so the difference isolates the pipeline's own overhead."""
+    from statistics import median
+
+    from plait.planner.simulate import simulate
+
+    took = {(r, k, mb, c): b - a for r, a, b, k, mb, c in spans}
+    typical: dict = {}
+    for (r, k, _, c), d in took.items():
+        typical.setdefault((r, k, c), []).append(d)
+    typical = {key: median(ds) for key, ds in typical.items()}
+
+    def dur(rank, act) -> float:
+        return took.get((rank, act.kind, act.microbatch, act.chunk), typical.get((rank, act.kind, act.chunk), 0.0))
+
+    return simulate(sched, dur).bubble_fraction
+
+
 def textbook(name: str, pp: int, m: int, v: int = 1) -> float | None:
     """The closed-form bubble of GPipe / 1F1B, (p - 1) / (m + p - 1), and of interleaving, with v m:
     idle over the whole step when F and B take the same time on every rank (ZB has none)."""

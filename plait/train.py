@@ -331,7 +331,8 @@ def train(cfg: Config, dims=None) -> dict:
         report = par.runner.write_timeline(out / "profile", is_main, t.grad_accum)
         if report is not None:
             _warn(f"pipeline timeline in {out / 'profile'}: measured bubble {report['measured_bubble']:.1%} "
-                  f"(the schedule simulated with equal costs: {report['simulated_bubble']:.1%})")
+                  f"(the schedule simulated with equal costs: {report['simulated_bubble']:.1%}; with the measured "
+                  f"action times: {report['replayed_bubble']:.1%})")
     ckpts.close()  # the last background save must be complete when the run ends
     bar.close()
     log.close()

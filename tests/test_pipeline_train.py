@@ -36,6 +36,8 @@ def test_resume_across_pipeline_layouts(corpus, tmp_path, capfd):
     report = json.loads((run / "profile" / "pipeline.json").read_text())
     assert (run / "profile" / "pipeline.png").stat().st_size > 10_000
     assert 0 < report["measured_bubble"] < 1 and len(report["spans"]) == 2 * 2 * 2  # 2 ranks x 2 micro x F, B
+    # the same action times replayed without waits cannot idle more than the run did
+    assert 0 < report["replayed_bubble"] <= report["measured_bubble"] + 1e-9
     solo = tmp_path / "solo"
     shutil.copytree(run, solo)
     # steps 4-6: 4 ranks x 2 chunks = 8 stages (interleaved 1F1B, 4 micro-batches), and one process

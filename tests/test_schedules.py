@@ -199,3 +199,33 @@ def test_checker_finds_a_real_deadlock():
         check(s)
     with pytest.raises(ScheduleError, match="deadlock"):
         simulate(s)
+
+
+def _spans(tl, delay=None):
+    """A simulated timeline as the executor records spans (rank, start, end, kind, micro-batch,
+    chunk); `delay(span)` shifts a span later, as a late message would."""
+    out = []
+    for s in tl.spans:
+        shift = delay(s) if delay else 0.0
+        out.append((s.rank, s.start_s + shift, s.end_s + shift, s.action.kind, s.action.microbatch, s.action.chunk))
+    return out
+
+
+@pytest.mark.parametrize("name,v", [("1f1b", 1), ("interleaved", 2), ("zb", 1)])
+def test_replayed_bubble_separates_unequal_stages_from_waiting(name, v):
+    """Replaying measured action times through the schedule gives the bubble the stages' costs force:
+    equal to the measured bubble when nothing else waited, unchanged when messages arrive late (the
+    measured bubble grows), and above the equal-cost simulation when the last stage is slower."""
+    from plait import timeline as tl
+
+    sched = build_schedule(name, 4, 8, v)
+    slow_last = simulate(sched, lambda r, a: (2.0 if r == 3 else 1.0) * (1.0 if a.kind == "F" else 2.0 / (1 + sched.split_backward)))
+    spans = _spans(slow_last)
+    assert tl.replayed_bubble(spans, sched) == pytest.approx(slow_last.bubble_fraction, abs=1e-12)
+    assert tl.bubble(spans, 4) == pytest.approx(slow_last.bubble_fraction, abs=1e-12)
+    assert slow_last.bubble_fraction > simulate(sched).bubble_fraction + 0.05
+    # a transfer stalls the pipeline for 4.0 at mid-step: every action from there on starts later
+    mid = slow_last.makespan_s / 2
+    late = _spans(slow_last, lambda s: 4.0 if s.start_s >= mid else 0.0)
+    assert tl.bubble(late, 4) > tl.bubble(spans, 4) + 0.01
+    assert tl.replayed_bubble(late, sched) == pytest.approx(slow_last.bubble_fraction, abs=1e-12)

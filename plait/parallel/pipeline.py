@@ -185,7 +185,8 @@ class PipelineRunner:
     def write_timeline(self, folder, is_main: bool, m: int) -> dict | None:
         """The recorded steps' per-action times: every rank writes its own JSON into `folder`; the
         main rank then merges the pipeline's ranks (the last recorded step), draws the PNG and
-        returns the measured bubble beside the schedule's (simulated with unit costs and textbook)."""
+        returns the measured bubble beside the schedule's (simulated with unit costs, textbook, and
+        replayed with the measured action times: see `plait.timeline.replayed_bubble`)."""
         import json
         from pathlib import Path
 
@@ -206,6 +207,7 @@ class PipelineRunner:
         simulated = simulate(self.schedule(m)).bubble_fraction
         out = {"schedule": self.name, "pp": self.pp, "v": self.v, "microbatches": m, "measured_bubble": measured,
                "simulated_bubble": simulated, "textbook_bubble": tl.textbook(self.name, self.pp, m, self.v),
+               "replayed_bubble": tl.replayed_bubble(spans, self.schedule(m)),
                "step_s": max(r["steps"][-1]["step_s"] for r in ranks)}
         (folder / "pipeline.json").write_text(json.dumps({**out, "spans": spans}, indent=1))
         try:
