@@ -210,6 +210,15 @@ def worker(a, variant) -> list[dict]:
         row["measured_bubble"] = tl.bubble(flat, len(spans))
         if runner_sched is not None:
             row["replayed_bubble"] = tl.replayed_bubble(flat, runner_sched)
+            if dims.rank == 0 and a.png_dir:  # the measured timeline beside the JSON
+                try:
+                    png = Path(a.png_dir) / f"{variant}-m{a.microbatches}.png"
+                    tl.draw(flat, len(spans), runner_sched.v, png,
+                            f"{variant}, m {a.microbatches}: measured bubble {row['measured_bubble']:.1%}, replayed "
+                            f"{row['replayed_bubble']:.1%}, schedule {row['simulated_bubble']:.1%}")
+                    row["timeline_png"] = png.name
+                except Exception as e:  # noqa: BLE001 (no matplotlib: the numbers stand without it)
+                    row["timeline_png"] = f"not drawn: {e}"
     peak = torch.tensor([row["peak_mem_gb"]], dtype=torch.float64, device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     row["peak_mem_gb_max_rank"] = peak.item()
@@ -260,6 +269,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--tag", default="")
     ap.add_argument("--out")
+    ap.add_argument("--png-dir", default="", help="draw each plait variant's measured timeline here")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds a variant may take before it is stopped")
     a = ap.parse_args(argv)
     a.variants = [v for v in a.variants.split(",") if v]
 
@@ -277,7 +288,8 @@ def main(argv=None) -> int:
               "config": {"preset": a.preset, "model": a.model, "seq": a.seq, "micro_batch": a.micro_batch,
                          "stage_layers": a.stage_layers,
                          "steps": a.steps, "warmup": a.warmup, "compile": a.compile}, "rows": []}
-    return run_variants(worker, a, a.variants, result, out, lambda v: {"microbatches": a.microbatches}, _table)
+    return run_variants(worker, a, a.variants, result, out, lambda v: {"microbatches": a.microbatches}, _table,
+                        timeout_s=a.timeout)
 
 
 if __name__ == "__main__":
