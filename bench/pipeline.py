@@ -202,14 +202,17 @@ def worker(a, variant) -> list[dict]:
                "peak_mem_gb": (torch.cuda.max_memory_allocated(device) / 1e9) if device.type == "cuda" else 0.0}
     # every rank's action times: the measured bubble needs all of them
     spans = [None] * dims.world_size
-    dist.all_gather_object(spans, (dims.rank, row.pop("bubble_spans_rank", None)))
+    layers = [len(c) for c in par.runner.chunks] if runner_sched is not None else None
+    dist.all_gather_object(spans, (dims.rank, row.pop("bubble_spans_rank", None), layers))
     if all(s[1] for s in spans):
         from plait import timeline as tl
 
-        flat = [(r, act[3], act[4], act[0], act[1], act[2]) for r, acts in spans for act in acts]
+        flat = [(r, act[3], act[4], act[0], act[1], act[2]) for r, acts, _ in spans for act in acts]
         row["measured_bubble"] = tl.bubble(flat, len(spans))
         if runner_sched is not None:
             row["replayed_bubble"] = tl.replayed_bubble(flat, runner_sched)
+            pp, v = len(spans), runner_sched.v
+            row["split"] = tl.split_advice(flat, pp, v, a.microbatches, [spans[s % pp][2][s // pp] for s in range(pp * v)])
             if dims.rank == 0 and a.png_dir:  # the measured timeline beside the JSON
                 try:
                     png = Path(a.png_dir) / f"{variant}-m{a.microbatches}.png"
@@ -249,6 +252,11 @@ def _table(result) -> str:
         vz = f"{tok / z3['tokens_per_s_per_gpu']:5.2f}x" if z3 else ""
         lines.append(f"{r['variant']:18} {r['microbatches']:3} {tok:10.0f} {mfu} {r['peak_mem_gb_max_rank']:8.1f} "
                      f"{bub} {rep} {sim} {vs} {vz}")
+        sp = r.get("split") or {}
+        if sp:
+            lines.append(f"{'':22}stages {sp['stage_layers']}: {sp['stage_ms']} ms a micro-batch"
+                         + (f"; {sp['suggested_stage_layers']} would give {sp['suggested_stage_ms']}"
+                            if "suggested_stage_layers" in sp else ""))
     return "\n".join(lines)
 
 

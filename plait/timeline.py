@@ -46,6 +46,27 @@ def replayed_bubble(spans, sched) -> float:
     return simulate(sched, dur).bubble_fraction
 
 
+def stage_seconds(spans, pp: int, v: int, m: int) -> list[float]:
+    """Compute seconds per micro-batch of each of the pp x v stages (stage = chunk x pp + rank)."""
+    out = [0.0] * (pp * v)
+    for r, a, b, _, _, c in spans:
+        out[c * pp + r] += (b - a) / m
+    return out
+
+
+def split_advice(spans, pp: int, v: int, m: int, counts: list[int]) -> dict | None:
+    """The measured stage times and, when a split of the same layers would shorten the slowest stage
+    by more than 2%, that split (`plait.parallel.stages.measured_split`) and the stage times it gives."""
+    from plait.parallel.stages import measured_split
+
+    now = stage_seconds(spans, pp, v, m)
+    fit = measured_split(now, counts)
+    out = {"stage_layers": ",".join(map(str, counts)), "stage_ms": [round(t * 1e3, 3) for t in now]}
+    if fit is not None and fit[0] != counts and max(fit[1]) < 0.98 * max(now):
+        out.update(suggested_stage_layers=",".join(map(str, fit[0])), suggested_stage_ms=[round(t * 1e3, 3) for t in fit[1]])
+    return out
+
+
 def textbook(name: str, pp: int, m: int, v: int = 1) -> float | None:
     """The closed-form bubble of GPipe / 1F1B, (p - 1) / (m + p - 1), and of interleaving, with v m:
     idle over the whole step when F and B take the same time on every rank (ZB has none)."""

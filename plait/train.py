@@ -333,6 +333,10 @@ def train(cfg: Config, dims=None) -> dict:
             _warn(f"pipeline timeline in {out / 'profile'}: measured bubble {report['measured_bubble']:.1%} "
                   f"(the schedule simulated with equal costs: {report['simulated_bubble']:.1%}; with the measured "
                   f"action times: {report['replayed_bubble']:.1%})")
+            split = report["split"]
+            if "suggested_stage_layers" in split:
+                _warn(f"stage times {split['stage_ms']} ms a micro-batch with layers {split['stage_layers']}; "
+                      f"--parallel.stage_layers {split['suggested_stage_layers']} would give {split['suggested_stage_ms']} ms")
     ckpts.close()  # the last background save must be complete when the run ends
     bar.close()
     log.close()

@@ -334,29 +334,45 @@ def test_document_masking_changes_what_is_learned(runs):
     assert max(abs(a - b) for a, b in zip(refs["docs"]["losses"], refs["docs-unmasked"]["losses"])) > 1e-3
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's flash kernel needs a GPU")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's attention kernels need a GPU")
+@pytest.mark.parametrize("how", ["cudnn", "flash"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_block_kernels_agree_on_cuda(causal):
-    """On a GPU a bf16 block takes CUDA's flash kernel, fed the final output and log-sum-exp of a
-    two-block row in backward; it matches the fp32 math path on the same bf16 inputs to bf16's
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_block_kernels_agree_on_cuda(how, causal, kv_heads):
+    """On a GPU a bf16 block takes cuDNN's kernel (flash where cuDNN fails its check), key/value
+    heads as they are, fed the final output and log-sum-exp of a two-block row in backward - one
+    block of twice the queries' length (a batched ring step's shape), one as long; each kernel
+    matches the fp32 math path on the same bf16 inputs (key/value heads expanded there) to bf16's
     precision."""
     from plait.parallel import block_attention as blk
 
     g = torch.Generator().manual_seed(2)
-    q, k1, v1, k2, v2, dout = (torch.randn(2, 4, 256, 128, generator=g).cuda().bfloat16() for _ in range(6))
-    assert blk.kernel(q, None) == "flash" and blk.kernel(q.float(), None) == "math"
+    B, H, T, d, rep = 2, 4, 256, 128, 4 // kv_heads
+    q, dout = (torch.randn(B, H, T, d, generator=g).cuda().bfloat16() for _ in range(2))
+    k1, v1 = (torch.randn(B, kv_heads, 2 * T, d, generator=g).cuda().bfloat16() for _ in range(2))
+    k2, v2 = (torch.randn(B, kv_heads, T, d, generator=g).cuda().bfloat16() for _ in range(2))
+    assert blk.kernel(q, None, k1) in ("cudnn", "flash") and blk.kernel(q.float(), None) == "math"
+    if torch.cuda.get_device_capability() >= (9, 0):
+        assert blk.kernel(q, None, k1) == "cudnn"  # Hopper: what SDPA itself runs
+    wide = (lambda t: t.repeat_interleave(rep, 1)) if rep > 1 else (lambda t: t)
+    fold = lambda t: t.view(B, kv_heads, rep, *t.shape[2:]).sum(2)  # noqa: E731
     got = {}
-    for how in ("flash", "math"):
-        o1, l1 = blk.forward(q, k1, v1, False, 128 ** -0.5, how)
-        o2, l2 = blk.forward(q, k2, v2, causal, 128 ** -0.5, how)
+    for kind in (how, "math"):
+        ex = wide if kind == "math" else (lambda t: t)
+        o1, l1 = blk.forward(q, ex(k1), ex(v1), False, d ** -0.5, kind)
+        o2, l2 = blk.forward(q, ex(k2), ex(v2), causal, d ** -0.5, kind)
         lse = torch.logaddexp(l1, l2)
         out = o1 * torch.exp(l1 - lse)[..., None] + o2 * torch.exp(l2 - lse)[..., None]
-        grads = (blk.backward(dout, q, k1, v1, out, lse, False, 128 ** -0.5, how)
-                 + blk.backward(dout, q, k2, v2, out, lse, causal, 128 ** -0.5, how))
-        got[how] = (out, lse, *grads)
-    for name, a, b in zip(("out", "lse", "dq1", "dk1", "dv1", "dq2", "dk2", "dv2"), got["flash"], got["math"]):
+        g1 = blk.backward(dout, q, ex(k1), ex(v1), out, lse, False, d ** -0.5, kind)
+        g2 = blk.backward(dout, q, ex(k2), ex(v2), out, lse, causal, d ** -0.5, kind)
+        if kind == "math":
+            g1, g2 = ((g[0], fold(g[1]), fold(g[2])) for g in (g1, g2))
+        got[kind] = (out, lse, *g1, *g2)
+    for name, a, b in zip(("out", "lse", "dq1", "dk1", "dv1", "dq2", "dk2", "dv2"), got[how], got["math"]):
+        assert a.shape == b.shape, (name, a.shape, b.shape)
         err = ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
         assert err < 2e-2, (name, err)
+
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_block_kernels_agree(causal):

@@ -229,3 +229,29 @@ def test_replayed_bubble_separates_unequal_stages_from_waiting(name, v):
     late = _spans(slow_last, lambda s: 4.0 if s.start_s >= mid else 0.0)
     assert tl.bubble(late, 4) > tl.bubble(spans, 4) + 0.01
     assert tl.replayed_bubble(late, sched) == pytest.approx(slow_last.bubble_fraction, abs=1e-12)
+
+
+def test_measured_split_moves_layers_off_a_slow_head():
+    """From measured stage times (8b at PP 4 on 4 x H200: a layer 4.5 ms, the head and loss 17 ms, the
+    FLOP-balanced split 8,9,9,6) the fitted split takes layers off the last stage; the fit recovers
+    the costs it was given, and a balanced run gets no advice."""
+    from plait import timeline as tl
+    from plait.parallel.stages import measured_split
+
+    layer, head = 4.5e-3, 17e-3
+    counts = [8, 9, 9, 6]
+    now = [n * layer + (head if s == 3 else 0.0) for s, n in enumerate(counts)]
+    best, times = measured_split(now, counts)
+    assert best == [9, 9, 9, 5] and max(times) == pytest.approx(9 * layer)
+    assert times[3] == pytest.approx(5 * layer + head)
+    # the same times as a timeline's spans: one F and one B per micro-batch and stage
+    m = 4
+    spans = [(r, 0.0, now[r] / 2, k, mb, 0) for r in range(4) for mb in range(m) for k in ("F", "B")]
+    advice = tl.split_advice(spans, 4, 1, m, counts)
+    assert advice["suggested_stage_layers"] == "9,9,9,5" and advice["stage_ms"][3] == pytest.approx(44.0)
+    even = [9 * layer, 9 * layer, 9 * layer, 5 * layer + head]
+    spans = [(r, 0.0, even[r], "F", mb, 0) for r in range(4) for mb in range(m)]
+    assert "suggested_stage_layers" not in tl.split_advice(spans, 4, 1, m, [9, 9, 9, 5])
+    # an embedding that costs layers' time moves layers off the first stage too
+    first = [8 * layer + 3 * layer, 8 * layer, 8 * layer, 8 * layer]
+    assert measured_split(first, [8, 8, 8, 8])[0][0] < 8

@@ -20,8 +20,8 @@ Traffic per layer and micro-batch, in K/V-block bytes (a block = K and V of one 
 kv_heads only): forward C-1; backward C-1 blocks and C accumulators (the last hop takes each home).
 With document masking each block also carries its tokens' document indices (8 bytes a token).
 
-Each block runs through `plait.parallel.block_attention`: the device's flash kernel (the CPU's;
-CUDA's for 16-bit blocks), or - with document masking - a math path in fp32; partial results merge
+Each block runs through `plait.parallel.block_attention`: the device's fused kernel (the CPU's flash;
+cuDNN's, else flash, for 16-bit blocks on a GPU), or - with document masking - a math path in fp32; partial results merge
 in fp32 either way. The tests check each against full attention.
 """
 
@@ -139,7 +139,7 @@ def _ring_forward(q, k, v, docs, comm, dim) -> tuple[torch.Tensor, torch.Tensor]
     """(out, lse) of this rank's queries over every rank's keys, in the accumulation dtype."""
     C, r = comm.size(dim), comm.rank(dim)
     scale = q.shape[-1] ** -0.5
-    how = blk.kernel(q, docs)
+    how = blk.kernel(q, docs, k)
     groups = 1 if how in blk.NATIVE_GQA else q.shape[1] // k.shape[1]
     acc = torch.promote_types(q.dtype, torch.float32)  # 16-bit inputs merge in fp32
     q = q.contiguous()
@@ -186,7 +186,7 @@ def _ring_backward(dout, q, k, v, out, lse, docs, comm, dim):
     (sent on while the next block is attended) and reaches the block's owner after the last hop."""
     C, r = comm.size(dim), comm.rank(dim)
     scale = q.shape[-1] ** -0.5
-    how = blk.kernel(q, docs)
+    how = blk.kernel(q, docs, k)
     groups = 1 if how in blk.NATIVE_GQA else q.shape[1] // k.shape[1]
     acc = torch.promote_types(q.dtype, torch.float32)
     q, dout, out, lse = q.contiguous(), dout.contiguous(), out.contiguous(), lse.contiguous()

@@ -195,7 +195,8 @@ class PipelineRunner:
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"pipeline-rank{self.rank}.json").write_text(json.dumps(
-            {"rank": self.rank, "pp": self.pp, "v": self.v, "schedule": self.name, "steps": self.timeline.steps}))
+            {"rank": self.rank, "pp": self.pp, "v": self.v, "schedule": self.name, "steps": self.timeline.steps,
+             "layers": [len(c) for c in self.chunks]}))
         self.comm.barrier(self.pp_dim)
         if not is_main:
             return None
@@ -208,6 +209,8 @@ class PipelineRunner:
         out = {"schedule": self.name, "pp": self.pp, "v": self.v, "microbatches": m, "measured_bubble": measured,
                "simulated_bubble": simulated, "textbook_bubble": tl.textbook(self.name, self.pp, m, self.v),
                "replayed_bubble": tl.replayed_bubble(spans, self.schedule(m)),
+               "split": tl.split_advice(spans, self.pp, self.v, m,
+                                        [ranks[s % self.pp]["layers"][s // self.pp] for s in range(self.S)]),
                "step_s": max(r["steps"][-1]["step_s"] for r in ranks)}
         (folder / "pipeline.json").write_text(json.dumps({**out, "spans": spans}, indent=1))
         try:
