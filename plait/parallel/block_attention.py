@@ -106,10 +106,11 @@ def backward(dout, q, k, v, out, lse, causal: bool, scale: float, how: str, qdoc
             dout.to(dt), q, k, v, out.to(dt), lse, 0.0, causal, scale=scale)
         return tuple(g.to(acc) for g in grads)
     if how == "cudnn":
-        dt, none = q.dtype, torch.empty(0, device=q.device)  # no dropout: no seed, offset or bias
+        dt, none = q.dtype, torch.empty(0, device=q.device)  # no dropout: no seed or offset to replay
+        # no bias and no cumulative sequence lengths (given ones would mean packed, 3-d tensors)
         grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
             dout.to(dt).contiguous(), q, k, v, out.to(dt).contiguous(), lse.float().reshape(*q.shape[:-1], 1),
-            none, none, None, none, none, q.shape[2], k.shape[2], 0.0, causal, scale=scale)
+            none, none, None, None, None, q.shape[2], k.shape[2], 0.0, causal, scale=scale)
         return tuple(g.to(acc) for g in grads)
     if how == "flash":
         dt, n = q.dtype, q.shape[2]
