@@ -109,7 +109,8 @@ def _layout(bench: str, variant: str, row: dict, config: dict, n_gpus: int, comm
     if bench == "pipeline":
         m, mb = row["microbatches"], config["micro_batch"]
         sched = variant.split("-")[1]
-        split = ""
+        split = str(row.get("stage_layers") or "")  # a row that names its split ran it
+        split = "balance" if split.startswith("balance") else split
         if variant.endswith("balanced"):  # hand-set stage sizes, as the command gave them
             split = config.get("stage_layers") or _flag(commands, "--stage-layers")
             if not split:
@@ -153,6 +154,8 @@ def load(folder: str | Path) -> list[Run]:
             seen.add(row["variant"])
             if "step_s_median" not in row:
                 continue  # the variant failed (out of memory, timed out): nothing was measured
+            if row.get("superseded"):
+                continue  # measured code that has changed since (the row says how)
             if path.name in FIRST_ROW_ONLY and not first:
                 continue
             if bench == "train_step":  # each row its own model and batch
@@ -165,6 +168,8 @@ def load(folder: str | Path) -> list[Run]:
             used = n if variant_spans_all(lay) else 1
             seq = row.get("seq", config.get("seq"))  # a sweep over sequence lengths records it per row
             key = f"{path.name}:{row['variant']}" + (f"@{seq}" if "seq" in row else "")
+            if bench == "pipeline" and "stage_layers" in row:  # a file of several batch sizes and splits
+                key += f"@m{row['microbatches']}" + (f"/{lay['stage_split']}" if lay.get("stage_split") else "")
             if bench == "train_step":
                 key += f"@{row['preset']}" + (f"/{row['n_layers']}L" if "n_layers" in row else "") + \
                        f"-mb{row['micro_batch']}-s{seq}"
