@@ -166,9 +166,11 @@ def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision) -> Stage
         for ch in range(v):
             st = ch * pp + r
             n, last = layers[st], st == S - 1
-            f = n * f1 + (head_f if last else 0.0)
-            bi = n * bi1 + (head_b / 2 if last else 0.0)
-            bw = n * bw1 + (head_b / 2 if last else 0.0)
+            # plait's fused loss (plait/loss.py) forms both of the head's gradients inside its forward:
+            # the last stage's F carries all three of the head's matmuls, its B only scales them
+            f = n * f1 + (head_f + head_b if last else 0.0)
+            bi = n * bi1
+            bw = n * bw1
             durs.append((f, bi, bw) if split else (f, bi + bw, 0.0))
 
     pp_link = links["pp"][0]
