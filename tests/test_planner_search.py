@@ -22,7 +22,9 @@ def result():
 def test_ranked_by_simulated_step_time_and_all_fit(result):
     assert result.ranked
     times = [p.step_time_s for p in result.ranked]
-    assert times == sorted(times) or max(times) / min(times) < 1.002  # ties broken toward simpler layouts
+    # ascending; equal times (to rounding) are ordered toward simpler layouts, so a pair may differ in
+    # the last bits the wrong way
+    assert all(b >= a * (1 - 1e-9) for a, b in zip(times, times[1:])), times
     for p in result.ranked:
         assert p.fits and p.exact
         again = predict(L8B, p.layout, cluster("h100", 2, 8), 64)
