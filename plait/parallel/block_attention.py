@@ -50,7 +50,8 @@ def cudnn_works(q: torch.Tensor, k: torch.Tensor) -> bool:
     used (flash takes over)."""
     key = (q.device, q.dtype, q.shape[-1], q.shape[1], k.shape[1])
     if key not in _CUDNN_WORKS:
-        _CUDNN_WORKS[key] = torch.backends.cuda.cudnn_sdp_enabled() and _agrees(q, k)
+        with torch.autocast(q.device.type, enabled=False):  # the math reference in fp32, whatever the caller runs
+            _CUDNN_WORKS[key] = torch.backends.cuda.cudnn_sdp_enabled() and _agrees(q, k)
     return _CUDNN_WORKS[key]
 
 
