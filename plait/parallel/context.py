@@ -9,7 +9,7 @@ Ring attention. Every rank starts with its own K/V (both chunks, only the key/va
 grouped-query attention); at each of C steps it attends its queries to the K/V block it holds while
 the block moves on to the next rank (non-blocking P2P posted before the block's attention, so the
 transfer overlaps it). Per (query chunk, key chunk) pair: an earlier key chunk is attended in full,
-the same chunk causally, a later one is skipped (fully masked); the flash kernels attend each ring
+the same chunk causally, a later one is skipped (fully masked); the fused kernels attend each ring
 step's pairs in one call (`ring_calls`). Partial outputs merge by log-sum-exp:
   lse = logaddexp(lse_a, lse_b),  out = out_a exp(lse_a - lse) + out_b exp(lse_b - lse).
 Backward runs the ring again: each rank recomputes each block's probabilities from its queries and
@@ -20,9 +20,9 @@ Traffic per layer and micro-batch, in K/V-block bytes (a block = K and V of one 
 kv_heads only): forward C-1; backward C-1 blocks and C accumulators (the last hop takes each home).
 With document masking each block also carries its tokens' document indices (8 bytes a token).
 
-Each block runs through `plait.parallel.block_attention`: the device's fused kernel (the CPU's flash;
-cuDNN's, else flash, for 16-bit blocks on a GPU), or - with document masking - a math path in fp32; partial results merge
-in fp32 either way. The tests check each against full attention.
+Each block runs through `plait.parallel.block_attention`: the device's fused kernel (the CPU's
+flash; cuDNN's, else flash, for 16-bit blocks on a GPU), or - with document masking - a math path in
+fp32; partial results merge in fp32 either way. The tests check each against full attention.
 """
 
 from __future__ import annotations
