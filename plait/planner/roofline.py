@@ -96,9 +96,20 @@ def linear_time_s(op: str, tokens: float, fin: float, fout: float, c: Cluster) -
     return gemm_time_s(tokens, fin, fout, c)
 
 
+# Bytes the fused loss (plait/loss.py) moves per weight of the output matrix and micro-batch, beside
+# its matmuls: the weight gradient goes through an fp32 buffer - zero-filled (4), accumulated into
+# by the GEMM (read and write, 8), scaled (8), cast to the weights' 16-bit dtype (4 + 2) - and in
+# backward is scaled by the incoming gradient (2 + 2) and added into the flat gradient (6).
+LOSS_BYTES_PER_WEIGHT = 36.0
+LOSS_BYTES_PER_LOGIT = 4.0  # the fused softmax reads each 16-bit logit and writes its gradient
+
+
 def head_times(d: ModelDims, tokens: float, c: Cluster, tp: int = 1) -> tuple[float, float]:
-    """Forward and backward seconds of the output projection + loss on the last stage. plait's fused
-    loss forms both gradients in its forward; the times are split as the matmuls are."""
+    """Forward and backward seconds of the output projection + loss on the last stage: the three
+    matmuls split as forward and backward ones, and the loss's memory-bound passes (softmax, the
+    weight gradient's fp32 buffer) added to the forward. plait's fused loss runs all of it inside its
+    forward; the pipeline's stage costs put both parts there."""
     rows = -(-d.vocab // tp)
     fwd = linear_time_s("fwd", tokens, d.hidden, rows, c)
-    return fwd, linear_time_s("dgrad", tokens, d.hidden, rows, c) + linear_time_s("wgrad", tokens, d.hidden, rows, c)
+    passes = kernel_time_s(0.0, LOSS_BYTES_PER_LOGIT * tokens * rows + LOSS_BYTES_PER_WEIGHT * rows * d.hidden, c)
+    return fwd + passes, linear_time_s("dgrad", tokens, d.hidden, rows, c) + linear_time_s("wgrad", tokens, d.hidden, rows, c)
