@@ -213,3 +213,34 @@ def test_balanced_stages_lighten_the_last_stage_by_its_head():
     assert bal.step_time_s < 0.95 * even.step_time_s
     best = search(d, c, 8, space=Space(pp=(2,), zero=(0,), micro_batch=(1,), recompute=("none",), schedule=("1f1b",)))
     assert best.best.layout.stage_split == "balance"
+
+
+def test_zero3_root_unit_and_fused_loss_passes_are_priced():
+    """ZeRO-3 without a pipeline gathers the root unit (embedding, output, norms) as each
+    micro-batch's forward begins and reduce-scatters it last, nothing to hide either behind: each
+    micro-batch adds exactly that all-gather and reduce-scatter to the step, attributed to ZeRO-3.
+    And the last stage's F carries the fused loss's memory-bound passes: the output matrix's fp32
+    weight-gradient buffer costs time per micro-batch, independent of the tokens."""
+    from plait.planner import roofline
+    from plait.planner.stage_costs import stage_costs
+    from plait.planner.traffic import Collective
+
+    d = ModelDims.from_config(ModelConfig(**PRESETS["8b"]), seq=2048)
+    c = cluster("h100", 1, 4)
+    prec = memory.precision("mixed")
+    lay = Layout(dp_shard=4, zero=3, micro_batch=1)
+    sc = stage_costs(d, lay, c, prec)
+    link = sc.links["shard"][0]
+    root = sc.root_params[0]
+    want = (Collective("all_gather", root * prec.param_bytes, 4, 1, "").time_s(link)
+            + Collective("reduce_scatter", root * prec.wire_grad_bytes, 4, 1, "").time_s(link))
+    assert sc.root_zero3_s == pytest.approx(want) and want > 0
+    one, eight = predict(d, lay, c, 4), predict(d, lay, c, 32)  # 1 and 8 micro-batches a GPU
+    assert eight.time_s["zero3"] - 8 * sc.layer["zero3"] * d.layers == pytest.approx(8 * want)
+    assert one.time_s["zero3"] - sc.layer["zero3"] * d.layers == pytest.approx(want)
+    assert predict(d, Layout(dp_shard=4, zero=2, micro_batch=1), c, 32).time_s["zero3"] == 0
+    # the loss's passes: 36 bytes a weight of the output matrix and 4 a logit, at the HBM roof
+    f, b = roofline.head_times(d, 2048, c)
+    passes = roofline.kernel_time_s(0.0, 4 * 2048 * d.vocab + 36 * d.vocab * d.hidden, c)
+    assert f == pytest.approx(roofline.linear_time_s("fwd", 2048, d.hidden, d.vocab, c) + passes)
+    assert passes > 0.5 * roofline.linear_time_s("fwd", 2048, d.hidden, d.vocab, c)

@@ -307,6 +307,7 @@ def predict(d: ModelDims, lay: Layout, c: Cluster, global_batch: int,
     busy = sc.rank_busy_s(b_rank, v) * m
     nl = sum(sc.layers[ch * pp + b_rank] for ch in range(v))
     parts = {k: sc.layer[k] * nl * m for k in ("compute", "tp", "cp", "zero3")}
+    parts["zero3"] += sc.root_zero3_s * m if b_rank == 0 else 0.0
     parts["compute"] += busy - sum(parts.values())  # the output head, the embedding's share
     tail = max(0.0, step - makespan)
     time_s = {**parts, "bubble": max(0.0, makespan - busy), "dp_sync": tail - min(opt_s, tail),

@@ -45,6 +45,8 @@ class StageCosts:
     p2p_s: float
     links: dict[str, tuple[Link, bool]]
     """Per group name: (link, crosses nodes)."""
+    root_zero3_s: float = 0.0
+    """ZeRO-3's exposed gather and reduce-scatter of the root unit per micro-batch, on rank 0 (no pipeline)."""
 
     def rank_busy_s(self, rank: int, v: int) -> float:
         return sum(sum(self.durations[rank * v + c]) for c in range(v))
@@ -146,6 +148,14 @@ def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision) -> Stage
         # what does not hide, plus what hiding costs the compute beside it
         z3_f = max(0.0, ag - lt.forward_s) + a_ag * min(ag, lt.forward_s)
         z3_b = max(0.0, ag + rs - lt.backward_s) + (a_ag * ag + a_rs * rs) * min(1.0, lt.backward_s / (ag + rs))
+    # ZeRO-3 without a pipeline gathers the root unit (embedding, output, norms) as each micro-batch's
+    # forward begins - nothing to hide it behind - and reduce-scatters its packed gradient last, which
+    # the next forward waits for (plait/parallel/fsdp.py): both exposed, once per micro-batch
+    root_f = root_b = 0.0
+    if lay.zero == 3 and shard > 1 and pp == 1:
+        link = links["shard"][0]
+        root_f = Collective("all_gather", root_params[0] * prec.param_bytes, shard, 1, "").time_s(link)
+        root_b = Collective("reduce_scatter", root_params[0] * prec.wire_grad_bytes, shard, 1, "").time_s(link)
 
     # recomputation runs inside the backward: full = the forward again (with the TP collectives it
     # replays); selective = GPT's attention core (Korthikanti et al.), or for plait's Llama, whose
@@ -168,8 +178,8 @@ def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision) -> Stage
             n, last = layers[st], st == S - 1
             # plait's fused loss (plait/loss.py) forms both of the head's gradients inside its forward:
             # the last stage's F carries all three of the head's matmuls, its B only scales them
-            f = n * f1 + (head_f + head_b if last else 0.0)
-            bi = n * bi1
+            f = n * f1 + (head_f + head_b if last else 0.0) + (root_f if st == 0 else 0.0)
+            bi = n * bi1 + (root_b if st == 0 else 0.0)
             bw = n * bw1
             durs.append((f, bi, bw) if split else (f, bi + bw, 0.0))
 
@@ -179,4 +189,4 @@ def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision) -> Stage
     parts = {"compute": lt.forward_s + lt.backward_s + rc - replay_s,
              "tp": 2 * tp_s + replay_s, "cp": cp_f + cp_b, "zero3": z3_f + z3_b}
     return StageCosts(tuple(layers), tuple(durs), parts, tuple(rank_params), tuple(root_params), tp_fwd, tp_replay, kv_chunk, msg,
-                      p2p_s, links)
+                      p2p_s, links, root_f + root_b)
