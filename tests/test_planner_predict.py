@@ -216,9 +216,10 @@ def test_balanced_stages_lighten_the_last_stage_by_its_head():
 
 
 def test_zero3_root_unit_and_fused_loss_passes_are_priced():
-    """ZeRO-3 without a pipeline gathers the root unit (embedding, output, norms) as each
-    micro-batch's forward begins and reduce-scatters it last, nothing to hide either behind: each
-    micro-batch adds exactly that all-gather and reduce-scatter to the step, attributed to ZeRO-3.
+    """ZeRO-3 without a pipeline gathers the root unit (embedding, output, norms) and the first
+    block as each micro-batch's forward begins, the last block as its backward begins, and
+    reduce-scatters the first block and the root last, nothing to hide any of them behind: each
+    micro-batch adds exactly those transfers to the step, attributed to ZeRO-3.
     And the last stage's F carries the fused loss's memory-bound passes: the output matrix's fp32
     weight-gradient buffer costs time per micro-batch, independent of the tokens."""
     from plait.planner import roofline
@@ -231,9 +232,13 @@ def test_zero3_root_unit_and_fused_loss_passes_are_priced():
     lay = Layout(dp_shard=4, zero=3, micro_batch=1)
     sc = stage_costs(d, lay, c, prec)
     link = sc.links["shard"][0]
-    root = sc.root_params[0]
-    want = (Collective("all_gather", root * prec.param_bytes, 4, 1, "").time_s(link)
-            + Collective("reduce_scatter", root * prec.wire_grad_bytes, 4, 1, "").time_s(link))
+    root, block = sc.root_params[0], costs.tp_share(d, 1)[0]
+
+    def moved(op, params, per):
+        return Collective(op, params * per, 4, 1, "").time_s(link)
+
+    want = (moved("all_gather", root, prec.param_bytes) + moved("reduce_scatter", root, prec.wire_grad_bytes)
+            + 2 * moved("all_gather", block, prec.param_bytes) + moved("reduce_scatter", block, prec.wire_grad_bytes))
     assert sc.root_zero3_s == pytest.approx(want) and want > 0
     one, eight = predict(d, lay, c, 4), predict(d, lay, c, 32)  # 1 and 8 micro-batches a GPU
     assert eight.time_s["zero3"] - 8 * sc.layer["zero3"] * d.layers == pytest.approx(8 * want)

@@ -53,8 +53,8 @@ def test_a_variant_the_planner_cannot_read_is_an_error(tmp_path):
 
 def test_the_measured_h100_profile_prices_steps_closer_than_the_data_sheet():
     """The shipped H100 profile (`plait bench calibrate`) against the data-sheet defaults over every
-    recorded H100 run: the profile's mean step-time error is a quarter of theirs (3.7% against
-    14.1% when this was written). Pricing with the spec peak again - breaking the calibration -
+    recorded H100 run: the profile's mean step-time error is a quarter of theirs (3.5% against
+    14.0% when this was written). Pricing with the spec peak again - breaking the calibration -
     fails this, and so does leaving out the fused loss's memory-bound passes."""
     from plait.planner.profile import load as load_profile
 

@@ -46,7 +46,8 @@ class StageCosts:
     links: dict[str, tuple[Link, bool]]
     """Per group name: (link, crosses nodes)."""
     root_zero3_s: float = 0.0
-    """ZeRO-3's exposed gather and reduce-scatter of the root unit per micro-batch, on rank 0 (no pipeline)."""
+    """ZeRO-3's transfers exposed at a micro-batch's ends (the root unit's and the first and last
+    blocks' gathers and reduce-scatters), on rank 0, without a pipeline."""
 
     def rank_busy_s(self, rank: int, v: int) -> float:
         return sum(sum(self.durations[rank * v + c]) for c in range(v))
@@ -148,14 +149,17 @@ def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision) -> Stage
         # what does not hide, plus what hiding costs the compute beside it
         z3_f = max(0.0, ag - lt.forward_s) + a_ag * min(ag, lt.forward_s)
         z3_b = max(0.0, ag + rs - lt.backward_s) + (a_ag * ag + a_rs * rs) * min(1.0, lt.backward_s / (ag + rs))
-    # ZeRO-3 without a pipeline gathers the root unit (embedding, output, norms) as each micro-batch's
-    # forward begins - nothing to hide it behind - and reduce-scatters its packed gradient last, which
-    # the next forward waits for (plait/parallel/fsdp.py): both exposed, once per micro-batch
+    # ZeRO-3 without a pipeline, at the ends of each micro-batch where no compute runs beside the
+    # transfer (plait/parallel/fsdp.py): the forward begins by gathering the root unit (embedding,
+    # output, norms) and then the first block; the backward begins by gathering the last block (the
+    # fused loss left nothing to do before it); it ends with the first block's and the root's
+    # reduce-scatters, which the next forward waits for. All exposed, once per micro-batch.
     root_f = root_b = 0.0
     if lay.zero == 3 and shard > 1 and pp == 1:
         link = links["shard"][0]
-        root_f = Collective("all_gather", root_params[0] * prec.param_bytes, shard, 1, "").time_s(link)
-        root_b = Collective("reduce_scatter", root_params[0] * prec.wire_grad_bytes, shard, 1, "").time_s(link)
+        root_ag = Collective("all_gather", root_params[0] * prec.param_bytes, shard, 1, "").time_s(link)
+        root_rs = Collective("reduce_scatter", root_params[0] * prec.wire_grad_bytes, shard, 1, "").time_s(link)
+        root_f, root_b = root_ag + ag, ag + rs + root_rs
 
     # recomputation runs inside the backward: full = the forward again (with the TP collectives it
     # replays); selective = GPT's attention core (Korthikanti et al.), or for plait's Llama, whose
