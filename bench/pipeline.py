@@ -166,12 +166,7 @@ def _measure_pp(a, variant, step, device, runner=None) -> dict:
         runner.timeline.enabled = True
         step().item()
         runner.timeline.enabled = False
-        from plait import timeline as tl
-        from plait.planner.simulate import simulate
-
         row["bubble_spans_rank"] = runner.timeline.steps[-1]["actions"]
-        row["simulated_bubble"] = simulate(runner.schedule(a.microbatches)).bubble_fraction
-        row["textbook_bubble"] = tl.textbook(runner.name, runner.pp, a.microbatches, runner.v)
     return row
 
 
@@ -204,24 +199,20 @@ def worker(a, variant) -> list[dict]:
     spans = [None] * dims.world_size
     layers = [len(c) for c in par.runner.chunks] if runner_sched is not None else None
     dist.all_gather_object(spans, (dims.rank, row.pop("bubble_spans_rank", None), layers))
-    if all(s[1] for s in spans):
+    if runner_sched is not None and all(s[1] for s in spans):
         from plait import timeline as tl
 
         flat = [(r, act[3], act[4], act[0], act[1], act[2]) for r, acts, _ in spans for act in acts]
-        row["measured_bubble"] = tl.bubble(flat, len(spans))
-        if runner_sched is not None:
-            row["replayed_bubble"] = tl.replayed_bubble(flat, runner_sched)
-            pp, v = len(spans), runner_sched.v
-            row["split"] = tl.split_advice(flat, pp, v, a.microbatches, [spans[s % pp][2][s // pp] for s in range(pp * v)])
-            if dims.rank == 0 and a.png_dir:  # the measured timeline beside the JSON
-                try:
-                    png = Path(a.png_dir) / f"{variant}-m{a.microbatches}.png"
-                    tl.draw(flat, len(spans), runner_sched.v, png,
-                            f"{variant}, m {a.microbatches}: measured bubble {row['measured_bubble']:.1%}, replayed "
-                            f"{row['replayed_bubble']:.1%}, schedule {row['simulated_bubble']:.1%}")
-                    row["timeline_png"] = png.name
-                except Exception as e:  # noqa: BLE001 (no matplotlib: the numbers stand without it)
-                    row["timeline_png"] = f"not drawn: {e}"
+        pp, v = len(spans), runner_sched.v
+        row.update(tl.report(flat, runner_sched, [spans[s % pp][2][s // pp] for s in range(pp * v)]))
+        if dims.rank == 0 and a.png_dir:  # the measured timeline beside the JSON
+            try:
+                png = Path(a.png_dir) / f"{variant}-m{a.microbatches}.png"
+                tl.draw(flat, pp, v, png, f"{variant}, m {a.microbatches}: measured bubble {row['measured_bubble']:.1%}, "
+                        f"replayed {row['replayed_bubble']:.1%}, equal stages {row['simulated_bubble']:.1%}")
+                row["timeline_png"] = png.name
+            except Exception as e:  # noqa: BLE001 (no matplotlib: the numbers stand without it)
+                row["timeline_png"] = f"not drawn: {e}"
     peak = torch.tensor([row["peak_mem_gb"]], dtype=torch.float64, device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     row["peak_mem_gb_max_rank"] = peak.item()

@@ -18,6 +18,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from data_parallel import card_slug  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -86,8 +89,7 @@ def main(argv=None) -> int:
               "cudnn": torch.backends.cudnn.version(), "date": time.strftime("%Y-%m-%d"),
               "command": " ".join(["python", "bench/ring_kernels.py"] + (argv or sys.argv[1:])),
               "config": vars(a), "kernel_picked": blk.kernel(q, None, k), "rows": rows}
-    slug = card.lower().replace("nvidia ", "").split()[0]
-    path = Path(a.out) if a.out else ROOT / "bench" / "results" / f"ring-kernels-{slug}.json"
+    path = Path(a.out) if a.out else ROOT / "bench" / "results" / f"ring-kernels-{card_slug(card)}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
     print(f"wrote {path}")

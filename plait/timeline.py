@@ -69,6 +69,19 @@ def split_advice(spans, pp: int, v: int, m: int, counts: list[int]) -> dict | No
     return out
 
 
+def report(spans, sched, counts: list[int]) -> dict:
+    """A measured step of `sched` (spans of every pipeline rank; `counts` the layers of each of its
+    pp x v stages): its bubble measured, replayed with its action times, simulated with equal stage
+    costs and by the textbook formula, and the split advice. The executor's profile and the
+    benchmark both report this."""
+    from plait.planner.simulate import simulate
+
+    pp, v, m = sched.pp, sched.v, sched.microbatches
+    return {"measured_bubble": bubble(spans, pp), "replayed_bubble": replayed_bubble(spans, sched),
+            "simulated_bubble": simulate(sched).bubble_fraction, "textbook_bubble": textbook(sched.name, pp, m, v),
+            "split": split_advice(spans, pp, v, m, counts)}
+
+
 def textbook(name: str, pp: int, m: int, v: int = 1) -> float | None:
     """The closed-form bubble of GPipe / 1F1B, (p - 1) / (m + p - 1), and of interleaving, with v m:
     idle over the whole step when F and B take the same time on every rank (ZB has none)."""

@@ -202,21 +202,14 @@ class PipelineRunner:
             return None
         ranks = [json.loads((folder / f"pipeline-rank{r}.json").read_text()) for r in range(self.pp)]
         spans = [(r["rank"], a[3], a[4], a[0], a[1], a[2]) for r in ranks for a in r["steps"][-1]["actions"]]
-        measured = tl.bubble(spans, self.pp)
-        from plait.planner.simulate import simulate
-
-        simulated = simulate(self.schedule(m)).bubble_fraction
-        out = {"schedule": self.name, "pp": self.pp, "v": self.v, "microbatches": m, "measured_bubble": measured,
-               "simulated_bubble": simulated, "textbook_bubble": tl.textbook(self.name, self.pp, m, self.v),
-               "replayed_bubble": tl.replayed_bubble(spans, self.schedule(m)),
-               "split": tl.split_advice(spans, self.pp, self.v, m,
-                                        [ranks[s % self.pp]["layers"][s // self.pp] for s in range(self.S)]),
-               "step_s": max(r["steps"][-1]["step_s"] for r in ranks)}
+        counts = [ranks[s % self.pp]["layers"][s // self.pp] for s in range(self.S)]
+        out = {"schedule": self.name, "pp": self.pp, "v": self.v, "microbatches": m,
+               **tl.report(spans, self.schedule(m), counts), "step_s": max(r["steps"][-1]["step_s"] for r in ranks)}
         (folder / "pipeline.json").write_text(json.dumps({**out, "spans": spans}, indent=1))
         try:
             tl.draw(spans, self.pp, self.v, folder / "pipeline.png",
-                    f"measured {self.name}, pp {self.pp}, {m} micro-batches: bubble {measured:.1%} "
-                    f"(simulated {simulated:.1%})")
+                    f"measured {self.name}, pp {self.pp}, {m} micro-batches: bubble {out['measured_bubble']:.1%} "
+                    f"(replayed {out['replayed_bubble']:.1%}, equal stages {out['simulated_bubble']:.1%})")
         except Exception as e:  # noqa: BLE001 (no matplotlib: the JSON holds everything)
             out["png"] = f"not drawn: {e}"
         return out
