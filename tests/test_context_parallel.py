@@ -351,7 +351,7 @@ def test_block_kernels_agree_on_cuda(how, causal, kv_heads):
     q, dout = (torch.randn(B, H, T, d, generator=g).cuda().bfloat16() for _ in range(2))
     k1, v1 = (torch.randn(B, kv_heads, 2 * T, d, generator=g).cuda().bfloat16() for _ in range(2))
     k2, v2 = (torch.randn(B, kv_heads, T, d, generator=g).cuda().bfloat16() for _ in range(2))
-    assert blk.kernel(q, None, k1) in ("cudnn", "flash") and blk.kernel(q.float(), None) == "math"
+    assert blk.kernel(q, None, k1) in ("cudnn", "flash") and blk.kernel(q.float(), None, k1.float()) == "math"
     if torch.cuda.get_device_capability() >= (9, 0):
         assert blk.kernel(q, None, k1) == "cudnn"  # Hopper: what SDPA itself runs
     wide = (lambda t: t.repeat_interleave(rep, 1)) if rep > 1 else (lambda t: t)
@@ -384,7 +384,7 @@ def test_block_kernels_agree(causal):
     g = torch.Generator().manual_seed(1)
     q, k1, v1, k2, v2 = (torch.randn(2, 3, 8, 16, generator=g, dtype=torch.float64) for _ in range(5))
     dout = torch.randn(2, 3, 8, 16, generator=g, dtype=torch.float64)
-    assert blk.kernel(q, None) == "fused" and blk.kernel(q, torch.zeros(2, 8)) == "math"
+    assert blk.kernel(q, None, k1) == "fused" and blk.kernel(q, torch.zeros(2, 8), k1) == "math"
     got = {}
     for how in ("fused", "math"):
         o1, l1 = blk.forward(q, k1, v1, False, 0.25, how)

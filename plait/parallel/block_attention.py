@@ -30,16 +30,16 @@ NATIVE_GQA = ("fused", "cudnn", "flash")  # kernels that take fewer key/value he
 _CUDNN_WORKS: dict = {}  # (device, dtype, head size, heads, kv heads) -> whether cuDNN's kernel checked out
 
 
-def kernel(q: torch.Tensor, docs, k: torch.Tensor | None = None) -> str:
+def kernel(q: torch.Tensor, docs, k: torch.Tensor) -> str:
     """Without a document mask: fused on a CPU; on a GPU for fp16/bf16 and head sizes flash takes
-    (a multiple of 8, at most 256) cudnn when it passes `cudnn_works` for these shapes, else flash;
-    else math."""
+    (a multiple of 8, at most 256) cudnn when it passes `cudnn_works` for these shapes (k gives the
+    key/value head count), else flash; else math."""
     if docs is not None:
         return "math"
     if q.device.type == "cpu":
         return "fused"
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256:
-        return "cudnn" if cudnn_works(q, k if k is not None else q) else "flash"
+        return "cudnn" if cudnn_works(q, k) else "flash"
     return "math"
 
 
