@@ -182,10 +182,12 @@ def _measure(a, variant, step, device, ledger=None, tokens_per_gpu_step: float |
     return row
 
 
-def run_variants(worker, a, variants, result: dict, out: Path, failed, table, timeout_s: float = 900) -> int:
+def run_variants(worker, a, variants, result: dict, out: Path, failed, table, timeout_s: float = 900,
+                 recover=None) -> int:
     """Each variant in its own set of `a.gpus` processes (clean memory peaks), `worker(a, variant)`
-    returning rank 0's rows; a variant that fails gets one row, `failed(variant)` plus the error. The JSON
-    is rewritten after every variant, so a run cut short keeps what it measured."""
+    returning rank 0's rows; a variant that fails gets the rows `recover(variant)` finds it left (if
+    given), then one row, `failed(variant)` plus the error. The JSON is rewritten after every variant,
+    so a run cut short keeps what it measured."""
     from plait.launch import spawn
 
     t0 = time.perf_counter()
@@ -193,7 +195,8 @@ def run_variants(worker, a, variants, result: dict, out: Path, failed, table, ti
         try:
             rows = spawn(worker, (a, variant), a.gpus, device_type=a.device, timeout_s=timeout_s)[0]
         except Exception as e:  # noqa: BLE001 - keep what was measured; say what failed
-            rows = [{"variant": variant, **failed(variant), "error": str(e).splitlines()[0][:300]}]
+            rows = (recover(variant) if recover else []) + [
+                {"variant": variant, **failed(variant), "error": str(e).splitlines()[0][:300]}]
         result["rows"] += rows
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({**result, "wall_s": time.perf_counter() - t0}, indent=1))

@@ -1,9 +1,10 @@
 """Pipeline-parallel training throughput: plait's executor against torch.distributed.pipelining.
 
-    python bench/pipeline.py --microbatches 8              # every visible GPU as pipeline stages, 8b
+    python bench/pipeline.py --microbatches 4,8,16,32      # every visible GPU as pipeline stages, 8b
 
 Every variant trains the same model on the same batch (`--microbatches` x `--micro-batch` sequences
-a step), each in its own set of G worker processes.
+a step), each in its own set of G worker processes, which measures every micro-batch count in turn
+(smallest first: a count that runs out of memory ends the set, and the counts before it are kept).
 
   plait-gpipe / plait-1f1b       plait's executor running plait's schedule lists (compiled blocks)
   plait-interleaved              interleaved 1F1B, v = 2 chunks per rank
@@ -46,7 +47,7 @@ ALL = ["plait-zero3", "plait-gpipe", "plait-1f1b", "plait-interleaved", "plait-z
 def _batch(a, vocab, device):
     import torch
 
-    g = torch.Generator().manual_seed(1000)
+    g = torch.Generator().manual_seed(1000 + a.microbatches)
     rows = torch.randint(0, vocab, (a.microbatches * a.micro_batch, a.seq + 1), generator=g)
     return rows[:, :-1].to(device), rows[:, 1:].to(device)
 
@@ -59,6 +60,8 @@ def _split(a, v: int) -> str:
 
 
 def _plait(a, variant, dims, device, comm):
+    """plait's parallelized model for `variant`; `step_for(m)` gives the step function of a batch of m
+    micro-batches (one model for every m: its compiled blocks do not depend on m)."""
     import torch
 
     from plait.config import build_config
@@ -70,20 +73,18 @@ def _plait(a, variant, dims, device, comm):
                         "parallel": {"pp": pp, "schedule": sched if pp > 1 else "1f1b", "v": 2 if sched == "interleaved" else 1,
                                      "zero": 3 if pp == 1 else 1,
                                      "stage_layers": _split(a, 2 if sched == "interleaved" else 1) if pp > 1 else ""}})
-    if pp == 1:  # the same global batch over G data-parallel ranks
-        cfg.train.grad_accum = a.microbatches // a.gpus
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     par = parallelize(cfg, comm, device, dtype, compile=a.compile)
-    x, y = _batch(a, cfg.model.vocab_size, device)
-    if pp == 1:
-        per = x.shape[0] // a.gpus
-        x, y = x[par.data_rank * per:(par.data_rank + 1) * per], y[par.data_rank * per:(par.data_rank + 1) * per]
-    micro = list(zip(x.split(a.micro_batch), y.split(a.micro_batch)))
 
-    def step():
-        return par.runner.step(micro, 1e-4)[0]
+    def step_for(m):
+        x, y = _batch(argparse.Namespace(**{**vars(a), "microbatches": m}), cfg.model.vocab_size, device)
+        if pp == 1:  # the same global batch over G data-parallel ranks, m / G micro-batches each
+            per = x.shape[0] // a.gpus
+            x, y = x[par.data_rank * per:(par.data_rank + 1) * per], y[par.data_rank * per:(par.data_rank + 1) * per]
+        micro = list(zip(x.split(a.micro_batch), y.split(a.micro_batch)))
+        return lambda: par.runner.step(micro, 1e-4)[0]
 
-    return step, par
+    return step_for, par
 
 
 def _torch(a, variant, dims, device):
@@ -170,61 +171,100 @@ def _measure_pp(a, variant, step, device, runner=None) -> dict:
     return row
 
 
-def worker(a, variant) -> list[dict]:
+def _bubble(a, variant, row, spans, sched) -> None:
+    """The measured, replayed and equal-stage bubbles from every rank's (rank, action times, layers a
+    chunk), and the measured timeline's PNG."""
+    from plait import timeline as tl
+
+    flat = [(r, act[3], act[4], act[0], act[1], act[2]) for r, acts, _ in spans for act in acts]
+    pp, v = len(spans), sched.v
+    row.update(tl.report(flat, sched, [spans[s % pp][2][s // pp] for s in range(pp * v)]))
+    if a.png_dir:  # the measured timeline beside the JSON
+        try:
+            png = Path(a.png_dir) / f"{variant}-m{a.microbatches}.png"
+            tl.draw(flat, pp, v, png, f"{variant}, m {a.microbatches}: measured bubble {row['measured_bubble']:.1%}, "
+                    f"replayed {row['replayed_bubble']:.1%}, equal stages {row['simulated_bubble']:.1%}")
+            row["timeline_png"] = png.name
+        except Exception as e:  # noqa: BLE001 (no matplotlib: the numbers stand without it)
+            row["timeline_png"] = f"not drawn: {e}"
+
+
+def _one_count(a, variant, dims, device, built) -> dict:
+    """Rank 0's row for one micro-batch count `a.microbatches`; `built` holds plait's model across counts."""
     import torch
     import torch.distributed as dist
 
     from plait.comm import Comm, Ledger
-    from plait.config import ParallelConfig
-    from plait.launch import init_distributed
 
-    plait_pp = variant.startswith("plait") and variant != "plait-zero3"
-    runner_sched = None
-    pp = a.gpus if plait_pp else 1
-    dims = init_distributed(ParallelConfig(nproc=a.gpus, pp=pp, timeout_s=900), a.device)
-    device = dims.device
-    try:
-        if variant.startswith("plait"):
-            step, par = _plait(a, variant, dims, device, Comm(dims, Ledger(enabled=False)))
-            row = _measure_pp(a, variant, step, device, par.runner)
-            runner_sched = par.runner.schedule(a.microbatches) if hasattr(par.runner, "timeline") else None
-        else:
-            step, keep = _torch(a, variant, dims, device)
+    runner = None
+    if variant.startswith("plait"):
+        if "par" not in built:
+            built["step_for"], built["par"] = _plait(a, variant, dims, device, Comm(dims, Ledger(enabled=False)))
+        runner = built["par"].runner if hasattr(built["par"].runner, "timeline") else None
+        row = _measure_pp(a, variant, built["step_for"](a.microbatches), device, runner)
+    else:
+        step, keep = _torch(a, variant, dims, device)
+        try:
             row = _measure_pp(a, variant, step, device)
-    except Exception as e:  # noqa: BLE001 (a failure every rank meets alike costs one row)
-        row = {"variant": variant, "microbatches": a.microbatches,
-               "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}",
-               "peak_mem_gb": (torch.cuda.max_memory_allocated(device) / 1e9) if device.type == "cuda" else 0.0}
+        finally:
+            del step, keep
     # every rank's action times: the measured bubble needs all of them
     spans = [None] * dims.world_size
-    layers = [len(c) for c in par.runner.chunks] if runner_sched is not None else None
-    dist.all_gather_object(spans, (dims.rank, row.pop("bubble_spans_rank", None), layers))
-    if runner_sched is not None and all(s[1] for s in spans):
-        from plait import timeline as tl
-
-        flat = [(r, act[3], act[4], act[0], act[1], act[2]) for r, acts, _ in spans for act in acts]
-        pp, v = len(spans), runner_sched.v
-        row.update(tl.report(flat, runner_sched, [spans[s % pp][2][s // pp] for s in range(pp * v)]))
-        if dims.rank == 0 and a.png_dir:  # the measured timeline beside the JSON
-            try:
-                png = Path(a.png_dir) / f"{variant}-m{a.microbatches}.png"
-                tl.draw(flat, pp, v, png, f"{variant}, m {a.microbatches}: measured bubble {row['measured_bubble']:.1%}, "
-                        f"replayed {row['replayed_bubble']:.1%}, equal stages {row['simulated_bubble']:.1%}")
-                row["timeline_png"] = png.name
-            except Exception as e:  # noqa: BLE001 (no matplotlib: the numbers stand without it)
-                row["timeline_png"] = f"not drawn: {e}"
+    mine = [len(c) for c in runner.chunks] if runner is not None else None
+    dist.all_gather_object(spans, (dims.rank, row.pop("bubble_spans_rank", None), mine))
+    if runner is not None and dims.rank == 0 and all(s[1] for s in spans):
+        _bubble(a, variant, row, spans, runner.schedule(a.microbatches))
     peak = torch.tensor([row["peak_mem_gb"]], dtype=torch.float64, device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     row["peak_mem_gb_max_rank"] = peak.item()
-    if dims.rank == 0:
-        print(json.dumps({k: v for k, v in row.items() if k != "losses"}), flush=True)
+    return row
+
+
+def worker(a, variant) -> list[dict]:
+    """Every micro-batch count of `a.counts` in turn on one set of processes; rank 0 also appends each
+    row to `a.partial` as it is measured, so a set stopped by its time limit keeps the counts it ran."""
+    import faulthandler
+    import gc
+
+    import torch
+
+    from plait.config import ParallelConfig
+    from plait.launch import init_distributed
+
+    # a set that hangs prints every rank's Python stack before its time limit stops it
+    faulthandler.dump_traceback_later(max(a.timeout - 15, 5), exit=False)
+
+    plait_pp = variant.startswith("plait") and variant != "plait-zero3"
+    dims = init_distributed(ParallelConfig(nproc=a.gpus, pp=a.gpus if plait_pp else 1, timeout_s=900), a.device)
+    device = dims.device
+    rows, built = [], {}
+    for m in a.counts:
+        am = argparse.Namespace(**{**vars(a), "microbatches": m})
+        try:
+            row = _one_count(am, variant, dims, device, built)
+        except Exception as e:  # noqa: BLE001 (a failure every rank meets alike costs one row)
+            row = {"variant": variant, "microbatches": m,
+                   "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}",
+                   "peak_mem_gb": (torch.cuda.max_memory_allocated(device) / 1e9) if device.type == "cuda" else 0.0}
+        rows.append(row)
+        if dims.rank == 0:
+            print(json.dumps({k: v for k, v in row.items() if k != "losses"}), flush=True)
+            if a.partial:
+                with open(a.partial, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        if "error" in row:
+            break  # a larger count needs more memory still
+    built.clear()
     _cleanup(device)
-    return [row]
+    faulthandler.cancel_dump_traceback_later()
+    return rows
 
 
 def _table(result) -> str:
     rows = result["rows"]
-    z3 = next((r for r in rows if r["variant"] == "plait-zero3" and "error" not in r), None)
     lines = [f"{result['card']}, {result['gpus']} GPUs, torch {result['torch']}, {result['config']['preset']} "
              f"{result['config']['model']}, seq {result['config']['seq']}, micro-batch {result['config']['micro_batch']}",
              f"{'variant':18} {'m':>3} {'tok/s/GPU':>10} {'MFU':>6} {'peak GB':>8} {'bubble':>7} {'replay':>7} {'sim.':>6} {'vs torch':>9} {'vs z3':>6}"]
@@ -239,6 +279,8 @@ def _table(result) -> str:
         bub = f"{100 * r['measured_bubble']:6.1f}%" if "measured_bubble" in r else f"{'':7}"
         sim = f"{100 * r['simulated_bubble']:5.1f}%" if "simulated_bubble" in r else f"{'':6}"
         rep = f"{100 * r['replayed_bubble']:6.1f}%" if "replayed_bubble" in r else f"{'':7}"
+        z3 = next((p for p in rows if p["variant"] == "plait-zero3" and "error" not in p
+                   and p["microbatches"] == r["microbatches"]), None)
         vs = f"{tok / peer['tokens_per_s_per_gpu']:8.2f}x" if peer else f"{'':9}"
         vz = f"{tok / z3['tokens_per_s_per_gpu']:5.2f}x" if z3 else ""
         lines.append(f"{r['variant']:18} {r['microbatches']:3} {tok:10.0f} {mfu} {r['peak_mem_gb_max_rank']:8.1f} "
@@ -257,7 +299,8 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", default="8b")
     ap.add_argument("--model", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--microbatches", default="8", help="micro-batches a step; several, comma-separated, run in "
+                    "turn on each variant's processes (e.g. 4,8,16,32)")
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
@@ -272,6 +315,8 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=900, help="seconds a variant may take before it is stopped")
     a = ap.parse_args(argv)
     a.variants = [v for v in a.variants.split(",") if v]
+    a.counts = sorted(int(m) for m in a.microbatches.split(",") if m)
+    a.microbatches = a.counts[0]
 
     import torch
 
@@ -285,10 +330,22 @@ def main(argv=None) -> int:
               "nccl": ".".join(map(str, torch.cuda.nccl.version())) if a.device == "cuda" else None,
               "date": time.strftime("%Y-%m-%d"), "command": " ".join(["python", "bench/pipeline.py"] + (argv or sys.argv[1:])),
               "config": {"preset": a.preset, "model": a.model, "seq": a.seq, "micro_batch": a.micro_batch,
-                         "stage_layers": a.stage_layers,
+                         "stage_layers": a.stage_layers, "microbatches": a.counts,
                          "steps": a.steps, "warmup": a.warmup, "compile": a.compile}, "rows": []}
-    return run_variants(worker, a, a.variants, result, out, lambda v: {"microbatches": a.microbatches}, _table,
-                        timeout_s=a.timeout)
+    a.partial = str(out.with_suffix(".partial.jsonl"))
+    Path(a.partial).unlink(missing_ok=True)
+
+    def recover(variant):  # the counts a stopped set measured before its time ran out
+        part = Path(a.partial)
+        return [r for r in map(json.loads, part.read_text().splitlines()) if r["variant"] == variant] if part.exists() else []
+
+    def failed(variant):  # the row of the count that was running
+        done = {r["microbatches"] for r in recover(variant)}
+        return {"microbatches": next((m for m in a.counts if m not in done), a.counts[-1])}
+
+    code = run_variants(worker, a, a.variants, result, out, failed, _table, timeout_s=a.timeout, recover=recover)
+    Path(a.partial).unlink(missing_ok=True)
+    return code
 
 
 if __name__ == "__main__":

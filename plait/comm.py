@@ -187,16 +187,17 @@ class Comm:
         return self._issue(dist.all_to_all_single, (out, t), dict(group=g.pg), out, None, async_op,
                            "all_to_all", dim)
 
-    def send_recv(self, dim: str, sends=(), recvs=(), async_op: bool = False):
-        """Batched point-to-point: sends/recvs are (tensor, peer) with peer a rank in the dim's group."""
+    def send_recv(self, dim: str, sends=(), recvs=(), async_op: bool = False, record: bool = True):
+        """Batched point-to-point: sends/recvs are (tensor, peer) with peer a rank in the dim's group;
+        `record=False` keeps a set-up exchange out of the ledger."""
         g = self.group(dim)
         ops = []
         for t, peer in sends:
-            if self.ledger is not None:
+            if self.ledger is not None and record:
                 self.ledger.record("send", dim, t.numel() * t.element_size(), g.n)
             ops.append(dist.P2POp(dist.isend, t, g.ranks[peer], g.pg))
         for t, peer in recvs:
-            if self.ledger is not None:
+            if self.ledger is not None and record:
                 self.ledger.record("recv", dim, t.numel() * t.element_size(), g.n)
             ops.append(dist.P2POp(dist.irecv, t, g.ranks[peer], g.pg))
         if not ops:

@@ -11,6 +11,7 @@ add their gradients. One spawn of 4 ranks runs the 2-stage pipelines two at a ti
 from __future__ import annotations
 
 import pytest
+import torch
 from dist import run_dist
 from dp_runs import Groups, MICRO, assert_equivalent, config, train
 from plait.parallel.sharded_state import full_weights
@@ -283,3 +284,32 @@ def test_zero_bubble_linears_defer_inside_compiled_blocks():
     for a, b in zip(model.block_linears(), ref.block_linears()):
         torch.testing.assert_close(a.weight.grad, b.weight.grad)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("name,pp,v", [("gpipe", 4, 1), ("1f1b", 2, 1), ("zb", 4, 1), ("interleaved", 4, 2),
+                                       ("interleaved", 2, 2)])
+def test_every_link_a_schedule_uses_is_opened_before_it_runs(name, pp, v):
+    """NCCL connects two ranks at their first message and the CPU waits there for the peer, so a
+    schedule's first exchange with a new peer can deadlock against a third rank (GPipe and
+    interleaved 1F1B hung so on 4 H100/H200s). The executor's opening exchange, which every rank
+    makes at once, must cover every (sender, receiver) link the schedule's messages use, the
+    interleaved wrap-around from the last rank to the first included, and stay out of the ledger."""
+    from plait.parallel import pipeline, schedules
+
+    sched = schedules.build_schedule(name, pp, 3 * pp, v)
+    used = {(r, a.peer) if a.kind.startswith("SEND") else (a.peer, r)
+            for r, acts in enumerate(sched.ranks) for a in acts if not a.is_compute}
+    opened, calls = set(), []
+
+    class Recorder:
+        def send_recv(self, dim, sends=(), recvs=(), record=True):
+            calls.append(record)
+            opened.update((rank, p) for _, p in sends)
+            opened.update((p, rank) for _, p in recvs)
+
+    for rank in range(pp):
+        runner = pipeline.PipelineRunner(None, None, Recorder(), name, pp, v, rank, [], None, None, torch.float32)
+        runner._connect((2, 4), torch.device("cpu"))
+        runner._connect((2, 4), torch.device("cpu"))  # once per activation shape
+    assert used <= opened, sorted(used - opened)
+    assert len(calls) == pp and not any(calls)

@@ -20,7 +20,8 @@ def add_arguments(p) -> None:
     h.add_argument("--gpu", default="h100", help="v100, a100-40gb, a100-80gb, h100, h100-pcie, h200, b200")
     h.add_argument("--hardware", metavar="FILE",
                    help="a profile measured by `plait bench calibrate`: matmuls, attention, collectives and "
-                        "the optimizer cost what that machine measured (default: data-sheet peaks x efficiency)")
+                        "the optimizer cost what that machine measured (default: data-sheet peaks x efficiency); "
+                        "several, comma-separated, one a card: the plan takes --gpu's, --check each run's")
     h.add_argument("--nodes", type=int, default=1)
     h.add_argument("--gpus-per-node", type=int, default=8)
     t = p.add_argument_group("training step")
@@ -69,17 +70,31 @@ def run(args, extra) -> int:
     from plait.planner.predict import predict
     from plait.planner.search import search
 
-    profile = None
+    from plait.errors import bad_value
+
+    profiles, profile, path = {}, None, None
     if args.hardware:
         from plait.planner.profile import load
 
-        profile = load(args.hardware)
+        for f in (x for x in args.hardware.split(",") if x):
+            prof = load(f)
+            if prof.gpu in profiles:
+                raise bad_value("--hardware", args.hardware, f"two profiles of one card ({prof.gpu}): give one a card")
+            profiles[prof.gpu] = (prof, f)
     if args.check:
         from plait.planner import recorded
 
-        checks = recorded.check(recorded.load(args.check), {profile.gpu: profile} if profile else None)
+        checks = recorded.check(recorded.load(args.check), {g: prof for g, (prof, _) in profiles.items()} or None)
         print(recorded.table(checks))
         return 0
+    if profiles:
+        if len(profiles) == 1:
+            profile, path = next(iter(profiles.values()))
+        elif args.gpu in profiles:
+            profile, path = profiles[args.gpu]
+        else:
+            raise bad_value("--hardware", args.hardware, f"none of these profiles is of --gpu {args.gpu}: "
+                            f"plan with --gpu {' or '.join(sorted(profiles))}")
     if args.published:
         from plait.planner import published
 
@@ -89,7 +104,7 @@ def run(args, extra) -> int:
     if profile is not None:
         from plait.planner.profile import apply_profile
 
-        c = apply_profile(c, profile, args.hardware)
+        c = apply_profile(c, profile, path)
     if args.fleet_jobs:
         jobs = fleet.random_jobs(args.fleet_jobs, c.nodes, c.gpus_per_node, args.seed)
         for policy in fleet.POLICIES:

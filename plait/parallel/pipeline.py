@@ -98,6 +98,7 @@ class PipelineRunner:
         self.act_shape, self.dtype, self.store, self.pp_dim = act_shape, dtype, store, pp_dim
         self.timeline = Timeline()
         self.in_flight_peak = 0  # most micro-batch chunks held between F and B in a step (checked by tests)
+        self._connected: set = set()  # activation shapes whose connections `_connect` has made
 
     def schedule(self, m: int) -> Schedule:
         return checked_schedule(self.name, self.pp, m, self.v)
@@ -114,6 +115,7 @@ class PipelineRunner:
         first_grad, last_grad = grad_acts[0], grad_acts[-1]
         device = micro_batches[0][0].device
         seq = micro_batches[0][0].shape[1]
+        self._connect(self.act_shape(micro_batches[0][0].shape[0], seq), device)
         inputs, outputs, grads_in, to_send = {}, {}, {}, {}
         loss_sum = None
         held = peak = 0
@@ -221,6 +223,7 @@ class PipelineRunner:
         was = self.model.training
         self.model.eval()
         seq, out, h = x.shape[1], None, None
+        self._connect(self.act_shape(x.shape[0], seq), x.device)
         x, y, docs, pos, seq_l = self._local((x, y) if docs is None else (x, y, docs), seq)
         nxt, prv = (self.rank + 1) % self.pp, (self.rank - 1) % self.pp
         try:
@@ -240,6 +243,26 @@ class PipelineRunner:
         finally:
             self.model.train(was)
         return out
+
+    def _connect(self, shape, device) -> None:
+        """Open every link this rank's schedule uses, on all ranks at once, before the schedule runs.
+
+        NCCL connects two ranks the first time they exchange a message, and the CPU waits in that call
+        until the peer makes the same connection. Left to the schedule, a rank can wait there on a peer
+        that is itself waiting for a third rank (or for its GPU, which waits on the first): GPipe and
+        interleaved 1F1B hung so on 4 GPUs. One exchange of activation-sized buffers with both
+        neighbours (the wrap-around too when chunks loop, v > 1) makes every connection together; the
+        size matters, as NCCL may use more channels for larger messages. Not counted as traffic."""
+        if shape in self._connected or self.pp == 1:
+            return
+        self._connected.add(shape)
+        loop = self.v > 1
+        nxt = (self.rank + 1) % self.pp if loop or self.rank < self.pp - 1 else None
+        prv = (self.rank - 1) % self.pp if loop or self.rank > 0 else None
+        peers = [p for p in (nxt, prv) if p is not None]
+        sends = [(torch.zeros(shape, dtype=self.dtype, device=device), p) for p in peers]
+        recvs = [(torch.empty(shape, dtype=self.dtype, device=device), p) for p in reversed(peers)]
+        self.comm.send_recv(self.pp_dim, sends=sends, recvs=recvs, record=False)
 
     def _exchange(self, batch, inputs, outputs, grads_in, to_send, micro_batches, seq, device) -> None:
         """Post one batch of sends and receives, complete it, file what arrived."""

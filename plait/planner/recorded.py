@@ -31,7 +31,7 @@ SUPERSEDED = {
     "cp-h100-2gpu-before-ring-ops.json": "ring attention was an autograd.Function then (re-run by selective recompute)",
     "train-step-h200-2026-11-26.json": "made with a per-tensor optimizer and an fp32 weight-gradient pass in the loss",
 }
-BENCHES = ("train_step", "data_parallel", "tensor_parallel", "pipeline", "context_parallel")
+BENCHES = ("train_step", "data_parallel", "tensor_parallel", "pipeline", "context_parallel", "layouts")
 # Runs made before the fused loss dropped each chunk before forming the next (plait/loss.py): they
 # held a finished chunk while forming the next one and while casting the weight gradient.
 LOSS_HELD_THIRD_CHUNK = {"train-step-h200-2026-11-26b.json", "dp-h100-4gpu.json", "dp-h100-4gpu-fsdp2-fused.json",
@@ -86,6 +86,8 @@ def _flag(commands, flag: str) -> str | None:
 
 def _layout(bench: str, variant: str, row: dict, config: dict, n_gpus: int, commands=None) -> tuple[dict, int] | None:
     """(layout arguments, global batch) of a plait row, or None for peers and unexpressible runs."""
+    if bench == "layouts":  # bench/layouts.py: plait's trainer on the layout the row names
+        return dict(row["layout"]), config["global_batch"]
     if not variant.startswith("plait"):
         return None
     if bench == "train_step":  # one GPU; FP8 and eager variants are not priced by the planner
