@@ -65,6 +65,7 @@ def _plan(a, extra: list[str], timeout: float) -> dict:
     cmd = [sys.executable, "-m", "plait.cli", "plan", "--model", a.model, "--seq", str(a.seq), "--global-batch",
            str(a.global_batch), "--gpu", a.gpu, "--gpus-per-node", str(a.gpus), "--json"]
     cmd += ["--hardware", a.hardware] if a.hardware else []
+    cmd += ["--layers", str(a.layers)] if a.layers else []
     out = subprocess.run(cmd + extra, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     if out.returncode:
         raise RuntimeError((out.stderr.strip().splitlines() or ["failed"])[-1][:300])
@@ -74,6 +75,7 @@ def _plan(a, extra: list[str], timeout: float) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="8b")
+    ap.add_argument("--layers", type=int, default=0, help="the preset with this many layers (default: its own)")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--global-batch", type=int, default=32)
     ap.add_argument("--gpus", type=int, default=0, help="GPUs of this machine to plan for (default: all)")
@@ -93,14 +95,15 @@ def main(argv=None) -> int:
     card = torch.cuda.get_device_name(0)
     a.gpu = card_key(card)
     slug = a.gpu
-    out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"layouts-{slug}-{a.gpus}gpu-{a.model}-s{a.seq}.json"
+    model = a.model + (f"-{a.layers}L" if a.layers else "")
+    out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"layouts-{slug}-{a.gpus}gpu-{model}-s{a.seq}.json"
     search = _plan(a, ["--search", "--top", str(max(a.top * 4, 20))], 120)
     ranked = [r for r in search["ranked"]]
     names = [r["layout_name"] for r in ranked if r["layout"]["pp"] == 1][:a.top] + a.also
     result = {"benchmark": "layouts", "card": card, "gpus": a.gpus, "torch": torch.__version__,
               "nccl": ".".join(map(str, torch.cuda.nccl.version())), "date": time.strftime("%Y-%m-%d"),
               "command": " ".join(["python", "bench/layouts.py"] + (argv or sys.argv[1:])),
-              "config": {"preset": a.model, "seq": a.seq, "global_batch": a.global_batch, "hardware": a.hardware},
+              "config": {"preset": a.model, "model": [f"n_layers={a.layers}"] if a.layers else [], "seq": a.seq, "global_batch": a.global_batch, "hardware": a.hardware},
               "search": [{"rank": i + 1, "layout": r["layout_name"], "step_s": r["step_time_s"]}
                          for i, r in enumerate(ranked)],
               "rows": []}

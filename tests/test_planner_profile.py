@@ -144,3 +144,18 @@ def test_calibrate_takes_collectives_from_a_comm_result(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert re.fullmatch(r"plait bench: error: --collectives = '.*gpu.json': was measured on NVIDIA H100 80GB HBM3, "
                         r"this machine is cpu", err), err
+
+
+def test_plan_takes_one_profile_a_card(capsys):
+    """--hardware a,b: --check prices each recorded run with its card's profile, a plan takes --gpu's,
+    and a list with no profile of --gpu is one line naming the flag."""
+    from pathlib import Path
+
+    results = Path(__file__).resolve().parents[1] / "bench" / "results"
+    both = f"{results / 'hardware-h100.json'},{results / 'hardware-h200.json'}"
+    assert main(["plan", "--hardware", both, "--gpu", "h200", "--model", "8b", "--gpus-per-node", "4", "--dp", "4",
+                 "--zero", "3", "--micro-batch", "8", "--global-batch", "32", "--seq", "2048"]) == 0
+    assert "H200" in capsys.readouterr().out
+    assert main(["plan", "--hardware", both, "--gpu", "a100-80gb", "--model", "8b"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--hardware" in err[0] and "--gpu h100 or h200" in err[0]

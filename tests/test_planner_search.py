@@ -63,3 +63,24 @@ def test_nothing_fits():
     res = search(big, cluster("h100", 1, 1), 8, space=Space(micro_batch=(1,), recompute=("full",)))
     assert res.ranked == [] and res.rejected["does not fit in memory"] >= 1
     assert explain_ranking(res)[0].startswith("no layout fits")
+
+
+def test_bench_layouts_reads_back_every_name_the_search_prints():
+    """bench/layouts.py runs the search's layouts by their printed names: each name of a 4-GPU search
+    (ZeRO stages, HSDP, CP with either implementation, TP + SP, recompute) reads back to a layout
+    whose name is the same."""
+    import sys
+    from pathlib import Path
+
+    from plait.planner import inputs
+    from plait.planner.search import search
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from layouts import parse_layout
+
+    c = inputs.make_cluster("h200", 1, 4, {})
+    d = inputs.model_dims("8b", "llama", None, seq=8192)
+    names = {p.layout.describe() for p in search(d, c, 8, top=2000, refine=2000).ranked if p.layout.pp == 1}
+    assert any("cp" in n for n in names) and any("tp2" in n for n in names) and any("x" in n.split()[2] for n in names)
+    for name in names:
+        assert inputs.make_layout(c, **parse_layout(name)).describe() == name

@@ -113,6 +113,9 @@ def _layout(bench: str, variant: str, row: dict, config: dict, n_gpus: int, comm
         sched = variant.split("-")[1]
         split = str(row.get("stage_layers") or "")  # a row that names its split ran it
         split = "balance" if split.startswith("balance") else split
+        ran = (row.get("split") or {}).get("stage_layers")  # the counts each rank ran (bench/pipeline.py)
+        if ran and sched != "interleaved":  # interleaved counts are per virtual stage: "balance" names them
+            split = ran
         if variant.endswith("balanced"):  # hand-set stage sizes, as the command gave them
             split = config.get("stage_layers") or _flag(commands, "--stage-layers")
             if not split:
@@ -170,7 +173,8 @@ def load(folder: str | Path) -> list[Run]:
             used = n if variant_spans_all(lay) else 1
             seq = row.get("seq", config.get("seq"))  # a sweep over sequence lengths records it per row
             key = f"{path.name}:{row['variant']}" + (f"@{seq}" if "seq" in row else "")
-            if bench == "pipeline" and "stage_layers" in row:  # a file of several batch sizes and splits
+            if bench == "pipeline" and ("stage_layers" in row or isinstance(config.get("microbatches"), list)):
+                # a file of several micro-batch counts (and splits)
                 key += f"@m{row['microbatches']}" + (f"/{lay['stage_split']}" if lay.get("stage_split") else "")
             if bench == "train_step":
                 key += f"@{row['preset']}" + (f"/{row['n_layers']}L" if "n_layers" in row else "") + \
