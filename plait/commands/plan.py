@@ -86,6 +86,8 @@ def run(args, extra) -> int:
 
         checks = recorded.check(recorded.load(args.check), {g: prof for g, (prof, _) in profiles.items()} or None)
         print(recorded.table(checks))
+        print("\npipeline bubbles: measured on the run, the planner's for the split that ran, the textbook's\n"
+              + recorded.bubble_table(checks))
         return 0
     if profiles:
         if len(profiles) == 1:

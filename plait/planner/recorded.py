@@ -61,6 +61,8 @@ class Run:
     step_s: float
     peak_gb: float
     """Peak allocated memory of the fullest rank, GB (torch.cuda.max_memory_allocated)."""
+    bubble: float | None = None
+    """A pipeline's measured bubble (idle share of every rank's step, from its action timeline)."""
 
 
 def _model_overrides(config: dict) -> dict:
@@ -181,7 +183,7 @@ def load(folder: str | Path) -> list[Run]:
                        f"-mb{row['micro_batch']}-s{seq}"
             runs.setdefault(key, []).append(Run(
                 key, card_key(card), used, config["preset"], _model_overrides(config), seq, gb, lay,
-                row["step_s_median"], row.get("peak_mem_gb_max_rank", row["peak_mem_gb"])))
+                row["step_s_median"], row.get("peak_mem_gb_max_rank", row["peak_mem_gb"]), row.get("measured_bubble")))
     return [_merge(rs) for rs in runs.values()]
 
 
@@ -190,7 +192,9 @@ def _merge(rs: list[Run]) -> Run:
         return rs[0]
     from dataclasses import replace
 
-    return replace(rs[0], step_s=statistics.median(r.step_s for r in rs), peak_gb=max(r.peak_gb for r in rs))
+    bubbles = [r.bubble for r in rs if r.bubble is not None]
+    return replace(rs[0], step_s=statistics.median(r.step_s for r in rs), peak_gb=max(r.peak_gb for r in rs),
+                   bubble=statistics.median(bubbles) if bubbles else None)
 
 
 @dataclass(frozen=True)
@@ -198,6 +202,8 @@ class Check:
     run: Run
     predicted_step_s: float
     predicted_peak_gb: float
+    predicted_bubble: float = 0.0
+    """The bubble the planner simulates for the split that ran (stage costs from the profile)."""
 
     @property
     def step_error(self) -> float:
@@ -230,7 +236,7 @@ def check(runs: list[Run], hardware: dict[str, object] | None = None) -> list[Ch
         peak = p.memory_total_bytes - p.memory_bytes["reserved"]
         if r.source.split(":")[0] in LOSS_HELD_THIRD_CHUNK:
             peak += _old_loss_extra(d, lay)
-        out.append(Check(r, p.step_time_s, peak / 1e9))
+        out.append(Check(r, p.step_time_s, peak / 1e9, p.bubble))
     return out
 
 
@@ -264,4 +270,30 @@ def table(checks: list[Check]) -> str:
         se, me = [abs(c.step_error) for c in checks], [abs(c.memory_error) for c in checks]
         lines.append(f"{'mean |error|':<58} {'':>19} {statistics.mean(se):>7.1%} {'':>19} {statistics.mean(me):>7.1%}")
         lines.append(f"{'worst |error|':<58} {'':>19} {max(se):>7.1%} {'':>19} {max(me):>7.1%}")
+    return "\n".join(lines)
+
+
+def bubble_table(checks: list[Check]) -> str:
+    """Pipeline runs: the bubble measured on the run beside the planner's simulation of the same
+    schedule with the stage costs it prices for the split that ran, and the textbook formula's
+    (equal stages), in points; then the mean |difference| of each."""
+    from plait.parallel.schedules import check_args
+
+    rows = [c for c in checks if c.run.bubble is not None]
+    lines = [f"{'run':<58} {'measured':>9} {'planner':>8} {'diff':>6} {'textbook':>9} {'diff':>6}"]
+    dp, dt = [], []
+    for c in rows:
+        lay, m = c.run.layout, c.run.global_batch // c.run.layout.get("micro_batch", 1)
+        pp, v = lay["pp"], lay.get("v", 1)
+        name = check_args(lay.get("schedule", "1f1b"), pp, m, v)
+        text = (pp - 1) / (v * m + pp - 1) if name != "zb" else None  # ZB-H1 has no closed form here
+        a, b = 100 * c.run.bubble, 100 * c.predicted_bubble
+        dp.append(abs(b - a))
+        tb = f"{100 * text:8.1f}% {100 * text - a:>+6.1f}" if text is not None else f"{'':9} {'':>6}"
+        if text is not None:
+            dt.append(abs(100 * text - a))
+        lines.append(f"{c.run.source:<58} {a:8.1f}% {b:7.1f}% {b - a:>+6.1f} {tb}")
+    if rows:
+        lines.append(f"{'mean |difference|, points':<58} {'':>9} {'':>8} {statistics.mean(dp):>6.1f} {'':>9} "
+                     f"{statistics.mean(dt) if dt else 0.0:>6.1f}")
     return "\n".join(lines)
