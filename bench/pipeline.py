@@ -16,7 +16,8 @@ a step), each in its own set of G worker processes, which measures every micro-b
                                  cross-entropy on the last stage as its examples do)
   torch-interleaved              ScheduleInterleaved1F1B, v = 2
   torch-zb                       ScheduleInterleavedZeroBubble, v = 2 (torch's zero-bubble schedule
-                                 needs several stages per rank; plait's ZB-H1 runs one)
+                                 needs several stages per rank; plait's ZB-H1 runs one), blocks eager:
+                                 it cannot split a compiled block's backward
 plait rows add the measured bubble of the last timed step (per-action times on every rank, synced)
 next to the schedule's simulated one (equal costs) and its replay (the measured action times through
 the schedule's dependencies, messages instant: the bubble the stages' costs force). Measured minus
@@ -126,7 +127,10 @@ def _torch(a, variant, dims, device):
             lm = Transformer(mcfg, layer_ids=ids, first=s == 0, last=s == pp * v - 1)
         lm.to_empty(device=device)
         lm.init_weights(0)
-        if a.compile:
+        # torch's zero-bubble schedule splits each backward by walking autograd's graph, which a
+        # compiled block's node does not allow ("Attribute '_input_metadata' is invalid", torch 2.11,
+        # 4 x H100): its blocks run eagerly, the way that schedule works
+        if a.compile and sched != "zb":
             for block in lm.layers.values():
                 block.compile()
         stages.append(PipelineStage(Stage(lm, [str(i) for i in ids], s == 0, s == pp * v - 1), s, pp * v, device))
