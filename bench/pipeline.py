@@ -22,6 +22,8 @@ plait rows add the measured bubble of the last timed step (per-action times on e
 next to the schedule's simulated one (equal costs) and its replay (the measured action times through
 the schedule's dependencies, messages instant: the bubble the stages' costs force). Measured minus
 replayed is what transfers and the executor added.
+`host_share` per rank: host seconds issuing the actions over device seconds running them (>= ~1:
+launch-bound).
 
 Writes bench/results/pp-<card>-<G>gpu[-<tag>].json and prints a table.
 `--device cpu --preset tiny --no-compile --gpus 4` runs the same code over gloo as a smoke test.
@@ -218,6 +220,9 @@ def _one_count(a, variant, dims, device, built) -> dict:
     dist.all_gather_object(spans, (dims.rank, row.pop("bubble_spans_rank", None), mine))
     if runner is not None and dims.rank == 0 and all(s[1] for s in spans):
         _bubble(a, variant, row, spans, runner.schedule(a.microbatches))
+        from plait.timeline import host_share
+
+        row["host_share"] = host_share([acts for _, acts, _ in spans])  # >= ~1: that rank was launch-bound
     peak = torch.tensor([row["peak_mem_gb"]], dtype=torch.float64, device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     row["peak_mem_gb_max_rank"] = peak.item()

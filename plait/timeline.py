@@ -82,6 +82,17 @@ def report(spans, sched, counts: list[int]) -> dict:
             "split": split_advice(spans, pp, v, m, counts)}
 
 
+def host_share(actions_by_rank) -> list[float]:
+    """Per rank: seconds the host spent issuing its compute actions over the seconds the device ran
+    them (`Timeline` actions). Near or above 1 the rank is launch-bound: its GPU waits on its CPU.
+    On a CPU run both clocks are the host's, so it reads 1."""
+    out = []
+    for acts in actions_by_rank:
+        device = sum(a[4] - a[3] for a in acts)
+        out.append(round(sum(a[5] for a in acts) / device, 3) if device > 0 and acts and len(acts[0]) > 5 else 0.0)
+    return out
+
+
 def textbook(name: str, pp: int, m: int, v: int = 1) -> float | None:
     """The closed-form bubble of GPipe / 1F1B, (p - 1) / (m + p - 1), and of interleaving, with v m:
     idle over the whole step when F and B take the same time on every rank (ZB has none)."""

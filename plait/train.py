@@ -337,6 +337,10 @@ def train(cfg: Config, dims=None) -> dict:
             if "suggested_stage_layers" in split:
                 _warn(f"stage times {split['stage_ms']} ms a micro-batch with layers {split['stage_layers']}; "
                       f"--parallel.stage_layers {split['suggested_stage_layers']} would give {split['suggested_stage_ms']} ms")
+            launch = [r for r, share in enumerate(report["host_share"]) if share >= 0.9]
+            if device.type == "cuda" and launch:  # on a CPU both clocks are the host's: always 1
+                _warn(f"pipeline ranks {launch} spent {max(report['host_share']):.0%} of their actions' GPU time "
+                      f"launching them: launch-bound (larger micro-batches, or fewer graph pieces, keep the GPU fed)")
     ckpts.close()  # the last background save must be complete when the run ends
     bar.close()
     log.close()

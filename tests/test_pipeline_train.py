@@ -39,6 +39,8 @@ def test_resume_across_pipeline_layouts(corpus, tmp_path, capfd):
     # the action times replayed through the schedule (ranks' clocks are aligned only by a barrier, so
     # on shared CPU cores the replay is not bounded by the measurement), and each stage's time
     assert 0 < report["replayed_bubble"] < 1
+    # host seconds issuing each rank's actions over their device seconds: one clock on a CPU
+    assert report["host_share"] == [pytest.approx(1.0, abs=0.02)] * 2
     split = report["split"]
     assert len(split["stage_ms"]) == 2 and min(split["stage_ms"]) > 0 and split["stage_layers"].count(",") == 1
     solo = tmp_path / "solo"

@@ -44,11 +44,14 @@ def checked_schedule(name: str, pp: int, m: int, v: int) -> Schedule:
 
 @dataclass
 class Timeline:
-    """Start and end (seconds from the step's start) of every compute action of recorded steps.
+    """Start and end (seconds from the step's start) of every compute action of recorded steps, and
+    the seconds the host spent issuing it.
 
     On CUDA the times are events recorded on the compute stream as the actions are launched, read
     after the step: when the GPU reached each action, waits for arriving activations included, with
-    no host synchronisation inside the step (that would remove the overlap being measured)."""
+    no host synchronisation inside the step (that would remove the overlap being measured). The host
+    time says whether an action was launch-bound: where issuing its kernels takes as long as running
+    them, the GPU waits on the CPU (small layers, many graph pieces)."""
 
     enabled: bool = False
     steps: list = field(default_factory=list)
@@ -63,23 +66,26 @@ class Timeline:
         self.current: list = []
 
     def now(self):
+        """(device mark, host time): a CUDA event recorded on the current stream, or the host clock."""
+        host = time.perf_counter()
         if self._cuda:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
-            return ev
-        return time.perf_counter()
+            return ev, host
+        return host, host
 
     def record(self, action, start) -> None:
         self.current.append((action.kind, action.microbatch, action.chunk, start, self.now()))
 
     def end(self) -> None:
-        end = self.now()
+        end = self.now()[0]
         if self._cuda:
             end.synchronize()
-            since = lambda ev: self._t0.elapsed_time(ev) / 1e3  # noqa: E731
+            since = lambda ev: self._t0[0].elapsed_time(ev) / 1e3  # noqa: E731
         else:
-            since = lambda t: t - self._t0  # noqa: E731
-        acts = [(k, mb, c, since(a), since(b)) for k, mb, c, a, b in self.current]
+            since = lambda t: t - self._t0[0]  # noqa: E731
+        # (kind, micro-batch, chunk, device start, device end, host seconds issuing it)
+        acts = [(k, mb, c, since(a[0]), since(b[0]), b[1] - a[1]) for k, mb, c, a, b in self.current]
         self.steps.append({"actions": acts, "step_s": since(end)})
 
 
@@ -206,7 +212,8 @@ class PipelineRunner:
         spans = [(r["rank"], a[3], a[4], a[0], a[1], a[2]) for r in ranks for a in r["steps"][-1]["actions"]]
         counts = [ranks[s % self.pp]["layers"][s // self.pp] for s in range(self.S)]
         out = {"schedule": self.name, "pp": self.pp, "v": self.v, "microbatches": m,
-               **tl.report(spans, self.schedule(m), counts), "step_s": max(r["steps"][-1]["step_s"] for r in ranks)}
+               **tl.report(spans, self.schedule(m), counts), "step_s": max(r["steps"][-1]["step_s"] for r in ranks),
+               "host_share": tl.host_share([r["steps"][-1]["actions"] for r in ranks])}
         (folder / "pipeline.json").write_text(json.dumps({**out, "spans": spans}, indent=1))
         try:
             tl.draw(spans, self.pp, self.v, folder / "pipeline.png",
