@@ -98,7 +98,7 @@ def main(argv=None) -> int:
     model = a.model + (f"-{a.layers}L" if a.layers else "")
     out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"layouts-{slug}-{a.gpus}gpu-{model}-s{a.seq}.json"
     search = _plan(a, ["--search", "--top", str(max(a.top * 4, 20))], 120)
-    ranked = [r for r in search["ranked"]]
+    ranked = search["ranked"]
     names = [r["layout_name"] for r in ranked if r["layout"]["pp"] == 1][:a.top] + a.also
     result = {"benchmark": "layouts", "card": card, "gpus": a.gpus, "torch": torch.__version__,
               "nccl": ".".join(map(str, torch.cuda.nccl.version())), "date": time.strftime("%Y-%m-%d"),

@@ -179,12 +179,13 @@ def _measure_pp(a, variant, step, device, runner=None) -> dict:
 
 def _bubble(a, variant, row, spans, sched) -> None:
     """The measured, replayed and equal-stage bubbles from every rank's (rank, action times, layers a
-    chunk), and the measured timeline's PNG."""
+    chunk), each rank's host share, and the measured timeline's PNG."""
     from plait import timeline as tl
 
     flat = [(r, act[3], act[4], act[0], act[1], act[2]) for r, acts, _ in spans for act in acts]
     pp, v = len(spans), sched.v
     row.update(tl.report(flat, sched, [spans[s % pp][2][s // pp] for s in range(pp * v)]))
+    row["host_share"] = tl.host_share([acts for _, acts, _ in spans])  # >= ~1: that rank was launch-bound
     if a.png_dir:  # the measured timeline beside the JSON
         try:
             png = Path(a.png_dir) / f"{variant}-m{a.microbatches}.png"
@@ -220,9 +221,6 @@ def _one_count(a, variant, dims, device, built) -> dict:
     dist.all_gather_object(spans, (dims.rank, row.pop("bubble_spans_rank", None), mine))
     if runner is not None and dims.rank == 0 and all(s[1] for s in spans):
         _bubble(a, variant, row, spans, runner.schedule(a.microbatches))
-        from plait.timeline import host_share
-
-        row["host_share"] = host_share([acts for _, acts, _ in spans])  # >= ~1: that rank was launch-bound
     peak = torch.tensor([row["peak_mem_gb"]], dtype=torch.float64, device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     row["peak_mem_gb_max_rank"] = peak.item()

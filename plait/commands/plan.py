@@ -65,12 +65,11 @@ def add_arguments(p) -> None:
 
 
 def run(args, extra) -> int:
+    from plait.errors import bad_value
     from plait.planner import fleet, inputs, report
     from plait.planner.placement import place
     from plait.planner.predict import predict
     from plait.planner.search import search
-
-    from plait.errors import bad_value
 
     profiles, profile, path = {}, None, None
     if args.hardware:

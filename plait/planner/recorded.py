@@ -278,6 +278,7 @@ def bubble_table(checks: list[Check]) -> str:
     schedule with the stage costs it prices for the split that ran, and the textbook formula's
     (equal stages), in points; then the mean |difference| of each."""
     from plait.parallel.schedules import check_args
+    from plait.timeline import textbook
 
     rows = [c for c in checks if c.run.bubble is not None]
     lines = [f"{'run':<58} {'measured':>9} {'planner':>8} {'diff':>6} {'textbook':>9} {'diff':>6}"]
@@ -286,7 +287,7 @@ def bubble_table(checks: list[Check]) -> str:
         lay, m = c.run.layout, c.run.global_batch // c.run.layout.get("micro_batch", 1)
         pp, v = lay["pp"], lay.get("v", 1)
         name = check_args(lay.get("schedule", "1f1b"), pp, m, v)
-        text = (pp - 1) / (v * m + pp - 1) if name != "zb" else None  # ZB-H1 has no closed form here
+        text = textbook(name, pp, m, v)  # None for ZB-H1
         a, b = 100 * c.run.bubble, 100 * c.predicted_bubble
         dp.append(abs(b - a))
         tb = f"{100 * text:8.1f}% {100 * text - a:>+6.1f}" if text is not None else f"{'':9} {'':>6}"
