@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -179,7 +180,27 @@ def _measure(a, variant, step, device, ledger=None, tokens_per_gpu_step: float |
            "losses": losses}  # every variant trains the same model on the same tokens: these must agree
     if ledger is not None and ledger.steps:
         row["comm_gb_per_step"] = sum(d["sent_bytes"] for d in ledger.summary().values()) / 1e9
+    if getattr(a, "profile", 0) and cuda:
+        try:  # a profiler failure must not cost the row its timing
+            row["gpu_time"] = _profile(a, step)
+        except Exception as e:  # noqa: BLE001 (reported in the row)
+            row["gpu_time_error"] = f"{type(e).__name__}: {str(e)[:200]}"
     return row
+
+
+def _profile(a, step) -> dict:
+    """`a.profile` more steps under torch.profiler -> this rank's GPU time per step split into
+    compute, exposed and overlapped communication, and idle (plait.gpu_time)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from plait.gpu_time import kernels_of, split
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(a.profile):
+            step().item()
+        torch.cuda.synchronize()
+    return split(kernels_of(prof), a.profile)
 
 
 def run_variants(worker, a, variants, result: dict, out: Path, failed, table, timeout_s: float = 900,
@@ -296,6 +317,10 @@ def _table(result) -> str:
         vs = f"{tok / fsdp2['tokens_per_s_per_gpu']:8.2f}x" if fsdp2 else ""
         lines.append(f"{r['variant']:12} {tok:10.0f} {mfu} {r.get('peak_mem_gb_max_rank', r['peak_mem_gb']):8.1f} "
                      f"{comm} {scale} {vs}")
+        if "gpu_time" in r:
+            g = r["gpu_time"]
+            lines.append(f"{'':12} per step: compute {g['compute_ms']:.1f} ms, communication exposed "
+                         f"{g['exposed_comm_ms']:.1f} / overlapped {g['overlapped_ms']:.1f} ms, idle {g['idle_ms']:.1f} ms")
     return "\n".join(lines)
 
 
@@ -310,6 +335,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10, help="timed steps per variant (median reported)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile happens here)")
     ap.add_argument("--bucket-mb", type=float, default=25.0)
+    ap.add_argument("--profile", type=int, default=0, metavar="K",
+                    help="after timing, profile K more steps: GPU time split into compute, exposed and "
+                         "overlapped communication, idle (a 'gpu_time' entry in each row)")
     ap.add_argument("--variants", default=",".join(ALL))
     ap.add_argument("--no-compile", dest="compile", action="store_false")
     ap.add_argument("--no-single", dest="single", action="store_false", help="skip the 1-GPU baseline")
@@ -340,7 +368,8 @@ def main(argv=None) -> int:
     out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"dp-{card_slug(card)}-{a.gpus}gpu.json"
     result = {"benchmark": "data_parallel", "card": card, "gpus": a.gpus, "torch": torch.__version__, "nccl": nccl,
               "date": time.strftime("%Y-%m-%d"), "config": {"preset": a.preset, "model": a.model, "seq": a.seq, "micro_batch": a.micro_batch,
-              "steps": a.steps, "warmup": a.warmup, "bucket_mb": a.bucket_mb, "compile": a.compile}, "rows": []}
+              "steps": a.steps, "warmup": a.warmup, "bucket_mb": a.bucket_mb, "compile": a.compile,
+              "nccl_env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}}, "rows": []}
     t0 = time.perf_counter()
     if a.single:  # its own process: nothing of it stays on GPU 0 while the workers run
         cmd = [sys.executable, __file__, "--child-single"] + [x for x in (argv or sys.argv[1:]) if x != "--child-single"]
