@@ -81,6 +81,8 @@ def run(args) -> int:
     nproc = args.nproc or (torch.cuda.device_count() if cuda else 2)
 
     t0 = time.time()
+    if cuda:
+        warm_up(dev)
     shapes = _linear_shapes(models, tps, tokens)
     linear = [(op, m, k, n, _time_linear(op, m, k, n, dev, dtype)) for (m, k, n) in shapes for op in prof.LINEAR_OPS]
     print(f"# linear: {len(linear)} matmuls in {time.time() - t0:.0f} s", flush=True)
@@ -116,7 +118,7 @@ def run(args) -> int:
         source={"torch": torch.__version__, "nccl": _nccl(), "date": time.strftime("%Y-%m-%d"),
                 "command": "plait " + " ".join(sys.argv[1:]),
                 "seconds": round(time.time() - t0, 1),
-                "timing": "bursts" if cuda else "single calls"})  # profiles without it timed single calls
+                "timing": "bursts behind load" if cuda else "single calls"})  # older profiles: single calls
     out = args.out or f"bench/results/hardware-{_slug(card)}.json"
     prof.save(p, out)
     print(f"# wrote {out} in {time.time() - t0:.0f} s (best matmul {best:.1f} TFLOP/s)")
@@ -168,12 +170,12 @@ def _attention_shapes(models, tps, tokens, seqs) -> list[tuple[int, int, int, in
 def _timed(fn, dev, reps: int = 0) -> float:
     """Median seconds of one call of `fn` (after a warm-up), CUDA events on a GPU.
 
-    On a GPU each timed repetition is a burst of calls queued behind a GPU-side sleep, the events
-    around the burst: what is timed is the kernels back to back, as a training step runs them when
-    the CPU is ahead of the GPU. Timing a single call between events would add its launch latency
-    (10-30 us, more on a slower host CPU) to kernels that take a few tens of microseconds: the
-    small matmuls of 1b-sized layers measured 20-40% slow that way, and on a host with a slower CPU
-    slower still, which the planner then charged to the card."""
+    On a GPU each timed repetition is a burst of calls queued behind real work (`_heat`), the
+    events around the burst: what is timed is the kernels back to back on a busy card, as a
+    training step runs them. Timing a single call between events adds its launch latency (10-30 us)
+    to kernels of a few tens of microseconds; a burst queued behind an idle wait (a GPU sleep) runs
+    at a clock the card holds only for short bursts: on an H100 such matmuls came out 10% faster
+    than the same shapes inside a training step, and the planner then under-predicted every step."""
     import torch
 
     cuda = dev.type == "cuda"
@@ -186,13 +188,13 @@ def _timed(fn, dev, reps: int = 0) -> float:
     if cuda:
         torch.cuda.synchronize(dev)
     once = max(time.perf_counter() - t, 1e-6)
-    reps = reps or max(3, min(25, int(0.2 / once)))
+    reps = reps or max(3, min(15, int(0.2 / once)))
     burst = max(1, min(BURST, int(BURST_S / once))) if cuda else 1
     times = []
     for _ in range(reps):
         if cuda:
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(SLEEP_CYCLES)  # holds the GPU while the burst is queued behind it
+            _heat(dev)  # holds the GPU busy while the burst is queued behind it
             a.record()
             for _ in range(burst):
                 fn()
@@ -208,7 +210,30 @@ def _timed(fn, dev, reps: int = 0) -> float:
 
 BURST = 32  # calls a timed burst holds at most
 BURST_S = 2e-3  # and about this much work (sized from one synchronised call, launch included)
-SLEEP_CYCLES = 2_000_000  # ~1 ms of GPU clock: longer than the CPU takes to queue a burst
+HEAT_SIDE = 8192  # the heater's square matmul: ~1.4 ms on an H100, longer than queuing a burst takes
+_heater: dict = {}
+
+
+def _heat(dev, calls: int = 2) -> None:
+    """Queue `calls` large matmuls: work that keeps the card at the clock and power it sustains under
+    a training step's load while the CPU queues the timed burst behind it."""
+    import torch
+
+    if dev not in _heater:
+        _heater[dev] = torch.randn(HEAT_SIDE, HEAT_SIDE, device=dev, dtype=torch.bfloat16)
+    a = _heater[dev]
+    for _ in range(calls):
+        torch.mm(a, a)
+
+
+def warm_up(dev, seconds: float = 2.0) -> None:
+    """Bring the card to its sustained state (clocks, power, temperature) before the first timing."""
+    import torch
+
+    t = time.perf_counter()
+    while time.perf_counter() - t < seconds:
+        _heat(dev, 8)
+        torch.cuda.synchronize(dev)
 
 
 def _time_linear(op, m, k, n, dev, dtype) -> float:
