@@ -23,6 +23,9 @@ from plait.planner.placement import nodes_spanned
 from plait.planner.traffic import Collective
 
 
+BUCKET_BYTES = 25 * (1 << 20)  # plait's default gradient bucket (parallel.bucket_mb)
+
+
 @dataclass(frozen=True)
 class StageCosts:
     layers: tuple[int, ...]
@@ -45,6 +48,9 @@ class StageCosts:
     p2p_s: float
     links: dict[str, tuple[Link, bool]]
     """Per group name: (link, crosses nodes)."""
+    last_params: tuple[float, ...] = ()
+    """Parameters of each pipeline rank whose gradients come last in its backward: the embedding on
+    rank 0, one gradient bucket elsewhere. Their reduction cannot hide behind the backward."""
     root_zero3_s: float = 0.0
     """ZeRO-3's transfers exposed at a micro-batch's ends (the root unit's and the first and last
     blocks' gathers and reduce-scatters), on rank 0, without a pipeline."""
@@ -102,11 +108,12 @@ def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision) -> Stage
     # which also keeps its own copy of a tied embedding matrix when the two ends are different ranks
     block_t, embed_t, head_t = costs.tp_share(d, tp)  # per tensor-parallel rank
     tied_copy = embed_t if (d.tie_embeddings and pp > 1) else 0
-    rank_params, root_params = [], []
+    rank_params, root_params, last_params = [], [], []
     for r in range(pp):
         root = (embed_t if r == 0 else 0) + ((head_t + tied_copy) if r == pp - 1 else 0)
         root_params.append(root)
         rank_params.append(sum(layers[ch * pp + r] for ch in range(v)) * block_t + root)
+        last_params.append(min(rank_params[-1], embed_t if r == 0 else BUCKET_BYTES / prec.wire_grad_bytes))
 
     lt = roofline.layer_times(d, tokens, c, tp)
     head_f, head_b = roofline.head_times(d, tokens, c, tp)
@@ -193,4 +200,4 @@ def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision) -> Stage
     parts = {"compute": lt.forward_s + lt.backward_s + rc - replay_s,
              "tp": 2 * tp_s + replay_s, "cp": cp_f + cp_b, "zero3": z3_f + z3_b}
     return StageCosts(tuple(layers), tuple(durs), parts, tuple(rank_params), tuple(root_params), tp_fwd, tp_replay, kv_chunk, msg,
-                      p2p_s, links, root_f + root_b)
+                      p2p_s, links, tuple(last_params), root_f + root_b)
