@@ -57,21 +57,37 @@ def test_a_variant_the_planner_cannot_read_is_an_error(tmp_path):
         recorded.load(tmp_path)
 
 
-@pytest.mark.parametrize("gpu,bound", [("h100", 0.05), ("h200", 0.07)])
+@pytest.mark.parametrize("gpu,bound", [("h100", 0.06), ("h200", 0.07)])
 def test_each_cards_measured_profile_prices_steps_closer_than_the_data_sheet(gpu, bound):
     """The shipped profiles (`plait bench calibrate` on an H100 and on an H200 machine) against the
-    data-sheet defaults over every recorded run on that card: when this was written, H100 4.4% mean
+    data-sheet defaults over every recorded run on that card: when this was written, H100 5.3% mean
     against 13.0%, H200 6.2% against 16.8% (its worst, zero-bubble 1b stages that ran CPU-bound, is
-    in bench/README.md). Pricing with the spec peak again - breaking the calibration - fails this, and
-    so does leaving out the fused loss's memory-bound passes."""
+    in bench/README.md). The H100 profile is timed at the clock a loaded card holds; the runs on
+    several GPUs are 3-9% slower than it prices them, the rest of the mean (bench/README.md).
+    Pricing with the spec peak again - breaking the calibration - fails this, and so does leaving
+    out the fused loss's memory-bound passes."""
     from plait.planner.profile import load as load_profile
 
     runs = [r for r in recorded.load(RESULTS) if r.gpu == gpu]
     prof = load_profile(RESULTS / f"hardware-{gpu}.json")
-    calibrated = statistics.mean(abs(c.step_error) for c in recorded.check(runs, {gpu: prof}))
-    default = statistics.mean(abs(c.step_error) for c in recorded.check(runs))
+    calibrated = statistics.mean(abs(c.step_error) for c in recorded.priced(recorded.check(runs, {gpu: prof})))
+    default = statistics.mean(abs(c.step_error) for c in recorded.priced(recorded.check(runs)))
     assert calibrated < bound, calibrated
     assert default > calibrated + 0.05, (default, calibrated)
+
+
+def test_one_gpu_steps_on_the_h100_are_priced_within_4pct_each():
+    """What the profile alone decides: a step on one GPU has no communication, so its time is the
+    calibrated kernels'. The H100 profile times them behind load, at the clock (about 1.4 GHz at the
+    700 W cap) that the card holds under a training step: every one-GPU H100 run is then within 4%,
+    within 2% on average. Timed behind an idle wait instead, the card boosts to 1.98 GHz and every
+    such run came out 8-11% fast; the data sheet's defaults are up to 12% off."""
+    from plait.planner.profile import load as load_profile
+
+    runs = [r for r in recorded.load(RESULTS) if r.gpu == "h100" and r.n_gpus == 1]
+    assert len(runs) >= 5, [r.source for r in runs]
+    errors = [abs(c.step_error) for c in recorded.check(runs, {"h100": load_profile(RESULTS / "hardware-h100.json")})]
+    assert max(errors) < 0.04 and statistics.mean(errors) < 0.02, errors
 
 
 @pytest.mark.parametrize("name", ["layouts-h200-4gpu-8b-s2048.json", "layouts-h200-4gpu-8b-8L-s32768.json"])
@@ -108,3 +124,23 @@ def test_the_planner_predicts_each_pipelines_measured_bubble_for_the_split_that_
     assert len(whole) >= 15 and {c.run.layout["schedule"] for c in whole} == {"gpipe", "1f1b", "interleaved"}
     gap = statistics.mean(abs(c.predicted_bubble - c.run.bubble) for c in whole)
     assert gap < 0.02, recorded.bubble_table(checks)
+
+
+def test_a_host_bound_run_is_shown_but_left_out_of_the_step_statistics():
+    """A rank whose host took longer to issue its actions than its GPU to run them measured the CPU
+    (the 1b zero-bubble stages on 4 x H100, host share up to 2.2): its row is marked, its step error
+    stays out of the mean and the worst, its memory error stays in."""
+    from dataclasses import replace
+
+    runs = {r.source: r for r in recorded.load(RESULTS)}
+    zb = runs["pp-h100-4gpu-1b-host-share.json:plait-zb@m32/5,5,5,1"]
+    assert zb.host_bound and zb.host_share > 1.5
+    gpu = runs["dp-h100-4gpu.json:plait-ddp"]
+    assert not gpu.host_bound
+    checks = recorded.check([zb, gpu])
+    assert [c.run for c in recorded.priced(checks)] == [gpu]
+    text = recorded.table(checks)
+    assert "host-bound (1.7" in text and "leave out 1 host-bound" in text
+    worst = [ln for ln in text.splitlines() if ln.startswith("worst |error|")][0]
+    assert f"{abs(checks[1].step_error):.1%}" in worst
+    assert not replace(zb, host_share=0.9).host_bound

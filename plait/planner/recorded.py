@@ -41,6 +41,7 @@ LOSS_HELD_THIRD_CHUNK = {"train-step-h200-2026-11-26b.json", "dp-h100-4gpu.json"
 # ran with the earlier length's model, engine and optimizer state still allocated (its hooks kept
 # them alive), so only the first length a variant ran is a clean measurement.
 FIRST_ROW_ONLY = {"cp-h100-2gpu.json"}
+HOST_BOUND = 1.0  # host_share at which a rank's GPU starts to wait on its CPU
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,14 @@ class Run:
     """Peak allocated memory of the fullest rank, GB (torch.cuda.max_memory_allocated)."""
     bubble: float | None = None
     """A pipeline's measured bubble (idle share of every rank's step, from its action timeline)."""
+    host_share: float | None = None
+    """A pipeline's busiest host: seconds issuing its actions over the GPU's seconds running them."""
+
+    @property
+    def host_bound(self) -> bool:
+        """The GPU waited on the host (plait.timeline.host_share >= 1 on some rank): the step time
+        measured the CPU, which the planner, a model of GPU time, does not price."""
+        return self.host_share is not None and self.host_share >= HOST_BOUND
 
 
 def _model_overrides(config: dict) -> dict:
@@ -183,7 +192,8 @@ def load(folder: str | Path) -> list[Run]:
                        f"-mb{row['micro_batch']}-s{seq}"
             runs.setdefault(key, []).append(Run(
                 key, card_key(card), used, config["preset"], _model_overrides(config), seq, gb, lay,
-                row["step_s_median"], row.get("peak_mem_gb_max_rank", row["peak_mem_gb"]), row.get("measured_bubble")))
+                row["step_s_median"], row.get("peak_mem_gb_max_rank", row["peak_mem_gb"]), row.get("measured_bubble"),
+                max(row["host_share"]) if row.get("host_share") else None))
     return [_merge(rs) for rs in runs.values()]
 
 
@@ -193,8 +203,9 @@ def _merge(rs: list[Run]) -> Run:
     from dataclasses import replace
 
     bubbles = [r.bubble for r in rs if r.bubble is not None]
+    hosts = [r.host_share for r in rs if r.host_share is not None]
     return replace(rs[0], step_s=statistics.median(r.step_s for r in rs), peak_gb=max(r.peak_gb for r in rs),
-                   bubble=statistics.median(bubbles) if bubbles else None)
+                   bubble=statistics.median(bubbles) if bubbles else None, host_share=max(hosts) if hosts else None)
 
 
 @dataclass(frozen=True)
@@ -260,16 +271,27 @@ def _old_loss_extra(d, lay) -> float:
     return old - new
 
 
+def priced(checks: list[Check]) -> list[Check]:
+    """The checks whose step time the planner answers for: not those whose GPUs waited on the host."""
+    return [c for c in checks if not c.run.host_bound]
+
+
 def table(checks: list[Check]) -> str:
-    """The error table, every run, then mean |error| and worst |error|."""
+    """The error table, every run, then mean |error| and worst |error|; a host-bound run's step
+    error is shown, marked, and left out of the step statistics (its memory error counts)."""
     lines = [f"{'run':<58} {'step ms pred/meas':>19} {'err':>7} {'peak GB pred/meas':>19} {'err':>7}"]
     for c in checks:
+        mark = f"  host-bound ({c.run.host_share:.2f})" if c.run.host_bound else ""
         lines.append(f"{c.run.source:<58} {c.predicted_step_s * 1e3:>8.1f} / {c.run.step_s * 1e3:<8.1f} "
-                     f"{c.step_error:>+7.1%} {c.predicted_peak_gb:>8.2f} / {c.run.peak_gb:<8.2f} {c.memory_error:>+7.1%}")
+                     f"{c.step_error:>+7.1%} {c.predicted_peak_gb:>8.2f} / {c.run.peak_gb:<8.2f} {c.memory_error:>+7.1%}{mark}")
     if checks:
-        se, me = [abs(c.step_error) for c in checks], [abs(c.memory_error) for c in checks]
+        se, me = [abs(c.step_error) for c in priced(checks)] or [0.0], [abs(c.memory_error) for c in checks]
         lines.append(f"{'mean |error|':<58} {'':>19} {statistics.mean(se):>7.1%} {'':>19} {statistics.mean(me):>7.1%}")
         lines.append(f"{'worst |error|':<58} {'':>19} {max(se):>7.1%} {'':>19} {max(me):>7.1%}")
+        left = len(checks) - len(priced(checks))
+        if left:
+            lines.append(f"step statistics leave out {left} host-bound run(s): a rank's host took longer to issue "
+                         f"its work than its GPU to run it, a CPU cost the planner does not model")
     return "\n".join(lines)
 
 
