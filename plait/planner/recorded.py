@@ -107,14 +107,14 @@ def _layout(bench: str, variant: str, row: dict, config: dict, n_gpus: int, comm
             return None
         return dict(dp=1, zero=0, micro_batch=row["micro_batch"], recompute=rc), row["micro_batch"]
     if bench == "data_parallel":
-        mb = config["micro_batch"]
+        mb, rc = config["micro_batch"], config.get("recompute", "none")
         if variant == "plait-1gpu":
-            return dict(dp=1, zero=0, micro_batch=mb), mb
+            return dict(dp=1, zero=0, micro_batch=mb, recompute=rc), mb
         zero = {"plait-ddp": 0, "plait-zero1": 1, "plait-zero2": 2, "plait-zero3": 3}.get(variant)
         if zero is None:
             raise UserError(f"recorded run {variant!r}: plait.planner.recorded does not know this data-parallel "
                             f"variant; teach _layout its layout")
-        return dict(dp=n_gpus, zero=zero, micro_batch=mb), mb * n_gpus
+        return dict(dp=n_gpus, zero=zero, micro_batch=mb, recompute=rc), mb * n_gpus
     if bench == "tensor_parallel":  # one micro-batch of global_batch / dp sequences per rank
         tp, dp, gb = row["tp"], row["dp"], config["global_batch"]
         return dict(tp=tp, dp=dp, zero=row["zero"], micro_batch=gb // dp, recompute=row["recompute"],
