@@ -162,6 +162,7 @@ def _measure(a, variant, step, device, ledger=None, tokens_per_gpu_step: float |
         torch.cuda.reset_peak_memory_stats(device)
     if ledger is not None:
         ledger.reset()
+    before = _allocator_counts(device)
     times, losses = [], []
     for _ in range(a.steps):
         t = time.perf_counter()
@@ -171,6 +172,7 @@ def _measure(a, variant, step, device, ledger=None, tokens_per_gpu_step: float |
         if ledger is not None:
             ledger.step()
     med = statistics.median(times)
+    after = _allocator_counts(device)
     tok_s = (tokens_per_gpu_step or a.micro_batch * a.seq) / med
     peak = peak_flops(device, torch.bfloat16) if cuda else None
     row = {"variant": variant, "step_s_median": med, "step_s_min": min(times), "tokens_per_s_per_gpu": tok_s,
@@ -178,6 +180,8 @@ def _measure(a, variant, step, device, ledger=None, tokens_per_gpu_step: float |
            "peak_mem_gb": (torch.cuda.max_memory_allocated(device) if cuda else peak_memory_bytes(device)) / 1e9,
            "warmup_and_compile_s": warm, "loss": loss,
            "losses": losses}  # every variant trains the same model on the same tokens: these must agree
+    if before is not None:  # a steady step reuses cached blocks: device calls here stall the host
+        row["allocator_per_step"] = {k: (after[k] - before[k]) / a.steps for k in before}
     if ledger is not None and ledger.steps:
         row["comm_gb_per_step"] = sum(d["sent_bytes"] for d in ledger.summary().values()) / 1e9
     if getattr(a, "profile", 0) and cuda:
@@ -186,6 +190,18 @@ def _measure(a, variant, step, device, ledger=None, tokens_per_gpu_step: float |
         except Exception as e:  # noqa: BLE001 (reported in the row)
             row["gpu_time_error"] = f"{type(e).__name__}: {str(e)[:200]}"
     return row
+
+
+def _allocator_counts(device) -> dict | None:
+    """The CUDA caching allocator's calls into the driver so far (cudaMalloc, cudaFree) and its
+    retries after a failed allocation (each frees cached blocks: a device sync); None on CPU."""
+    import torch
+
+    if device.type != "cuda":
+        return None
+    st = torch.cuda.memory_stats(device)
+    return {"device_allocs": st.get("num_device_alloc", 0), "device_frees": st.get("num_device_free", 0),
+            "alloc_retries": st.get("num_alloc_retries", 0)}
 
 
 def _profile(a, step) -> dict:

@@ -218,7 +218,11 @@ def _one_count(a, variant, dims, device, built) -> dict:
     # every rank's action times: the measured bubble needs all of them
     spans = [None] * dims.world_size
     mine = [len(c) for c in runner.chunks] if runner is not None else None
-    dist.all_gather_object(spans, (dims.rank, row.pop("bubble_spans_rank", None), mine))
+    dist.all_gather_object(spans, (dims.rank, row.pop("bubble_spans_rank", None), mine,
+                                   row.get("allocator_per_step")))
+    if spans[0][3] is not None:  # every rank's: one rank's driver calls stall that rank's host alone
+        row["allocator_per_step"] = [s[3] for s in spans]
+    spans = [s[:3] for s in spans]
     if runner is not None and dims.rank == 0 and all(s[1] for s in spans):
         _bubble(a, variant, row, spans, runner.schedule(a.microbatches))
     peak = torch.tensor([row["peak_mem_gb"]], dtype=torch.float64, device=device)
@@ -297,6 +301,12 @@ def _table(result) -> str:
             lines.append(f"{'':22}stages {sp['stage_layers']}: {sp['stage_ms']} ms a micro-batch"
                          + (f"; {sp['suggested_stage_layers']} would give {sp['suggested_stage_ms']}"
                             if "suggested_stage_layers" in sp else ""))
+        if r.get("host_share"):
+            lines.append(f"{'':22}host share per rank: {' / '.join(f'{h:.2f}' for h in r['host_share'])}")
+        alloc = r.get("allocator_per_step")
+        if isinstance(alloc, list) and any(x["device_allocs"] or x["device_frees"] or x["alloc_retries"] for x in alloc):
+            lines.append(f"{'':22}cudaMalloc / cudaFree / retries a step, per rank: " + ", ".join(
+                f"{x['device_allocs']:g}/{x['device_frees']:g}/{x['alloc_retries']:g}" for x in alloc))
     return "\n".join(lines)
 
 
