@@ -118,6 +118,7 @@ def test_calibrate_writes_a_profile_that_plan_reads(tmp_path, capsys):
     assert {(x[0], x[1]) for x in p.collectives} == {("all_reduce", 2), ("all_gather", 2), ("reduce_scatter", 2)}
     assert p.pointwise_gbps > 0 and p.optimizer_gbps > 0
     assert set(p.overlap) == {"all_gather", "all_reduce"} and all(x >= 0 for x in p.overlap.values())
+    assert set(p.stretch) == {"all_gather", "all_reduce"} and all(x >= 1 for x in p.stretch.values())
     capsys.readouterr()
     assert main(["plan", "--hardware", str(out), "--model", "tiny", "--seq", "64", "--gpus-per-node", "2",
                  "--dp", "2", "--micro-batch", "1", "--global-batch", "2", "--explain"]) == 0
@@ -159,3 +160,37 @@ def test_plan_takes_one_profile_a_card(capsys):
     assert main(["plan", "--hardware", both, "--gpu", "a100-80gb", "--model", "8b"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--hardware" in err[0] and "--gpu h100 or h200" in err[0]
+
+
+def test_a_collective_beside_compute_runs_its_stretch_slower_and_slows_the_compute_that_long():
+    """`stretch` from what overlap.py times: a 30 ms chain alone that ended 40 ms after 20 ms of
+    matmuls began got through 10 ms of its work beside them: 2x. The planner's `hide` then gives a
+    window of compute only window / stretch of a collective, and charges the overlap slowdown for
+    the collective's longer time beside it. Without a stretch it prices as before."""
+    import dataclasses
+
+    from plait.benchmarks.overlap import stretch
+    from plait.planner.hardware import cluster
+    from plait.planner.profile import apply_profile
+    from plait.planner.stage_costs import hide
+
+    assert stretch(0.030, 0.020, 0.040) == pytest.approx(2.0)
+    assert stretch(0.010, 0.020, 0.015) == pytest.approx(1.5)  # ended first: beside compute throughout
+    assert stretch(0.030, 0.020, 0.029) == 1.0  # faster beside than alone: noise, no stretch
+    c = apply_profile(cluster("h100", 1, 2), dataclasses.replace(_profile(), overlap={"all_gather": 0.25}))
+    assert hide((("all_gather", 0.004),), 0.010, c) == pytest.approx((0.0, 0.001))
+    c2 = apply_profile(cluster("h100", 1, 2), dataclasses.replace(_profile(), overlap={"all_gather": 0.25},
+                                                                   stretch={"all_gather": 2.0}))
+    assert hide((("all_gather", 0.004),), 0.010, c2) == pytest.approx((0.0, 0.002))
+    # 8 ms alone, 16 ms beside: the 10 ms window hides 5 ms of it, 3 ms run after the compute
+    assert hide((("all_gather", 0.008),), 0.010, c2) == pytest.approx((0.003, 0.25 * 0.010))
+
+
+def test_a_profile_with_a_stretch_below_one_is_refused(tmp_path):
+    from plait.planner.profile import to_dict
+
+    raw = to_dict(_profile())
+    raw["overlap_stretch"] = {"all_gather": 0.5}
+    (tmp_path / "s.json").write_text(json.dumps(raw))
+    with pytest.raises(UserError, match="overlap_stretch"):
+        load(tmp_path / "s.json")

@@ -101,9 +101,9 @@ def run(args) -> int:
     print(f"# collectives: {len(collectives)} timings over groups up to {nproc}", flush=True)
     from plait.benchmarks import overlap as ov
 
-    overlap = ov.measure(device, 2) if nproc > 1 else {}
-    print("# overlap: " + (", ".join(f"{k} +{100 * v:.1f}%" for k, v in overlap.items()) or "not measured (one GPU)"),
-          flush=True)
+    overlap, stretch = ov.measure(device, 2) if nproc > 1 else ({}, {})
+    print("# overlap: " + (", ".join(f"{k} +{100 * v:.1f}% (itself x{stretch[k]:.2f})" for k, v in overlap.items())
+                           or "not measured (one GPU)"), flush=True)
 
     card = torch.cuda.get_device_name(dev) if cuda else "cpu"
     gpu = _catalog_key(card) if cuda else None
@@ -114,7 +114,7 @@ def run(args) -> int:
         peak_tflops=None if gpu else best,
         hbm_gib=torch.cuda.get_device_properties(dev).total_memory / 2**30 if cuda else None,
         linear=tuple(linear), attention=tuple(attention), pointwise_gbps=pointwise, optimizer_gbps=optimizer,
-        collectives=tuple(collectives), overlap=overlap,
+        collectives=tuple(collectives), overlap=overlap, stretch=stretch,
         source={"torch": torch.__version__, "nccl": _nccl(), "date": time.strftime("%Y-%m-%d"),
                 "command": "plait " + " ".join(sys.argv[1:]),
                 "seconds": round(time.time() - t0, 1),

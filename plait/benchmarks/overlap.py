@@ -1,14 +1,20 @@
-"""How much a collective running beside compute slows the compute down (for `plait bench calibrate`).
+"""How much a collective running beside compute slows the compute down, and itself (for `plait bench
+calibrate`).
 
 Overlapping communication with compute is not free on a GPU: NCCL's kernels occupy streaming
-multiprocessors and memory bandwidth while they run, so the matmuls beside them run slower. The
-planner hides ZeRO-3's gathers, data-parallel gradient reductions and ring attention's transfers
-behind compute; without this cost it predicts steps faster than they run.
+multiprocessors and memory bandwidth while they run, so the matmuls beside them run slower, and the
+matmuls take SMs and bandwidth from the collective, which runs slower too. The planner hides
+ZeRO-3's gathers, data-parallel gradient reductions and ring attention's transfers behind compute;
+without these costs it predicts steps faster than they run.
 
 Measured on every rank of a group of `nproc` GPUs, per collective op:
-  alone    a chain of bf16 matmuls (a transformer MLP's shape), timed by itself
-  beside   the same chain while the op runs back to back on a second stream, sized to outlast it
-The slowdown is beside / alone - 1: the extra compute time per second of overlapped collective.
+  alone    a chain of bf16 matmuls (a transformer MLP's shape), timed by itself; and a chain of the
+           op, timed by itself
+  beside   the same matmul chain while the op's chain runs on a second stream, sized to outlast it
+The slowdown is beside / alone - 1 for the matmuls: the extra compute time per second of overlapped
+collective. The stretch is for the op: while the matmuls ran (C seconds) it got through C / stretch
+seconds of its work alone, and after them ran at its own speed; so a chain of A seconds alone that
+ended B seconds after the matmuls began gives stretch = C / (A - (B - C)).
 """
 
 from __future__ import annotations
@@ -18,14 +24,28 @@ import statistics
 OPS = ("all_gather", "reduce_scatter", "all_reduce")
 
 
-def measure(device: str, nproc: int, timeout_s: float = 300.0) -> dict[str, float]:
-    """{op: fractional compute slowdown while the op runs beside it}, the median over ranks (gloo:
-    all-gather and all-reduce; it has no reduce-scatter)."""
+def measure(device: str, nproc: int, timeout_s: float = 300.0) -> tuple[dict[str, float], dict[str, float]]:
+    """({op: fractional compute slowdown while the op runs beside it}, {op: the op's stretch beside
+    compute}), medians over ranks (gloo: all-gather and all-reduce; it has no reduce-scatter)."""
     from plait.launch import run as launch_run
 
     per_rank = launch_run(_rank, ({"device": device, "nproc": nproc, "timeout": timeout_s},), nproc=nproc,
                           device_type=device)
-    return {op: statistics.median(r[op] for r in per_rank) for op in OPS if op in per_rank[0]}
+    ops = [op for op in OPS if op in per_rank[0]]
+    return ({op: statistics.median(r[op][0] for r in per_rank) for op in ops},
+            {op: statistics.median(r[op][1] for r in per_rank) for op in ops})
+
+
+def stretch(alone_s: float, compute_s: float, ended_s: float) -> float:
+    """How many times its time alone a collective chain took beside compute: `alone_s` its chain
+    alone, `compute_s` the matmuls it ran beside, `ended_s` when it ended, from the matmuls' start.
+    Ending first, it ran beside compute throughout; ending after, it ran alone for the rest."""
+    if ended_s <= compute_s:
+        return max(1.0, ended_s / alone_s)
+    done_beside = alone_s - (ended_s - compute_s)  # its seconds alone that it got through beside compute
+    if done_beside <= 0:  # timing noise: it ran as fast beside as alone
+        return 1.0
+    return max(1.0, compute_s / done_beside)
 
 
 def _rank(opts: dict) -> dict[str, float]:
@@ -75,21 +95,24 @@ def _rank(opts: dict) -> dict[str, float]:
     for op, call in ops.items():
         call(False)
         calls = agreed(int(1.5 * 0.05 / max(timed(lambda: call(False)), 1e-6)) + 1)  # to outlast the matmuls
-        alone, beside = [], []
+        alone, beside, chain, ended = [], [], [], []
         for _ in range(5):
             alone.append(timed(lambda: compute(reps)))
+            chain.append(timed(lambda: [call(False) for _ in range(calls)]))
             if cuda:
                 torch.cuda.synchronize(dev)
             dist.barrier()
             # async collectives run on the backend's own stream (NCCL) or threads (gloo), beside
-            # the matmuls on this one; the clock runs on this stream only
+            # the matmuls on this one; the clock runs on this stream, which then waits for them
             works = [call(True) for _ in range(calls)]
             t = _clock(cuda, dev)
             compute(reps)
             beside.append(t())
             for wk in works:
                 wk.wait()
-        out[op] = max(0.0, statistics.median(beside) / statistics.median(alone) - 1.0)
+            ended.append(t())
+        med = statistics.median
+        out[op] = (max(0.0, med(beside) / med(alone) - 1.0), stretch(med(chain), med(beside), med(ended)))
     if cuda:
         torch.cuda.synchronize(dev)
     dist.barrier()

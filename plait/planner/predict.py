@@ -26,7 +26,7 @@ from plait.planner.hardware import GIB, Cluster
 from plait.planner.layout import Layout, check_layout
 from plait.planner.memory import Precision
 from plait.planner.simulate import simulate
-from plait.planner.stage_costs import BUCKET_BYTES, StageCosts, overlap_cost, stage_costs
+from plait.planner.stage_costs import BUCKET_BYTES, StageCosts, hide, stage_costs
 from plait.planner.traffic import Collective, DimTraffic
 
 MEMORY_PARTS = ("parameters", "gradients", "master_weights", "optimizer_states", "activations",
@@ -125,37 +125,36 @@ def simulate_makespan(name: str, pp: int, m: int, v: int, durs: tuple, p2p_s: fl
 
 
 def _sync_s(lay: Layout, psi: float, last: float, m: int, prec: Precision, sc: StageCosts,
-            c: Cluster) -> tuple[float, float, float]:
+            c: Cluster) -> tuple[tuple[tuple[str, float], ...], float]:
     """Gradient synchronisation of a rank holding `psi` parameters, as the engines run it:
-    (seconds that can hide behind the backward, extra compute seconds while they do per second
-    hidden, seconds after the backward). DDP all-reduces buckets as the backward frees them; ZeRO-2
+    ((op, seconds) that can hide behind the backward, seconds after the backward). DDP all-reduces buckets as the backward frees them; ZeRO-2
     reduce-scatters them so; ZeRO-1 reduce-scatters its whole buffer at the step; ZeRO-1/2 all-gather
     the updated parameters after it; HSDP all-reduces the shard across replicas at the step.
 
     `last` of the `psi` parameters get their gradients when the backward ends (the first stage's
     embedding, else one bucket): nothing is left to hide their reduction behind (4 x H100, 1b DDP:
     3.0 ms of all-reduce ran after the backward, the embedding's bucket)."""
-    shard, hidden, after, beside = lay.shard_group, 0.0, 0.0, 0.0
+    shard, hidden, after = lay.shard_group, (), 0.0
     last = min(last, psi)
     if lay.zero == 0 and lay.grad_group > 1:
         link = sc.links["grad"][0]
-        hidden = Collective("all_reduce", (psi - last) * prec.wire_grad_bytes, lay.grad_group, 1, "").time_s(link)
+        hidden = (("all_reduce", Collective("all_reduce", (psi - last) * prec.wire_grad_bytes, lay.grad_group, 1,
+                                            "").time_s(link)),)
         after += Collective("all_reduce", last * prec.wire_grad_bytes, lay.grad_group, 1, "").time_s(link)
-        beside = overlap_cost(c, "all_reduce")
     elif lay.zero in (1, 2) and shard > 1:
         link = sc.links["shard"][0]
         if lay.zero == 2:
             # every micro-batch's buckets reduce-scatter; the last one's tail after its backward
-            hidden = Collective("reduce_scatter", psi * prec.wire_grad_bytes, shard, m, "").time_s(link)
+            rs = Collective("reduce_scatter", psi * prec.wire_grad_bytes, shard, m, "").time_s(link)
             tail = Collective("reduce_scatter", last * prec.wire_grad_bytes, shard, 1, "").time_s(link)
-            hidden, after, beside = hidden - tail, after + tail, overlap_cost(c, "reduce_scatter")
+            hidden, after = (("reduce_scatter", rs - tail),), after + tail
         else:
             after += Collective("reduce_scatter", psi * prec.wire_grad_bytes, shard, 1, "").time_s(link)
         after += Collective("all_gather", psi * prec.param_bytes, shard, 1, "").time_s(link)
     if lay.zero >= 1 and lay.dp_replicate > 1:
         after += Collective("all_reduce", psi / shard * prec.wire_grad_bytes, lay.dp_replicate, 1, "").time_s(
             sc.links["replicate"][0])
-    return hidden, beside, after
+    return hidden, after
 
 
 def _memory(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, sc: StageCosts, sched_name: str,
@@ -301,9 +300,9 @@ def predict(d: ModelDims, lay: Layout, c: Cluster, global_batch: int,
     for r in range(pp):
         psi = sc.rank_params[r]
         last_bwd = sum(sc.durations[r * v + ch][1] + sc.durations[r * v + ch][2] for ch in range(v))
-        hidden, beside, after = _sync_s(lay, psi, sc.last_params[r], m, prec, sc, c)
+        hidden, after = _sync_s(lay, psi, sc.last_params[r], m, prec, sc, c)
         room = last_bwd * (m if lay.zero == 2 else 1)
-        exposed = max(0.0, hidden - room) + beside * min(hidden, room) + after
+        exposed = sum(hide(hidden, room, c)) + after
         local = psi / (lay.shard_group if lay.zero >= 1 else 1)
         # read grad + param, read and write master and moments, write param
         opt = local * (prec.grad_bytes + 2 * prec.k + 2 * prec.param_bytes) / hbm_s

@@ -13,6 +13,8 @@ What it holds, each as measured on the machine:
               machine's GPUs (one node's link)
   overlap     per collective op, how much slower matmuls run while it runs beside them (0.1 = 10%
               longer per second of overlapped collective; plait/benchmarks/overlap.py)
+  stretch     per collective op, how many times longer it takes beside matmuls than alone (both
+              compete for the SMs and memory bandwidth)
 
 How the planner uses it (`plait/planner/roofline.py`, `plait/planner/traffic.py`):
   a measured shape costs what it measured; another shape costs its FLOPs at the efficiency (share
@@ -20,8 +22,9 @@ How the planner uses it (`plait/planner/roofline.py`, `plait/planner/traffic.py`
   a collective is interpolated in log-log between the two measured sizes around it (below the
   smallest: the smallest's time, the latency floor; above the largest: the largest's bandwidth);
   a group size or an operation not measured falls back to the alpha-beta model with the link's
-  bandwidth and latency fitted to the measurements; a collective hidden behind compute adds its
-  op's overlap slowdown times its own duration to the compute (none measured: 0).
+  bandwidth and latency fitted to the measurements; a collective hidden behind compute runs
+  `stretch` times its time alone and adds its op's overlap slowdown times that duration to the
+  compute (none measured: 0 slowdown, no stretch).
   Nothing is fitted to training step times.
 """
 
@@ -58,6 +61,8 @@ class HardwareProfile:
     """(op, group size, bytes, seconds)"""
     overlap: dict = field(default_factory=dict, compare=False, hash=False)
     """{collective op: fractional slowdown of compute beside it}"""
+    stretch: dict = field(default_factory=dict, compare=False, hash=False)
+    """{collective op: its duration beside compute over its duration alone (>= 1)}"""
     source: dict = field(default_factory=dict, compare=False, hash=False)
     """How it was measured: torch and NCCL versions, date, command."""
 
@@ -135,6 +140,13 @@ class HardwareProfile:
             return self.overlap[op]
         return sum(self.overlap.values()) / len(self.overlap) if self.overlap else 0.0
 
+    def overlap_stretch(self, op: str) -> float:
+        """How many times its time alone `op` takes beside compute: its own measurement, else the
+        mean of those measured, else 1 (profiles written before it was measured)."""
+        if op in self.stretch:
+            return self.stretch[op]
+        return sum(self.stretch.values()) / len(self.stretch) if self.stretch else 1.0
+
 
 def _log_distance(a, b) -> float:
     return sum(math.log(x / y) ** 2 for x, y in zip(a, b))
@@ -153,7 +165,8 @@ def to_dict(p: HardwareProfile) -> dict:
             "hbm_gib": p.hbm_gib, "pointwise_gbps": p.pointwise_gbps, "optimizer_gbps": p.optimizer_gbps,
             "source": p.source,
             "linear": [list(x) for x in p.linear], "attention": [list(x) for x in p.attention],
-            "collectives": [list(x) for x in p.collectives], "overlap": dict(p.overlap)}
+            "collectives": [list(x) for x in p.collectives], "overlap": dict(p.overlap),
+            "overlap_stretch": dict(p.stretch)}
 
 
 def save(p: HardwareProfile, path: str | Path) -> None:
@@ -200,11 +213,17 @@ def load(path: str | Path) -> HardwareProfile:
     if not isinstance(overlap, dict) or not all(
             isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 10 for v in overlap.values()):
         raise UserError(f"{where}: overlap = {overlap!r}, expected {{op: slowdown >= 0}}; re-run `plait bench calibrate`")
+    stretch = raw.get("overlap_stretch") or {}
+    if not isinstance(stretch, dict) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and 1 <= v < 100 for v in stretch.values()):
+        raise UserError(f"{where}: overlap_stretch = {stretch!r}, expected {{op: factor >= 1}}; "
+                        f"re-run `plait bench calibrate`")
     return HardwareProfile(card=str(raw.get("card", "?")), gpu=raw.get("gpu"), dtype=str(raw.get("dtype", "bf16")),
                            peak_tflops=number("peak_tflops", optional=True), hbm_gib=number("hbm_gib", optional=True),
                            linear=linear, attention=attention, pointwise_gbps=number("pointwise_gbps"),
                            optimizer_gbps=number("optimizer_gbps"), collectives=collectives,
-                           overlap={str(k): float(v) for k, v in overlap.items()}, source=raw.get("source") or {})
+                           overlap={str(k): float(v) for k, v in overlap.items()},
+                           stretch={str(k): float(v) for k, v in stretch.items()}, source=raw.get("source") or {})
 
 
 def apply_profile(c, prof: HardwareProfile, path: str = "the profile"):

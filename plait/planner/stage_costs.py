@@ -64,6 +64,21 @@ def overlap_cost(c: Cluster, op: str) -> float:
     return c.profile.overlap_slowdown(op) if c.profile is not None else 0.0
 
 
+def hide(parts: tuple[tuple[str, float], ...], window_s: float, c: Cluster) -> tuple[float, float]:
+    """Collectives (op, seconds alone) issued beside `window_s` seconds of compute: (seconds left to
+    run after the compute, extra compute seconds). Beside compute a collective runs its measured
+    stretch times slower, so the window hides window / stretch of its time alone, and the compute
+    beside it is slowed by the op's overlap cost for as long as it runs."""
+    total = sum(t for _, t in parts)
+    if total <= 0.0:
+        return 0.0, 0.0
+    stretch = {op: c.profile.overlap_stretch(op) if c.profile is not None else 1.0 for op, _ in parts}
+    beside_s = sum(t * stretch[op] for op, t in parts)  # how long all of it would run beside compute
+    share = min(1.0, window_s / beside_s)  # of each collective, what runs while the compute does
+    slowdown = sum(overlap_cost(c, op) * t * stretch[op] for op, t in parts) * share
+    return total * (1.0 - share), slowdown
+
+
 def split_layers(d: ModelDims, stages: int, split: str) -> list[int]:
     """Layers of each stage as the runtime splits them (plait/parallel/stages.py)."""
     from plait.parallel.stages import flops_balanced, parse_counts
@@ -141,10 +156,8 @@ def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision) -> Stage
         cp_f = cp_b = sum(x.time_s(links["cp"][0]) for x in cp_a2a)
     else:
         cp_s = Collective("send_recv", kv_chunk, cp, cp - 1, "").time_s(links["cp"][0]) if cp > 1 else 0.0
-        a_p2p = overlap_cost(c, "send_recv")
-        cp_f = max(0.0, cp_s - lt.attention_forward_s) + a_p2p * min(cp_s, lt.attention_forward_s)
-        cp_b = (max(0.0, 2 * cp_s - 2.5 * lt.attention_forward_s)  # K/V again plus dK/dV
-                + a_p2p * min(2 * cp_s, 2.5 * lt.attention_forward_s))
+        cp_f = sum(hide((("send_recv", cp_s),), lt.attention_forward_s, c))
+        cp_b = sum(hide((("send_recv", 2 * cp_s),), 2.5 * lt.attention_forward_s, c))  # K/V again plus dK/dV
 
     shard = lay.shard_group
     z3_f = z3_b = 0.0
@@ -152,10 +165,9 @@ def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision) -> Stage
         link = links["shard"][0]
         ag = Collective("all_gather", block_t * prec.param_bytes, shard, 1, "").time_s(link)
         rs = Collective("reduce_scatter", block_t * prec.wire_grad_bytes, shard, 1, "").time_s(link)
-        a_ag, a_rs = overlap_cost(c, "all_gather"), overlap_cost(c, "reduce_scatter")
         # what does not hide, plus what hiding costs the compute beside it
-        z3_f = max(0.0, ag - lt.forward_s) + a_ag * min(ag, lt.forward_s)
-        z3_b = max(0.0, ag + rs - lt.backward_s) + (a_ag * ag + a_rs * rs) * min(1.0, lt.backward_s / (ag + rs))
+        z3_f = sum(hide((("all_gather", ag),), lt.forward_s, c))
+        z3_b = sum(hide((("all_gather", ag), ("reduce_scatter", rs)), lt.backward_s, c))
     # ZeRO-3 without a pipeline, at the ends of each micro-batch where no compute runs beside the
     # transfer (plait/parallel/fsdp.py): the forward begins by gathering the root unit (embedding,
     # output, norms) and then the first block; the backward begins by gathering the last block (the
