@@ -12,11 +12,9 @@ from __future__ import annotations
 
 from collections import Counter
 
-COMM_PREFIXES = ("nccl", "ncclDevKernel", "ncclKernel")
-
-
 def is_comm(kernel_name: str) -> bool:
-    return kernel_name.startswith(COMM_PREFIXES)
+    """NCCL's kernels (ncclDevKernel_*, ncclKernel_*): the communication."""
+    return kernel_name.startswith("nccl")
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
