@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -231,6 +232,22 @@ def _one_count(a, variant, dims, device, built) -> dict:
     return row
 
 
+def _bind_cpus(mode: str, device) -> str:
+    """Bind this rank's threads to CPUs by its GPU (torch's NUMA binding, as `torchrun --numa-binding
+    MODE` does; it needs the numactl tool and falls back to no binding); returns the cores it holds."""
+    import os
+
+    try:
+        from torch.numa.binding import AffinityMode, NumaOptions, _maybe_apply_numa_binding_to_current_process
+    except ImportError:
+        return "not bound: this torch has no torch.numa.binding"
+    if device.type == "cuda":
+        _maybe_apply_numa_binding_to_current_process(
+            gpu_index=device.index, numa_options=NumaOptions(AffinityMode(mode), should_fall_back_if_binding_fails=True))
+    cpus = sorted(os.sched_getaffinity(0))
+    return f"{len(cpus)} cores: {cpus[0]}-{cpus[-1]}" if cpus else "none"
+
+
 def worker(a, variant) -> list[dict]:
     """Every micro-batch count of `a.counts` in turn on one set of processes; rank 0 also appends each
     row to `a.partial` as it is measured, so a set stopped by its time limit keeps the counts it ran."""
@@ -238,6 +255,7 @@ def worker(a, variant) -> list[dict]:
     import gc
 
     import torch
+    import torch.distributed as dist
 
     from plait.config import ParallelConfig
     from plait.launch import init_distributed
@@ -248,6 +266,7 @@ def worker(a, variant) -> list[dict]:
     plait_pp = variant.startswith("plait") and variant != "plait-zero3"
     dims = init_distributed(ParallelConfig(nproc=a.gpus, pp=a.gpus if plait_pp else 1, timeout_s=900), a.device)
     device = dims.device
+    cpus = _bind_cpus(a.cpu_bind, device) if a.cpu_bind != "none" else None
     rows, built = [], {}
     for m in a.counts:
         am = argparse.Namespace(**{**vars(a), "microbatches": m})
@@ -257,6 +276,10 @@ def worker(a, variant) -> list[dict]:
             row = {"variant": variant, "microbatches": m,
                    "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}",
                    "peak_mem_gb": (torch.cuda.max_memory_allocated(device) / 1e9) if device.type == "cuda" else 0.0}
+        if cpus is not None:  # every rank's cores: whether the binding took, and where
+            every = [None] * dims.world_size
+            dist.all_gather_object(every, cpus)
+            row["cpu_bind"] = {"mode": a.cpu_bind, "cpus_per_rank": every}
         rows.append(row)
         if dims.rank == 0:
             print(json.dumps({k: v for k, v in row.items() if k != "losses"}), flush=True)
@@ -330,6 +353,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out")
     ap.add_argument("--png-dir", default="", help="draw each plait variant's measured timeline here")
     ap.add_argument("--timeout", type=float, default=900, help="seconds a variant may take before it is stopped")
+    ap.add_argument("--cpu-bind", default="none", choices=["none", "node", "socket", "exclusive", "core-complex"],
+                    help="bind each rank's threads to the CPUs by its GPU (torch's NUMA binding; needs numactl)")
     a = ap.parse_args(argv)
     a.variants = [v for v in a.variants.split(",") if v]
     a.counts = sorted(int(m) for m in a.microbatches.split(",") if m)
@@ -348,7 +373,8 @@ def main(argv=None) -> int:
               "date": time.strftime("%Y-%m-%d"), "command": " ".join(["python", "bench/pipeline.py"] + (argv or sys.argv[1:])),
               "config": {"preset": a.preset, "model": a.model, "seq": a.seq, "micro_batch": a.micro_batch,
                          "stage_layers": a.stage_layers, "microbatches": a.counts,
-                         "steps": a.steps, "warmup": a.warmup, "compile": a.compile}, "rows": []}
+                         "steps": a.steps, "warmup": a.warmup, "compile": a.compile, "cpu_bind": a.cpu_bind,
+                         "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}, "rows": []}
     a.partial = str(out.with_suffix(".partial.jsonl"))
     Path(a.partial).unlink(missing_ok=True)
 
