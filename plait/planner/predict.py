@@ -124,12 +124,13 @@ def simulate_makespan(name: str, pp: int, m: int, v: int, durs: tuple, p2p_s: fl
     return tl.makespan_s, tl.bubble_fraction, tuple(ends)
 
 
-def _sync_s(lay: Layout, psi: float, last: float, m: int, prec: Precision, sc: StageCosts,
-            c: Cluster) -> tuple[tuple[tuple[str, float], ...], float]:
-    """Gradient synchronisation of a rank holding `psi` parameters, as the engines run it:
-    ((op, seconds) that can hide behind the backward, seconds after the backward). DDP all-reduces buckets as the backward frees them; ZeRO-2
-    reduce-scatters them so; ZeRO-1 reduce-scatters its whole buffer at the step; ZeRO-1/2 all-gather
-    the updated parameters after it; HSDP all-reduces the shard across replicas at the step.
+def _sync_s(lay: Layout, psi: float, last: float, m: int, prec: Precision,
+            sc: StageCosts) -> tuple[tuple[tuple[str, float], ...], float]:
+    """Gradient synchronisation of a rank holding `psi` parameters, as the engines run it: ((op,
+    seconds alone) that can hide behind the backward, seconds after the backward). DDP all-reduces
+    buckets as the backward frees them; ZeRO-2 reduce-scatters them so; ZeRO-1 reduce-scatters its
+    whole buffer at the step; ZeRO-1/2 all-gather the updated parameters after it; HSDP all-reduces
+    the shard across replicas at the step.
 
     `last` of the `psi` parameters get their gradients when the backward ends (the first stage's
     embedding, else one bucket): nothing is left to hide their reduction behind (4 x H100, 1b DDP:
@@ -300,7 +301,7 @@ def predict(d: ModelDims, lay: Layout, c: Cluster, global_batch: int,
     for r in range(pp):
         psi = sc.rank_params[r]
         last_bwd = sum(sc.durations[r * v + ch][1] + sc.durations[r * v + ch][2] for ch in range(v))
-        hidden, after = _sync_s(lay, psi, sc.last_params[r], m, prec, sc, c)
+        hidden, after = _sync_s(lay, psi, sc.last_params[r], m, prec, sc)
         room = last_bwd * (m if lay.zero == 2 else 1)
         exposed = sum(hide(hidden, room, c)) + after
         local = psi / (lay.shard_group if lay.zero >= 1 else 1)
