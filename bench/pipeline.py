@@ -235,8 +235,6 @@ def _one_count(a, variant, dims, device, built) -> dict:
 def _bind_cpus(mode: str, device) -> str:
     """Bind this rank's threads to CPUs by its GPU (torch's NUMA binding, as `torchrun --numa-binding
     MODE` does; it needs the numactl tool and falls back to no binding); returns the cores it holds."""
-    import os
-
     try:
         from torch.numa.binding import AffinityMode, NumaOptions, _maybe_apply_numa_binding_to_current_process
     except ImportError:
@@ -266,7 +264,11 @@ def worker(a, variant) -> list[dict]:
     plait_pp = variant.startswith("plait") and variant != "plait-zero3"
     dims = init_distributed(ParallelConfig(nproc=a.gpus, pp=a.gpus if plait_pp else 1, timeout_s=900), a.device)
     device = dims.device
-    cpus = _bind_cpus(a.cpu_bind, device) if a.cpu_bind != "none" else None
+    bound = None
+    if a.cpu_bind != "none":  # every rank's cores: whether the binding took, and where
+        every = [None] * dims.world_size
+        dist.all_gather_object(every, _bind_cpus(a.cpu_bind, device))
+        bound = {"mode": a.cpu_bind, "cpus_per_rank": every}
     rows, built = [], {}
     for m in a.counts:
         am = argparse.Namespace(**{**vars(a), "microbatches": m})
@@ -276,10 +278,8 @@ def worker(a, variant) -> list[dict]:
             row = {"variant": variant, "microbatches": m,
                    "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}",
                    "peak_mem_gb": (torch.cuda.max_memory_allocated(device) / 1e9) if device.type == "cuda" else 0.0}
-        if cpus is not None:  # every rank's cores: whether the binding took, and where
-            every = [None] * dims.world_size
-            dist.all_gather_object(every, cpus)
-            row["cpu_bind"] = {"mode": a.cpu_bind, "cpus_per_rank": every}
+        if bound is not None:
+            row["cpu_bind"] = bound
         rows.append(row)
         if dims.rank == 0:
             print(json.dumps({k: v for k, v in row.items() if k != "losses"}), flush=True)

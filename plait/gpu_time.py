@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+
 def is_comm(kernel_name: str) -> bool:
     """NCCL's kernels (ncclDevKernel_*, ncclKernel_*): the communication."""
     return kernel_name.startswith("nccl")
