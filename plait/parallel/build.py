@@ -64,11 +64,16 @@ def apply_compile(model: Transformer, hooks_outside: bool = False) -> None:
     """Compile each block on its own: identical blocks share one compiled graph, so compile time
     does not grow with depth, and the fused loss gets its softmax/one-hot arithmetic fused.
     `hooks_outside`: compile only `forward`, so module hooks (ZeRO-3's gather/free) run eagerly."""
+    from plait.parallel.wgrad import COMPILE_OPTIONS, DeferrableLinear
+
     for block in model.layers.values():
+        # a zero-bubble block's linears hand buffers to the weight-gradient store: no reuse of them
+        served = any(isinstance(m, DeferrableLinear) for m in block.modules())
+        options = COMPILE_OPTIONS if served else None
         if hooks_outside:
-            block.forward = torch.compile(block.forward)
+            block.forward = torch.compile(block.forward, options=options)
         else:
-            block.compile()
+            block.compile(options=options)
     compile_loss(model)
 
 
@@ -107,7 +112,7 @@ def parallelize(cfg: Config, comm, device: torch.device, dtype: torch.dtype, com
 
         apply_fp8(model, t.fp8, device)
     store = None
-    if stage is not None and p.schedule == "zb":  # weight gradients deferred: linears leave the graphs
+    if stage is not None and p.schedule == "zb":  # weight gradients deferred by the blocks' linears
         from plait.parallel.wgrad import WeightGradStore
 
         store = WeightGradStore()

@@ -164,11 +164,8 @@ def _memory(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, sc: StageCos
     tp, pp, v, cp, b, e = lay.tp, lay.pp, lay.v, lay.cp, lay.micro_batch, prec.act_bytes
     sp, shard = lay.seq_parallel, lay.shard_group
     wfrac = memory.wgrad_fraction(d)
-    # zero-bubble blocks compile in pieces between the deferring linears (plait/parallel/wgrad.py), so
-    # what a block keeps is the eager set: each piece saves its own inputs (4 x H200, 8b PP 4: ZB-H1
-    # peaked 4.6 GB above 1F1B at 4 micro-batches in flight of 8 layers, 126 MB a layer)
-    per_layer = memory.layer_activation_bytes(d, d.seq // cp, b, tp, sp, lay.recompute, e,
-                                              lay.compile and sched_name != "zb")
+    # zero-bubble blocks compile whole, their deferring linears custom ops (plait/parallel/wgrad.py)
+    per_layer = memory.layer_activation_bytes(d, d.seq // cp, b, tp, sp, lay.recompute, e, lay.compile)
     layer_w = costs.tp_share(d, tp)[0]
     best: tuple[float, int, dict, dict] = (-1.0, 0, {}, {})
     for r in range(pp):
