@@ -18,7 +18,8 @@ there is, a stage's F + B + W issue in 6.1 ms where the linears breaking the gra
 Two compiler settings make the hand-over safe: the side-effect op is never dropped as dead code,
 and a served block compiles without buffer reuse (`COMPILE_OPTIONS`): inductor would otherwise
 write later results into the buffers of x and dy - directly or in place - once the op, to its
-knowledge their last reader, returned (each setting alone corrupts dW: tests/test_pipeline.py).
+knowledge their last reader, returned (either setting turned back on corrupts dW; the test in
+tests/test_pipeline.py compiles with inductor).
 Freed buffers still go back to the caching allocator, which cannot hand out one the store holds.
 """
 
