@@ -242,7 +242,8 @@ def test_zero_bubble_linears_defer_inside_compiled_blocks():
     """ZB-H1 with compiled blocks (inductor, as `apply_compile` sets it up for a served model): the
     deferring linears stay inside the graph, so all blocks share one graph and nothing breaks it.
     dx comes at once, dW waits for W, and both match the plain model's over two steps - the second
-    replays the compiled graphs, whose buffers the store must still find intact."""
+    replays the compiled graphs, whose buffers the store must still find intact. W fires every
+    weight's post-accumulate hook once, as autograd would (DDP and ZeRO reduce from it)."""
     import copy
 
     import torch
@@ -267,6 +268,9 @@ def test_zero_bubble_linears_defer_inside_compiled_blocks():
     torch._dynamo.reset()
     counters.clear()
     apply_compile(model)
+    fired = []  # the engines' reductions start from these hooks: W must fire each once
+    for lin in model.block_linears():
+        lin.weight.register_post_accumulate_grad_hook(lambda p: fired.append(p))
 
     def run(m, defer):
         x = x0.clone().requires_grad_()
@@ -287,7 +291,9 @@ def test_zero_bubble_linears_defer_inside_compiled_blocks():
         if step == 0:
             assert all(lin.weight.grad is None for lin in model.block_linears())  # deferred ...
         torch.testing.assert_close(dx, run(ref, False))  # ... while dx is complete
+        fired.clear()
         store.run("m")
+        assert sorted(map(id, fired)) == sorted(id(lin.weight) for lin in model.block_linears())
         for a, b in zip(model.block_linears(), ref.block_linears()):
             torch.testing.assert_close(a.weight.grad, b.weight.grad)
     with pytest.raises(RuntimeError, match="outside WeightGradStore.input_grads_only"):

@@ -8,12 +8,11 @@ micro-batch and accumulates them through autograd, so gradient hooks (DDP bucket
 reductions) fire as they would have. Norm gains and the embedding keep their gradients in B: they
 are a few element-wise passes, not worth deferring.
 
-The served linears stay inside the compiled blocks. Their matmul is a custom op (`plait::linear`)
-whose backward calls a second one (`plait::linear_input_grad`) that computes dx and, as a side
-effect at run time, hands (x, dy) to the store. Both are opaque to the compiler, which fuses
-everything around them as it would around any GEMM, so a zero-bubble block is one graph with one
-host call per pass, as in the other schedules (on CPU, with a tiny model where the host is all
-there is, a stage's F + B + W issue in 6.1 ms where the linears breaking the graphs took 10.5).
+The served linears stay inside the compiled blocks. Their forward is the plain GEMM, which the
+compiler traces; their backward's dx is an op of plait's (`plait::linear_input_grad`) that
+computes it and, as a side effect at run time, hands (x, dy) to the store. The op is opaque to the
+compiler, which fuses everything around it as it would around any GEMM, so a zero-bubble block is
+one graph with one host call per pass, as in the other schedules.
 
 Two compiler settings make the hand-over safe: the side-effect op is never dropped as dead code,
 and a served block compiles without buffer reuse (`COMPILE_OPTIONS`): inductor would otherwise
@@ -76,28 +75,37 @@ class WeightGradStore:
             return
         targets = self._parameters([w for w, _, _, _ in items])
         grads = [_weight_grad(dy, x, w, fmt) for w, x, dy, fmt in items]
-        torch.autograd.backward(targets, grads)
+        rows = [(t, g) for t, g in zip(targets, grads) if not t.is_leaf]
+        with torch.no_grad():
+            for t, g in zip(targets, grads):
+                if t.is_leaf:
+                    _accumulate(t, g)
+        if rows:  # part of a parameter: autograd takes the gradient through the slice
+            torch.autograd.backward([t for t, _ in rows], [g for _, g in rows])
 
     def _parameters(self, weights: list[Tensor]) -> list[Tensor]:
         """The parameter (or the rows of it: a replicated KV head) each kept weight tensor is. Inside
         a compiled graph the op sees plain tensors, so they are found by address among the served
         weights as they are now (an engine may have moved them into its flat buffer)."""
-        spans = []
-        for lin in self.linears:
-            p = lin.weight
-            spans.append((p.data_ptr(), p.data_ptr() + p.numel() * p.element_size(), p))
+        params = [lin.weight for lin in self.linears]
+        whole = {(p.data_ptr(), p.shape): p for p in params}
         out = []
         for w in weights:
-            at = w.data_ptr()
-            p = next((p for a, e, p in spans if a <= at < e), None)
-            if p is None or not w.is_contiguous():
-                raise RuntimeError(f"a deferred weight gradient of shape {tuple(w.shape)} matches no served weight")
-            if at == p.data_ptr() and w.shape == p.shape:
-                out.append(p)
+            p = whole.get((w.data_ptr(), w.shape))
+            if p is None:
+                out.append(self._rows_of(w, params))
             else:
-                first = (at - p.data_ptr()) // p.element_size()
-                out.append(p.view(-1)[first:first + w.numel()].view(w.shape))
+                out.append(p)
         return out
+
+    @staticmethod
+    def _rows_of(w: Tensor, params: list[Tensor]) -> Tensor:
+        at = w.data_ptr()
+        for p in params:
+            first, size = (at - p.data_ptr()) // p.element_size(), p.numel()
+            if 0 <= first < size and w.is_contiguous():
+                return p.view(-1)[first:first + w.numel()].view(w.shape)
+        raise RuntimeError(f"a deferred weight gradient of shape {tuple(w.shape)} matches no served weight")
 
     def serve(self, linear: nn.Linear) -> None:
         """Route `linear`'s forward through this store (in place: parameters, names and hooks stay);
@@ -123,27 +131,50 @@ class DeferrableLinear(nn.Linear):
         """x @ weight^T for this layer's weight or part of it (a replicated KV head's rows): the
         deferred gradient flows through the slice to the parameter."""
         fmt = self.fmt if self.fmt != BF16 and aligned(x, weight) else BF16
-        return linear(x.to(weight.dtype), weight, fmt, self.store_number)
+        return _DeferredLinear.apply(x.to(weight.dtype), weight, fmt, self.store_number)
+
+
+class _DeferredLinear(torch.autograd.Function):
+    """The forward is an ordinary GEMM the compiler traces; the backward's dx is the opaque op that
+    also hands (x, dy) to the store."""
+
+    @staticmethod
+    def forward(ctx, x, weight, fmt, store):
+        ctx.save_for_backward(x, weight)
+        ctx.fmt, ctx.store = fmt, store
+        return F.linear(x, weight) if fmt == BF16 else forward_gemm(x, weight, fmt == ROWWISE)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        return torch.ops.plait.linear_input_grad(dy, x, weight, ctx.fmt, ctx.store), None, None, None
+
+
+def _accumulate(p: Tensor, g: Tensor) -> None:
+    """What autograd's AccumulateGrad does for a parameter, without a pass of the autograd engine
+    (a third of W's host time on 35 linears): add into .grad in place (the engines' flat buffers
+    stay the .grad), then run the post-accumulate hooks (DDP buckets, ZeRO reductions)."""
+    if p.grad is None:
+        p.grad = g
+    else:
+        p.grad.add_(g)
+    for hook in (p._post_accumulate_grad_hooks or {}).values():
+        hook(p)
 
 
 def _weight_grad(dy, x, weight, fmt):
     if fmt != BF16:
         return weight_grad_gemm(dy, x, fmt == ROWWISE, weight.dtype)
-    return (dy.flatten(0, -2).t() @ x.flatten(0, -2).to(dy.dtype)).to(weight.dtype)
+    g = torch.mm(dy.reshape(-1, dy.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
+    return g if g.dtype == weight.dtype else g.to(weight.dtype)
 
 
-@torch.library.custom_op("plait::linear", mutates_args=())
-def linear(x: Tensor, weight: Tensor, fmt: int, store: int) -> Tensor:
-    """x @ weight^T in bf16 or FP8; its backward defers dW to store number `store`."""
-    return F.linear(x, weight) if fmt == BF16 else forward_gemm(x, weight, fmt == ROWWISE)
+# plait::linear_input_grad, defined through torch.library's low-level API: the op is called once per
+# linear and micro-batch, and this path costs half the host time of torch.library.custom_op's
+_LIB = torch.library.Library("plait", "DEF")
+_LIB.define("linear_input_grad(Tensor dy, Tensor x, Tensor weight, int fmt, int store) -> Tensor")
 
 
-@linear.register_fake
-def _(x, weight, fmt, store):
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
-
-
-@torch.library.custom_op("plait::linear_input_grad", mutates_args=())
 def linear_input_grad(dy: Tensor, x: Tensor, weight: Tensor, fmt: int, store: int) -> Tensor:
     """dx = dy @ weight; keeps (x, dy) in the store for the deferred dW."""
     _STORES[store].keep(weight, x, dy, fmt)
@@ -152,23 +183,10 @@ def linear_input_grad(dy: Tensor, x: Tensor, weight: Tensor, fmt: int, store: in
     return input_grad_gemm(dy, weight, fmt == ROWWISE, x.dtype)
 
 
-@linear_input_grad.register_fake
-def _(dy, x, weight, fmt, store):
+def _input_grad_shape(dy, x, weight, fmt, store):
     return x.new_empty(x.shape)
 
 
+_LIB.impl("linear_input_grad", linear_input_grad, "CompositeExplicitAutograd")
+_LIB.impl("linear_input_grad", _input_grad_shape, "Meta")  # what the compiler traces with
 torch.fx.node.has_side_effect(torch.ops.plait.linear_input_grad.default)  # never dead code
-
-
-def _setup(ctx, inputs, output):
-    x, weight, fmt, store = inputs
-    ctx.save_for_backward(x, weight)
-    ctx.fmt, ctx.store = fmt, store
-
-
-def _backward(ctx, dy):
-    x, weight = ctx.saved_tensors
-    return torch.ops.plait.linear_input_grad(dy, x, weight, ctx.fmt, ctx.store), None, None, None
-
-
-linear.register_autograd(_backward, setup_context=_setup)
