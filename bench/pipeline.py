@@ -9,7 +9,7 @@ a step), each in its own set of G worker processes, which measures every micro-b
   plait-gpipe / plait-1f1b       plait's executor running plait's schedule lists (compiled blocks)
   plait-interleaved              interleaved 1F1B, v = 2 chunks per rank
   plait-zb                       ZB-H1: B computes input gradients, W the deferred weight gradients
-                                 (blocks run eagerly: the deferral is a side effect of backward)
+                                 (blocks compiled whole: the deferring linears are ops in the graph)
   plait-zero3                    no pipeline: ZeRO-3 over all G GPUs, the same global batch
   torch-gpipe / torch-1f1b       torch.distributed.pipelining's ScheduleGPipe / Schedule1F1B on the
                                  same stages (blocks compiled, fused AdamW, bf16 autocast, logits +
