@@ -5,11 +5,16 @@ SEND_F / RECV_F / SEND_B / RECV_B actions. The executor walks it:
   - a run of consecutive sends and receives goes out as one batched non-blocking P2P call (its
     receive buffers allocated from the known activation shape) and is completed before the next
     compute action - exactly the rendezvous execution `schedules.check` proves deadlock-free;
-  - F runs a chunk's layers on the received activation (stage 0: on the tokens; the last stage adds
-    the loss of the micro-batch, divided by the number of micro-batches);
-  - B runs backward from the chunk's output with the received gradient (the last stage: from the
-    loss) and leaves the gradient of the chunk's input to be sent; in a zero-bubble schedule B
-    computes input gradients only and W the deferred weight gradients (`plait.parallel.wgrad`);
+  - F runs a chunk's layers on the received activation (stage 0: on the tokens);
+  - B runs backward from the chunk's output with the received gradient and leaves the gradient of
+    the chunk's input to be sent; in a zero-bubble schedule B computes input gradients only and W
+    the deferred weight gradients (`plait.parallel.wgrad`). The last stage's B first runs the
+    output head and the loss of the micro-batch (divided by the number of micro-batches) on the
+    hidden states its F kept, then backward from that loss. plait's fused loss forms the head's
+    gradients while it computes the loss, so it costs as much as 3-4 layers; in F it would make the
+    last stage's forward the slowest action of every schedule, which GPipe's all-forward phase runs
+    at the pace of (1b on 4 x H100: 1.15x the step time). Its F and B together are unchanged;
+    1F1B, interleaved and ZB-H1 run the pair back to back on the last stage anyway;
   - before every action that produces parameter gradients the engine is told whether it is the
     first / last of the step for this rank (`Engine.before_backward`), in the order they run.
 No global synchronisation between actions; nothing is kept for a micro-batch once its backward ran:
@@ -122,7 +127,7 @@ class PipelineRunner:
         device = micro_batches[0][0].device
         seq = micro_batches[0][0].shape[1]
         self._connect(self.act_shape(micro_batches[0][0].shape[0], seq), device)
-        inputs, outputs, grads_in, to_send = {}, {}, {}, {}
+        inputs, outputs, grads_in, to_send, targets = {}, {}, {}, {}, {}
         loss_sum = None
         held = peak = 0
         batch: list = []
@@ -147,19 +152,24 @@ class PipelineRunner:
                 with self.autocast():
                     h = self.model.hidden(x if s == 0 else None, None if s == 0 else inputs[key], positions=pos,
                                           layers=self.chunks[a.chunk], seq_len=seq_l, docs=docs)
-                    if s == self.S - 1:
-                        out = self.model.head(h, y, seq_l) / m
-                        loss_sum = out.detach().float() if loss_sum is None else loss_sum + out.detach().float()
-                    else:
-                        out = h
-                        to_send[("act", key)] = h.detach()  # an alias, not a copy
-                outputs[key] = out
+                if s == self.S - 1:
+                    targets[key] = (y, seq_l)  # the head and loss run in B
+                else:
+                    to_send[("act", key)] = h.detach()  # an alias, not a copy
+                outputs[key] = h
                 held += 1
                 peak = max(peak, held)
             elif a.kind == "B":
                 self.engine.before_backward(first=i == first_grad, last=i == last_grad)
                 out = outputs.pop(key)
-                grad = None if s == self.S - 1 else grads_in.pop(key)
+                grad = None
+                if s == self.S - 1:
+                    y, seq_l = targets.pop(key)
+                    with self.autocast():
+                        out = self.model.head(out, y, seq_l) / m
+                    loss_sum = out.detach().float() if loss_sum is None else loss_sum + out.detach().float()
+                else:
+                    grad = grads_in.pop(key)
                 if self.store is not None:
                     with self.store.input_grads_only(key):
                         torch.autograd.backward(out, grad)

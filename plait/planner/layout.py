@@ -41,6 +41,9 @@ class Layout:
     compile: bool = True
     """Blocks and loss under torch.compile (`train.compile`, on by default on GPUs): it decides what a
     block keeps for its backward and what the loss holds."""
+    head_in_forward: bool = False
+    """The last pipeline stage ran its output head and fused loss in its forward slot, as plait did
+    before it moved them to the backward slot (recorded runs: `plait.planner.recorded`)."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp_replicate", "dp_shard", "cp", "v", "micro_batch"):

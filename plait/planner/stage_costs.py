@@ -199,10 +199,12 @@ def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision) -> Stage
         for ch in range(v):
             st = ch * pp + r
             n, last = layers[st], st == S - 1
-            # plait's fused loss (plait/loss.py) forms both of the head's gradients inside its forward:
-            # the last stage's F carries all three of the head's matmuls, its B only scales them
-            f = n * f1 + (head_f + head_b if last else 0.0) + (root_f if st == 0 else 0.0)
-            bi = n * bi1 + (root_b if st == 0 else 0.0)
+            # plait's fused loss (plait/loss.py) forms both of the head's gradients as it computes the
+            # loss, so all three of the head's matmuls run where the loss does: in the last stage's B
+            # slot (plait/parallel/pipeline.py), in its F for runs recorded before that
+            head = head_f + head_b if last else 0.0
+            f = n * f1 + (head if lay.head_in_forward else 0.0) + (root_f if st == 0 else 0.0)
+            bi = n * bi1 + (0.0 if lay.head_in_forward else head) + (root_b if st == 0 else 0.0)
             bw = n * bw1
             durs.append((f, bi, bw) if split else (f, bi + bw, 0.0))
 
