@@ -4,22 +4,23 @@ al. 2023) schedule apart as B and W.
 For y = x W^T the backward has two matmuls: dx = dy W (which the previous stage is waiting for) and
 dW = dy^T x (which nobody waits for). While a `WeightGradStore` defers, the linear layers it serves
 compute dx at once and keep (x, dy) for dW; `run(key)` later does the dW matmuls of one
-micro-batch and accumulates them through autograd, so gradient hooks (DDP buckets, ZeRO-2/3
-reductions) fire as they would have. Norm gains and the embedding keep their gradients in B: they
-are a few element-wise passes, not worth deferring.
+micro-batch, adds them into .grad and fires each parameter's post-accumulate hooks as autograd
+would, so DDP buckets and ZeRO-2/3 reductions start as they would have. Norm gains and the
+embedding keep their gradients in B: they are a few element-wise passes, not worth deferring.
 
 The served linears stay inside the compiled blocks. Their forward is the plain GEMM, which the
 compiler traces; their backward's dx is an op of plait's (`plait::linear_input_grad`) that
 computes it and, as a side effect at run time, hands (x, dy) to the store. The op is opaque to the
 compiler, which fuses everything around it as it would around any GEMM, so a zero-bubble block is
-one graph with one host call per pass, as in the other schedules.
+one graph with one host call per pass, as in the other schedules. (Breaking the graph around each
+linear instead cost a 1b stage's host more time than its GPU took: bench/README.md.)
 
-Two compiler settings make the hand-over safe: the side-effect op is never dropped as dead code,
-and a served block compiles without buffer reuse (`COMPILE_OPTIONS`): inductor would otherwise
-write later results into the buffers of x and dy - directly or in place - once the op, to its
-knowledge their last reader, returned (either setting turned back on corrupts dW; the test in
-tests/test_pipeline.py compiles with inductor).
-Freed buffers still go back to the caching allocator, which cannot hand out one the store holds.
+Two things make the hand-over safe: the op is registered as side-effecting, so the compiler never
+drops it as dead code, and a served block compiles without buffer reuse (`COMPILE_OPTIONS`):
+inductor would otherwise write later results into the buffers of x and dy - directly or in place -
+once the op, to its knowledge their last reader, returned (either setting turned back on corrupts
+dW; the test in tests/test_pipeline.py compiles with inductor). Freed buffers still go back to the
+caching allocator, which cannot hand out one the store holds.
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ class WeightGradStore:
         self.pending[self.key].append((weight, x, dy, fmt))
 
     def run(self, key) -> None:
-        """The deferred dW of micro-batch `key`, accumulated into .grad through autograd."""
+        """The deferred dW of micro-batch `key`, added into .grad with the hooks fired (a part of a
+        parameter, a replicated KV head's rows, through autograd)."""
         items = self.pending.pop(key, [])
         if not items:
             return
