@@ -248,12 +248,15 @@ def test_3d_matches_the_single_process_run(corpus, tmp_path_factory, name, _thre
     assert_equivalent(name, got, ref, root / name, full_weights(root / f"ref-{name}"))
 
 
-def test_zero_bubble_linears_defer_inside_compiled_blocks():
+@pytest.mark.parametrize("kv_rows", [None, slice(8, 16)], ids=["whole", "kv-rows"])
+def test_zero_bubble_linears_defer_inside_compiled_blocks(kv_rows):
     """ZB-H1 with compiled blocks (inductor, as `apply_compile` sets it up for a served model): the
     deferring linears stay inside the graph, so all blocks share one graph and nothing breaks it.
     dx comes at once, dW waits for W, and both match the plain model's over two steps - the second
     replays the compiled graphs, whose buffers the store must still find intact. W fires every
-    weight's post-accumulate hook once, as autograd would (DDP and ZeRO reduce from it)."""
+    weight's post-accumulate hook once, as autograd would (DDP and ZeRO reduce from it). `kv-rows`:
+    K and V use the rows of one head, as tensor parallelism does where it replicates KV heads; their
+    dW reaches the parameter through the slice."""
     import copy
 
     import torch
@@ -268,6 +271,8 @@ def test_zero_bubble_linears_defer_inside_compiled_blocks():
                                   "n_kv_heads": 2, "ffn_dim": 64, "max_seq_len": 32}}).model
     torch.manual_seed(0)
     model = Transformer(cfg)
+    for block in model.layers.values():
+        block.attn.kv_rows = kv_rows
     ref = copy.deepcopy(model)
     store = WeightGradStore()
     for lin in model.block_linears():
