@@ -91,8 +91,8 @@ def test_bad_pipeline_input_is_one_line(corpus, tmp_path, capfd, extra, needle):
 
 
 def test_compiled_zero_bubble_trains_as_one_process(corpus, tmp_path):
-    """What a GPU user runs: ZB-H1 with compiled blocks (the linears between the compiled pieces
-    defer their weight gradients) against one eager process."""
+    """What a GPU user runs: ZB-H1 with compiled blocks (the linears inside them defer their weight
+    gradients) against one eager process."""
     from dp_runs import assert_same_cli_run
 
     one, zb = tmp_path / "one", tmp_path / "zb"
@@ -100,3 +100,22 @@ def test_compiled_zero_bubble_trains_as_one_process(corpus, tmp_path):
     assert main(_args(corpus, zb, steps=2, extra=["--nproc", "2", "--pp", "2", "--dp", "1", "--schedule", "zb",
                                                   "--microbatches", "4", "--train.compile", "on"])) == 0
     assert_same_cli_run(zb, one, 2, loss_tol=1e-4, weights=False)  # compiled kernels round differently
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_sharded_gradients_under_zero_bubble_train_and_evaluate_as_one_process(corpus, tmp_path, zero):
+    """ZB-H1 on 2 stages x 2 replicas with ZeRO-2 (W adds each weight gradient as .grad, which ZeRO-2's
+    hook takes, reduces and drops: it must not carry autograd history) and with ZeRO-3 (its stage,
+    gathered for a step, is gathered for evaluation too), untied as ZeRO-2/3 under a pipeline need:
+    losses, the validation loss and the final weights match one process."""
+    from dp_runs import assert_same_cli_run
+
+    model = {**PPM, "tie_embeddings": "false"}
+    common = ["--train.lr", "1e-3", "--train.micro_batch", "2"]
+    one, run = tmp_path / "one", tmp_path / "run"
+    assert main(cli_train(corpus, one, model, 3, [*common, "--train.grad_accum", "4"])) == 0
+    assert main(cli_train(corpus, run, model, 3, [*common, "--nproc", "4", "--pp", "2", "--dp", "2", "--zero",
+                                                  str(zero), "--schedule", "zb", "--microbatches", "2"])) == 0
+    assert_same_cli_run(run, one, 3)
+    val = [[r["val_loss"] for r in metrics_rows(f) if "val_loss" in r] for f in (run, one)]
+    assert len(val[0]) == 1 and abs(val[0][0] - val[1][0]) <= 1e-5 * val[1][0], val

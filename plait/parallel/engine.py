@@ -112,7 +112,12 @@ class Engine:
         """Called before each micro-batch's backward of this model part (see the module docstring)."""
 
     def begin_step(self) -> None:
-        """Called by a pipeline executor before a step's first forward (ZeRO-3 gathers its stage)."""
+        """Called by a pipeline executor before a step's first forward (ZeRO-3 gathers its stage),
+        and before forward-only work between steps (evaluation)."""
+
+    def end_forward_only(self) -> None:
+        """Called by a pipeline executor after forward-only work between steps: give back what
+        `begin_step` gathered (ZeRO-3)."""
 
     def _sum_tied(self) -> None:
         """The two copies of a tied matrix (first and last pipeline stage) add their full local

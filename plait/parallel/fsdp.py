@@ -173,6 +173,10 @@ class Zero3(Sharded):
             for i in range(len(self.gather)):
                 self.gather.wait(i)
 
+    def end_forward_only(self):
+        if self.keep:
+            self.sync_params()  # frees the gathered units; the next step gathers them again
+
     def _backward_begins(self, grad):
         self.gather.gather(self.root - 1)
 

@@ -243,6 +243,7 @@ class PipelineRunner:
         self._connect(self.act_shape(x.shape[0], seq), x.device)
         x, y, docs, pos, seq_l = self._local((x, y) if docs is None else (x, y, docs), seq)
         nxt, prv = (self.rank + 1) % self.pp, (self.rank - 1) % self.pp
+        self.engine.begin_step()  # ZeRO-3 gathers the stage, as for a training step
         try:
             for s in range(self.S):
                 if s % self.pp != self.rank:
@@ -258,6 +259,7 @@ class PipelineRunner:
                 if s < self.S - 1:
                     self.comm.send_recv(self.pp_dim, sends=[(h, nxt)])
         finally:
+            self.engine.end_forward_only()
             self.model.train(was)
         return out
 

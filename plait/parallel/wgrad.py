@@ -75,8 +75,9 @@ class WeightGradStore:
         items = self.pending.pop(key, [])
         if not items:
             return
-        targets = self._parameters([w for w, _, _, _ in items])
-        grads = [_weight_grad(dy, x, w, fmt) for w, x, dy, fmt in items]
+        with torch.no_grad():  # an eager block's kept x still requires grad; a gradient must not
+            grads = [_weight_grad(dy, x, w, fmt) for w, x, dy, fmt in items]
+        targets = self._parameters([w for w, _, _, _ in items])  # slices of parameters carry autograd
         rows = [(t, g) for t, g in zip(targets, grads) if not t.is_leaf]
         with torch.no_grad():
             for t, g in zip(targets, grads):
