@@ -374,7 +374,9 @@ def main(argv=None) -> int:
               "config": {"preset": a.preset, "model": a.model, "seq": a.seq, "micro_batch": a.micro_batch,
                          "stage_layers": a.stage_layers, "microbatches": a.counts,
                          "steps": a.steps, "warmup": a.warmup, "compile": a.compile, "cpu_bind": a.cpu_bind,
-                         "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}, "rows": []}
+                         "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+                         # where plait's last stage runs its output head and loss (plait/parallel/pipeline.py)
+                         "head_slot": "backward"}, "rows": []}
     a.partial = str(out.with_suffix(".partial.jsonl"))
     Path(a.partial).unlink(missing_ok=True)
 

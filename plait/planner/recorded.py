@@ -42,7 +42,8 @@ LOSS_HELD_THIRD_CHUNK = {"train-step-h200-2026-11-26b.json", "dp-h100-4gpu.json"
 # them alive), so only the first length a variant ran is a clean measurement.
 FIRST_ROW_ONLY = {"cp-h100-2gpu.json"}
 # Pipeline runs made while the last stage ran its output head and fused loss in its forward slot
-# (plait/parallel/pipeline.py has run them in its backward slot since): priced that way.
+# (plait/parallel/pipeline.py has run them in its backward slot since): priced that way. Later
+# runs say where in their config ("head_slot").
 HEAD_IN_FORWARD = {"pp-h100-2gpu.json", "pp-h100-4gpu-1b.json", "pp-h100-4gpu-1b-host-share.json",
                    "pp-h100-4gpu-1b-peers.json", "pp-h100-4gpu-1b-zb-compiled.json", "pp-h100-4gpu-1b-zb-host.json",
                    "pp-h100-4gpu-8b-m8.json", "pp-h200-4gpu.json", "pp-h200-4gpu-1b.json",
@@ -187,7 +188,8 @@ def load(folder: str | Path) -> list[Run]:
             if got is None:
                 continue
             lay, gb = got
-            if bench == "pipeline" and lay.get("pp", 1) > 1 and path.name in HEAD_IN_FORWARD:
+            head_slot = config.get("head_slot", "forward" if path.name in HEAD_IN_FORWARD else "backward")
+            if bench == "pipeline" and lay.get("pp", 1) > 1 and head_slot == "forward":
                 lay = {**lay, "head_in_forward": True}
             used = n if variant_spans_all(lay) else 1
             seq = row.get("seq", config.get("seq"))  # a sweep over sequence lengths records it per row
