@@ -154,11 +154,15 @@ def evaluate(par, data, cfg: Config, device) -> float:
     rank taking its slice: the same windows, and so the same loss, at every layout of one global
     batch (micro_batch x grad_accum x dp)."""
     t = cfg.train
-    losses = [par.runner.loss(*(a.to(device) for a in batch))
-              for batch in data.val_batches(t.eval_batches * t.grad_accum, micro_batch=t.micro_batch,
-                                            dp_rank=par.data_rank, dp_size=par.data_size,
-                                            seq_len=cfg.train.seq_len, seed=cfg.train.seed,
-                                            documents=cfg.data.document_mask)]
+    par.engine.begin_step()  # a pipeline's ZeRO-3 stage is gathered once for all the batches
+    try:
+        losses = [par.runner.loss(*(a.to(device) for a in batch))
+                  for batch in data.val_batches(t.eval_batches * t.grad_accum, micro_batch=t.micro_batch,
+                                                dp_rank=par.data_rank, dp_size=par.data_size,
+                                                seq_len=cfg.train.seq_len, seed=cfg.train.seed,
+                                                documents=cfg.data.document_mask)]
+    finally:
+        par.engine.end_forward_only()
     # under a pipeline only the last stage holds the loss; global_mean counts the ranks that do
     return par.engine.global_mean(torch.stack(losses).mean().item() if losses[0] is not None else None)
 

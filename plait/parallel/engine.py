@@ -113,11 +113,11 @@ class Engine:
 
     def begin_step(self) -> None:
         """Called by a pipeline executor before a step's first forward (ZeRO-3 gathers its stage),
-        and before forward-only work between steps (evaluation)."""
+        and by evaluation before its forward-only batches between steps."""
 
     def end_forward_only(self) -> None:
-        """Called by a pipeline executor after forward-only work between steps: give back what
-        `begin_step` gathered (ZeRO-3)."""
+        """Called after forward-only work between steps (evaluation): give back what `begin_step`
+        gathered (a pipeline stage's ZeRO-3 units)."""
 
     def _sum_tied(self) -> None:
         """The two copies of a tied matrix (first and last pipeline stage) add their full local

@@ -13,7 +13,8 @@ SEND_F / RECV_F / SEND_B / RECV_B actions. The executor walks it:
     hidden states its F kept, then backward from that loss. plait's fused loss forms the head's
     gradients while it computes the loss, so it costs as much as 3-4 layers; in F it would make the
     last stage's forward the slowest action of every schedule, which GPipe's all-forward phase runs
-    at the pace of (1b on 4 x H100: 1.15x the step time). Its F and B together are unchanged;
+    at the pace of (the planner prices 1b's GPipe step on 4 x H100 1.15x longer so). Its F and B
+    together are unchanged;
     1F1B, interleaved and ZB-H1 run the pair back to back on the last stage anyway;
   - before every action that produces parameter gradients the engine is told whether it is the
     first / last of the step for this rank (`Engine.before_backward`), in the order they run.
@@ -236,14 +237,14 @@ class PipelineRunner:
     @torch.no_grad()
     def loss(self, x, y, docs=None):
         """The loss of one held-out batch, forward through every stage in order (evaluation): the
-        last stage returns it, every other rank None."""
+        last stage returns it, every other rank None. The stage's parameters must be whole: the
+        caller brackets its batches with `Engine.begin_step` / `end_forward_only` (ZeRO-3)."""
         was = self.model.training
         self.model.eval()
         seq, out, h = x.shape[1], None, None
         self._connect(self.act_shape(x.shape[0], seq), x.device)
         x, y, docs, pos, seq_l = self._local((x, y) if docs is None else (x, y, docs), seq)
         nxt, prv = (self.rank + 1) % self.pp, (self.rank - 1) % self.pp
-        self.engine.begin_step()  # ZeRO-3 gathers the stage, as for a training step
         try:
             for s in range(self.S):
                 if s % self.pp != self.rank:
@@ -259,7 +260,6 @@ class PipelineRunner:
                 if s < self.S - 1:
                     self.comm.send_recv(self.pp_dim, sends=[(h, nxt)])
         finally:
-            self.engine.end_forward_only()
             self.model.train(was)
         return out
 

@@ -104,9 +104,9 @@ class WeightGradStore:
     @staticmethod
     def _rows_of(w: Tensor, params: list[Tensor]) -> Tensor:
         at = w.data_ptr()
-        for p in params:
-            first, size = (at - p.data_ptr()) // p.element_size(), p.numel()
-            if 0 <= first < size and w.is_contiguous():
+        for p in params if w.is_contiguous() else ():  # rows of a row-major matrix are contiguous
+            first = (at - p.data_ptr()) // p.element_size()
+            if 0 <= first < p.numel():
                 return p.view(-1)[first:first + w.numel()].view(w.shape)
         raise RuntimeError(f"a deferred weight gradient of shape {tuple(w.shape)} matches no served weight")
 
