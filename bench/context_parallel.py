@@ -15,7 +15,8 @@ On G GPUs (default: every visible one), with ZeRO-3 and `--recompute` (default s
 Each variant runs the sequence lengths in increasing order in its own G processes; the first that
 runs out of memory ends that variant (the longest that fits is the one before). tokens/s/GPU counts
 every token a GPU trains on; MFU counts attention FLOPs (the full square, PaLM's convention).
-Every variant trains the same model; the cp1 rows see G sequences a step, the others one.
+Every variant trains the same model; the cp1 rows see G x N sequences a step, the others N
+(`--micro-batch N`, default 1).
 
 Writes bench/results/cp-<card>-<G>gpu[-<tag>].json and prints a table.
 `--device cpu --preset tiny --no-compile --gpus 2 --seqs 64,128` runs the same code over gloo.
@@ -42,7 +43,7 @@ def _batch(a, vocab, rank, device):
     import torch
 
     g = torch.Generator().manual_seed(2000 + rank)
-    rows = torch.randint(0, vocab, (1, a.seq + 1), generator=g)
+    rows = torch.randint(0, vocab, (a.micro_batch, a.seq + 1), generator=g)
     return rows[:, :-1].to(device).contiguous(), rows[:, 1:].to(device).contiguous()
 
 
@@ -54,7 +55,7 @@ def _plait(a, variant, comm, device):
 
     cp = 1 if variant == "plait-cp1" else a.gpus
     cfg = build_config({"model": _model_section(a),
-                        "train": {"lr": 1e-4, "warmup_steps": 0, "micro_batch": 1, "recompute": a.recompute},
+                        "train": {"lr": 1e-4, "warmup_steps": 0, "micro_batch": a.micro_batch, "recompute": a.recompute},
                         "parallel": {"zero": 3, "cp": cp, "cp_impl": variant.split("-")[-1] if cp > 1 else "ring"}})
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     par = parallelize(cfg, comm, device, dtype, compile=a.compile)
@@ -88,7 +89,7 @@ def _torch(a, dims, device):
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     opt = _adamw(model, fused=cuda)
-    x, y = _batch(a, mcfg.vocab_size, 0, device)  # one sequence, split over the cp ranks
+    x, y = _batch(a, mcfg.vocab_size, 0, device)  # the same sequences on every rank, each split over them
     rope = [model.rope_cos, model.rope_sin]
     assert rope[0].shape[0] == a.seq, "the RoPE tables must be as long as the sequence to be sharded with it"
 
@@ -120,7 +121,7 @@ def worker(a, variant) -> list[dict]:
     rows = []
     for seq in a.seqs:
         b = copy.copy(a)
-        b.seq, b.micro_batch = seq, 1
+        b.seq = seq
         row = _one(b, variant, dims, device, cp)
         if "error" in row and row["error"] != "out of memory" and b.compile and variant.startswith("torch"):
             first = row["error"]  # the peer's compiled blocks failed under its CP dispatcher: run it eagerly
@@ -152,7 +153,7 @@ def _one(b, variant, dims, device, cp) -> dict:
             step, keep = _plait(b, variant, Comm(dims, Ledger(enabled=False)), device)
         else:
             step, keep = _torch(b, dims, device)
-        row = _measure(b, variant, step, device, tokens_per_gpu_step=b.seq / cp)
+        row = _measure(b, variant, step, device, tokens_per_gpu_step=b.micro_batch * b.seq / cp)
         _release(keep)  # else the next sequence length's model finds this one's memory still taken
         del step, keep
         return row
@@ -188,7 +189,13 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", default="8b")
     ap.add_argument("--model", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--seqs", default="8192,16384,32768,65536,131072")
+    ap.add_argument("--micro-batch", type=int, default=1,
+                    help="sequences a data-parallel rank trains per step, as one micro-batch (default 1); "
+                         "with G x N on the cp1 rows and N on the cpG rows, N = G gives both one global batch")
     ap.add_argument("--recompute", default="selective", choices=["none", "selective", "full"])
+    ap.add_argument("--profile", type=int, default=0, metavar="K",
+                    help="after timing, profile K more steps: GPU time split into compute, exposed and "
+                         "overlapped communication and idle, with the kernels that took most (plait.gpu_time)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--variants", default="plait-cp1,plait-cpG-ring,plait-cpG-ulysses,torch-cpG")
@@ -204,7 +211,7 @@ def main(argv=None) -> int:
         ap.error("no GPU visible; use --device cpu --preset tiny --no-compile --gpus 2 --seqs 64,128 for a smoke test")
     a.gpus = a.gpus or (torch.cuda.device_count() if a.device == "cuda" else 2)
     a.seqs = sorted(int(s) for s in a.seqs.split(",") if s)
-    a.seq, a.micro_batch = max(a.seqs), 1
+    a.seq = max(a.seqs)
     variants = [v.replace("cpG", f"cp{a.gpus}") for v in a.variants.split(",") if v]
     card = torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu"
     name = f"cp-{card_slug(card)}-{a.gpus}gpu" + (f"-{a.tag}" if a.tag else "")
@@ -213,7 +220,8 @@ def main(argv=None) -> int:
               "nccl": ".".join(map(str, torch.cuda.nccl.version())) if a.device == "cuda" else None,
               "date": time.strftime("%Y-%m-%d"),
               "command": " ".join(["python", "bench/context_parallel.py"] + (argv or sys.argv[1:])),
-              "config": {"preset": a.preset, "model": a.model, "seqs": a.seqs, "recompute": a.recompute,
+              "config": {"preset": a.preset, "model": a.model, "seqs": a.seqs, "micro_batch": a.micro_batch,
+                         "recompute": a.recompute,
                          "steps": a.steps, "warmup": a.warmup, "compile": a.compile}, "rows": []}
     return run_variants(worker, a, variants, result, out, lambda v: {"seq": 0}, _table, timeout_s=1800)
 

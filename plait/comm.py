@@ -281,7 +281,7 @@ class Comm:
     def all_to_all_along(self, x, dim: str, scatter_axis: int, gather_axis: int):
         """Split along `scatter_axis`, exchange, concatenate along `gather_axis`; backward reverses it
         (Ulysses-style context parallel: sequence-sharded <-> head-sharded)."""
-        return _AllToAllAlong.apply(x, self.key(dim), scatter_axis, gather_axis)
+        return _AllToAllAlong.apply(x, self.key(dim), self.size(dim), scatter_axis, gather_axis)
 
     def _gather(self, x, dim, axis):
         n = self.size(dim)
@@ -316,9 +316,17 @@ class Comm:
         if n == 1:
             return x
         s_axis, g_axis = s_axis % x.dim(), g_axis % x.dim()
-        src = x.unflatten(s_axis, (n, -1)).movedim(s_axis, 0).contiguous()  # (n, *chunk): chunk j -> rank j
-        dst = self.all_to_all(src, dim)                                      # (n, *chunk): chunk i from rank i
-        return dst.movedim(0, g_axis).flatten(g_axis, g_axis + 1)
+        return _from_chunks(self.all_to_all(_to_chunks(x, n, s_axis), dim), g_axis)
+
+
+def _to_chunks(x, n: int, s_axis: int):
+    """(n, *chunk), contiguous: chunk j of `x` along `s_axis` (the one rank j gets) in slot j."""
+    return x.unflatten(s_axis, (n, -1)).movedim(s_axis, 0).contiguous()
+
+
+def _from_chunks(y, g_axis: int):
+    """Slot i of (n, *chunk) (what rank i sent) placed i-th along `g_axis`: a view."""
+    return y.movedim(0, g_axis).flatten(g_axis, g_axis + 1)
 
 
 # ---- collectives as registered ops ---------------------------------------------------------------
@@ -378,18 +386,17 @@ def _(x, key, axis):
 
 
 @torch.library.custom_op("plait::all_to_all", mutates_args=())
-def _op_all_to_all(x: torch.Tensor, key: str, s_axis: int, g_axis: int) -> torch.Tensor:
+def _op_all_to_all(x: torch.Tensor, key: str) -> torch.Tensor:
+    """x (n, *chunk): slot j goes to rank j; slot i of the result came from rank i. The layout
+    changes either side (`_to_chunks`, `_from_chunks`) stay outside the op, in the caller's graph,
+    where the compiler fuses them into the neighbouring kernels instead of copying twice here."""
     comm, dim = resolve_key(key)
-    return _fresh(comm._all_to_all(x, dim, s_axis, g_axis), x)
+    return comm.all_to_all(x.contiguous(), dim)  # a fresh tensor, even over a group of one
 
 
 @_op_all_to_all.register_fake
-def _(x, key, s_axis, g_axis):
-    n = resolve_key(key)[0].size(resolve_key(key)[1])
-    shape = list(x.shape)
-    shape[s_axis % x.dim()] //= n
-    shape[g_axis % x.dim()] *= n
-    return x.new_empty(shape)
+def _(x, key):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 def _split(x, key, axis):
@@ -455,10 +462,11 @@ class _SplitAlong(torch.autograd.Function):
 
 class _AllToAllAlong(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, key, s_axis, g_axis):
-        ctx.key, ctx.s_axis, ctx.g_axis = key, s_axis, g_axis
-        return torch.ops.plait.all_to_all(x, key, s_axis, g_axis)
+    def forward(ctx, x, key, n, s_axis, g_axis):
+        ctx.key, ctx.n, ctx.s_axis, ctx.g_axis = key, n, s_axis % x.dim(), g_axis % x.dim()
+        return _from_chunks(torch.ops.plait.all_to_all(_to_chunks(x, n, ctx.s_axis), key), ctx.g_axis)
 
     @staticmethod
     def backward(ctx, g):
-        return torch.ops.plait.all_to_all(g, ctx.key, ctx.g_axis, ctx.s_axis), None, None, None
+        y = torch.ops.plait.all_to_all(_to_chunks(g, ctx.n, ctx.g_axis), ctx.key)
+        return _from_chunks(y, ctx.s_axis), None, None, None, None

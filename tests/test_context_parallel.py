@@ -61,6 +61,29 @@ def _ring_vs_full(comm, cp_size: int, impl: str = "ring") -> dict:
     return worst
 
 
+KV1 = {**CPM, "n_kv_heads": 1}  # Ulysses at cp 2 repeats the one key/value head for both ranks
+
+
+def _activations(corpus, comm) -> dict:
+    """Bytes layer 0 keeps for backward on this rank of cp 2, per (impl, recompute mode, compiled)
+    (plait.parallel.activations.kept_bytes / compiled_kept_bytes)."""
+    from plait.parallel.activations import compiled_kept_bytes, kept_bytes
+    from plait.parallel.build import parallelize
+
+    out = {}
+    for impl in ("ring", "ulysses"):
+        for mode in ("none", "selective"):
+            cfg = config(corpus, model=KV1, recompute=mode, cp=2, cp_impl=impl)
+            model = parallelize(cfg, comm, torch.device("cpu"), torch.float32, compile=False).model
+            pos = model.cp.positions(SEQ, "cpu")
+            cos, sin = model.rope_cos[pos], model.rope_sin[pos]
+            x = torch.randn(MICRO, SEQ // 2, KV1["dim"], requires_grad=True)
+            for compiled, measure in ((False, kept_bytes), (True, compiled_kept_bytes)):
+                out[(impl, mode, compiled)], y = measure(lambda x: model.layers["0"](x, cos, sin), x)
+                y.sum().backward()  # both ranks run the same collectives in backward
+    return out
+
+
 def _body(dims, corpus, root, docs_corpus):
     import torch.distributed as dist
 
@@ -70,6 +93,8 @@ def _body(dims, corpus, root, docs_corpus):
     r = dims.rank
     pair, world = (Comm(None, Ledger(), groups={"cp": g}) for g in (groups.pair[r // 2], dist.group.WORLD))
     out = {impl: {2: _ring_vs_full(pair, 2, impl), 4: _ring_vs_full(world, 4, impl)} for impl in ("ring", "ulysses")}
+    if r < 2:
+        out["activations"] = _activations(corpus, Comm(None, Ledger(), groups=_groups(groups, "pair", r)))
     for name, (layout, kw) in RUNS.items():
         if layout == "pair" and r >= 2:
             continue
@@ -111,6 +136,8 @@ RUNS = {"cp2": ("pair", dict(cp=2)), "cp4": ("world", dict(cp=4)), "cp2-tp2": ("
         "cp2-selective": ("pair", dict(cp=2, recompute="selective")),
         # Ulysses: at TP 2 each rank's one key/value head is repeated for the two cp ranks
         "cp2-ulysses": ("pair", dict(cp=2, cp_impl="ulysses")),
+        # ... and keeps Ulysses' exchanged q, k, v and output: backward runs no all-to-all again
+        "cp2-ulysses-selective": ("pair", dict(cp=2, cp_impl="ulysses", recompute="selective")),
         "cp2-tp2-ulysses": ("cp-tp", dict(cp=2, tp=2, cp_impl="ulysses")),
         "cp4-docs-ulysses": ("world", dict(cp=4, cp_impl="ulysses"))}
 DOCS = {"cp4-docs", "cp4-docs-ulysses"}  # trained with document masking (against a masked single-process run)
@@ -153,6 +180,21 @@ def test_ring_attention_equals_full_causal_attention(runs, cp, impl):
         for (h, kv, dtype), worst in got.items():
             bound = 1e-10 if dtype.startswith("torch.float64") else 1e-5  # fp64: the algebra itself
             assert worst <= bound, (impl, cp, rank, h, kv, dtype, worst)
+
+
+def test_activation_bytes_equal_the_formula(runs):
+    """What a block keeps per rank at cp 2 (one key/value head, repeated for Ulysses), ring and
+    Ulysses, without and with selective recomputation, eager and compiled: measured == formula
+    (which the planner prices memory with). Under selective, Ulysses keeps its exchanged tensors."""
+    from plait.parallel.activations import layer_bytes
+
+    for rank in (0, 1):
+        got = runs[0][rank]["activations"]
+        assert len(got) == 8
+        for (impl, mode, compiled), n in got.items():
+            want = layer_bytes(MICRO, SEQ // 2, KV1["dim"], KV1["n_heads"], KV1["n_kv_heads"], KV1["ffn_dim"],
+                               recompute=mode, e=4, compiled=compiled, cp=2, ulysses=impl == "ulysses")
+            assert n == want, (impl, mode, compiled, n, want)
 
 
 def test_every_rank_does_the_same_attention_work():
@@ -223,7 +265,7 @@ def test_ring_traffic_to_the_byte(runs, name):
     assert pred.traffic["cp"].bytes_per_device == want
 
 
-@pytest.mark.parametrize("name", ["cp2-ulysses", "cp2-tp2-ulysses"])
+@pytest.mark.parametrize("name", ["cp2-ulysses", "cp2-tp2-ulysses", "cp2-ulysses-selective"])
 def test_ulysses_traffic_to_the_byte(runs, name):
     """Per layer and micro-batch, forward and backward: all-to-alls of q and the output (this rank's
     heads x its tokens) and of k and v (key/value heads, repeated up to cp when fewer), each sending

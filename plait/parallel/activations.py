@@ -57,24 +57,40 @@ from torch.utils._pytree import tree_flatten
 
 
 def layer_bytes(b: int, s: int, h: int, heads: int, kv_heads: int, ffn: int, t: int = 1, sp: bool = False,
-                recompute: str = "none", e: float = 2.0, compiled: bool = False) -> float:
+                recompute: str = "none", e: float = 2.0, compiled: bool = False, cp: int = 1,
+                ulysses: bool = False) -> float:
     """Bytes one block keeps for its backward on one rank, eager or compiled (see the module
-    docstring)."""
+    docstring). `s` is the rank's share of the sequence; `cp` the context-parallel degree and
+    `ulysses` whether its attention exchanges heads by all-to-all (plait/parallel/ulysses.py)
+    rather than passing K/V around the ring."""
     u = t if sp else 1
     hd = h // heads
     kv = (kv_heads // t if kv_heads >= t else 1) * hd
     sb = s * b
     attention = e * sb * (2 * h / t + 2 * kv) + 4 * sb * heads / t
+    if cp > 1 and ulysses:
+        from plait.parallel.ulysses import kv_repeats
+
+        sent = kv * kv_repeats(kv // hd, cp)  # key/value heads repeated up to cp before the exchange
+    else:
+        sent = kv
     if recompute == "full":
         return e * sb * h / u
     if recompute == "selective":
-        return (2 * e * sb * h / u + attention + 2 * e * sb * ffn / t + (2 * e * sb * h if sp else 0.0)
+        kept = (2 * e * sb * h / u + attention + 2 * e * sb * ffn / t + (2 * e * sb * h if sp else 0.0)
                 + (e * sb * h / u if t > 1 else 0.0)) - (e * sb * h / u if compiled else 0.0)
+        if cp > 1 and ulysses:  # the exchanged q, k, v and output are kept (no all-to-all in backward):
+            # eager keeps them beside Q, K and V's matmul outputs, compiled in their place
+            kept += e * sb * (2 * h / t + 2 * sent) if not compiled else e * sb * (h / t + 2 * (sent - kv))
+        return kept
     if recompute != "none":
         raise ValueError(f"unknown recompute mode {recompute!r}")
+    # context parallelism returns attention's output head-major, so the output matmul's input is a
+    # copy of it (one SDPA call returns it token-major: a view); Ulysses keeps repeated K/V heads
+    cp_extra = (e * sb * h / t + 2 * e * sb * (sent - kv)) if cp > 1 else 0.0
     if compiled:
-        return 2 * e * sb * h / u + 8 * sb / u + 2 * e * sb * h + attention + 3 * e * sb * ffn / t
-    return 2 * (4 + e) * sb * h / u + 8 * sb / u + 2 * e * sb * h + attention + 4 * e * sb * ffn / t
+        return 2 * e * sb * h / u + 8 * sb / u + 2 * e * sb * h + attention + 3 * e * sb * ffn / t + cp_extra
+    return 2 * (4 + e) * sb * h / u + 8 * sb / u + 2 * e * sb * h + attention + 4 * e * sb * ffn / t + cp_extra
 
 
 class _Created(TorchDispatchMode):

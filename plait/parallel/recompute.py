@@ -6,7 +6,8 @@
              never re-run)
   selective  each residual branch (norm + attention, norm + MLP) keeps its input, the outputs of its
              matmuls but the last (Q, K, V; the MLP's gate and up), attention's output and
-             log-sum-exp (ring attention's too: its ring is not run again), with SP the gathered inputs of its column-parallel matmuls, and with TP the
+             log-sum-exp (ring attention's too: its ring is not run again; under Ulysses the
+             exchanged q, k, v and output), with SP the gathered inputs of its column-parallel matmuls, and with TP the
              attention's summed output (the MLP branch's input is computed from it); it
              recomputes the cheap elementwise work in between - RMSNorm, RoPE, SwiGLU's product -
              with no matmul and no communication. (Korthikanti et al. 2022 define "selective" for
@@ -47,12 +48,15 @@ def _collectives() -> tuple[set, set]:
 
 
 @functools.cache
-def _ring() -> frozenset:
-    """Ring attention's registered op (plait/parallel/context.py): kept like an attention kernel,
-    so backward does not run the ring - and its communication - a second time."""
+def _context() -> frozenset:
+    """Context parallelism's communicating ops, kept so that backward does not communicate again:
+    ring attention's registered op (plait/parallel/context.py), like an attention kernel, and
+    Ulysses' all-to-alls (plait/parallel/ulysses.py: the exchanged q, k, v and output; recomputing
+    them would repeat the four forward all-to-alls in every layer's backward)."""
+    import plait.comm  # noqa: F401  (registers plait::all_to_all)
     import plait.parallel.context  # noqa: F401  (registers plait::ring_attention)
 
-    return frozenset({torch.ops.plait.ring_attention.default})
+    return frozenset({torch.ops.plait.ring_attention.default, torch.ops.plait.all_to_all.default})
 
 
 class _BranchPolicy:
@@ -65,7 +69,7 @@ class _BranchPolicy:
 
     def __init__(self, matmuls: int, keep_exit: bool):
         entering, leaving = _collectives()
-        self.matmuls, self.kept = matmuls, KEPT | _ring() | entering | (leaving if keep_exit else set())
+        self.matmuls, self.kept = matmuls, KEPT | _context() | entering | (leaving if keep_exit else set())
         self.count = {False: 0, True: 0}
 
     def __call__(self, ctx, op, *args, **kwargs):

@@ -134,24 +134,27 @@ def gpt_layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: b
 
 
 def llama_layer_activation_bytes(d: ModelDims, s: int, b: int, t: int = 1, sp: bool = False,
-                                 recompute: str = "none", act_bytes: float = 2.0, compiled: bool = True) -> float:
+                                 recompute: str = "none", act_bytes: float = 2.0, compiled: bool = True,
+                                 cp: int = 1, ulysses: bool = False) -> float:
     """What plait's Llama block keeps for its backward, compiled (plait's GPU default) or eager: the
     runtime's own formula (`plait.parallel.activations.layer_bytes`, checked there against what a
     block keeps, measured both ways)."""
     from plait.parallel.activations import layer_bytes
 
-    return layer_bytes(b, s, d.hidden, d.heads, d.kv_heads, d.ffn, t, sp, recompute, act_bytes, compiled)
+    return layer_bytes(b, s, d.hidden, d.heads, d.kv_heads, d.ffn, t, sp, recompute, act_bytes, compiled, cp, ulysses)
 
 
 def layer_activation_bytes(d: ModelDims, s: int, b: int, t: int = 1, sp: bool = False,
-                           recompute: str = "none", act_bytes: float = 2.0, compiled: bool = True) -> float:
-    """Per-layer activation bytes of either architecture (`s` is the sequence slice on this GPU).
+                           recompute: str = "none", act_bytes: float = 2.0, compiled: bool = True,
+                           cp: int = 1, ulysses: bool = False) -> float:
+    """Per-layer activation bytes of either architecture (`s` is the sequence slice on this GPU,
+    `cp` the context-parallel degree, `ulysses` its all-to-all variant).
     GPT layers follow Korthikanti et al. (Megatron's fused kernels), compiled or not."""
     if recompute not in ("none", "selective", "full"):
         raise bad_value("--recompute", recompute, "choose none, selective or full")
     if d.arch == "gpt":
         return gpt_layer_activation_bytes(s, b, d.hidden, d.heads, t, sp, recompute, d.ffn) * act_bytes / 2
-    return llama_layer_activation_bytes(d, s, b, t, sp, recompute, act_bytes, compiled)
+    return llama_layer_activation_bytes(d, s, b, t, sp, recompute, act_bytes, compiled, cp, ulysses)
 
 
 def wgrad_fraction(d: ModelDims) -> float:

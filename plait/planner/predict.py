@@ -165,7 +165,8 @@ def _memory(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, sc: StageCos
     sp, shard = lay.seq_parallel, lay.shard_group
     wfrac = memory.wgrad_fraction(d)
     # zero-bubble blocks compile whole, their deferring linears custom ops (plait/parallel/wgrad.py)
-    per_layer = memory.layer_activation_bytes(d, d.seq // cp, b, tp, sp, lay.recompute, e, lay.compile)
+    uly = lay.cp_impl == "ulysses"
+    per_layer = memory.layer_activation_bytes(d, d.seq // cp, b, tp, sp, lay.recompute, e, lay.compile, cp, uly)
     layer_w = costs.tp_share(d, tp)[0]
     best: tuple[float, int, dict, dict] = (-1.0, 0, {}, {})
     for r in range(pp):
@@ -181,7 +182,7 @@ def _memory(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, sc: StageCos
             "zero3_gather": gathered,
             "comm_buckets": 2 * BUCKET_BYTES if (lay.grad_group > 1 and lay.zero < 3) else 0.0,
             # full recomputation rebuilds one layer's complete activations inside its backward
-            "recompute_buffer": memory.layer_activation_bytes(d, d.seq // cp, b, tp, sp, "none", e, lay.compile)
+            "recompute_buffer": memory.layer_activation_bytes(d, d.seq // cp, b, tp, sp, "none", e, lay.compile, cp, uly)
             if lay.recompute == "full" else 0.0,
             "cp_ring": 2 * sc.kv_chunk_bytes if cp > 1 else 0.0,  # the block in use + the one arriving
             "loss_chunk": memory.loss_chunk_bytes(d, b * d.seq // cp, tp, lay.compile, e) if r == pp - 1 else 0.0,
@@ -341,7 +342,7 @@ def _explain(d, lay, c, prec, gb, m, sc, mem_rank, sched_name, makespan, bubble,
     """Each quantity with the formula and the numbers that produced it (`plait plan --explain`)."""
     pp, v, cp, b, tp = lay.pp, lay.v, lay.cp, lay.micro_batch, lay.tp
     per_layer = memory.layer_activation_bytes(d, d.seq // cp, b, tp, lay.seq_parallel, lay.recompute,
-                                              prec.act_bytes, lay.compile)
+                                              prec.act_bytes, lay.compile, cp, lay.cp_impl == "ulysses")
     units = _peak_units(sched_name, pp, m, v, mem_rank, memory.wgrad_fraction(d))
     ex = [
         ("parameters", f"N = {costs.param_count(d):,}; in matmuls N' = {costs.matmul_params(d):,}"),
