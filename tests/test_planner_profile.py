@@ -115,10 +115,11 @@ def test_calibrate_writes_a_profile_that_plan_reads(tmp_path, capsys):
     assert p.gpu is None and p.peak_tflops > 0 and p.dtype == "fp32"
     assert {x[0] for x in p.linear} == {"fwd", "dgrad", "wgrad"} and all(x[4] > 0 for x in p.linear)
     assert p.attention and all(x[5] > 0 and x[6] > 0 for x in p.attention)
-    assert {(x[0], x[1]) for x in p.collectives} == {("all_reduce", 2), ("all_gather", 2), ("reduce_scatter", 2)}
+    assert {(x[0], x[1]) for x in p.collectives} == {("all_reduce", 2), ("all_gather", 2), ("reduce_scatter", 2),
+                                                      ("send_recv", 2)}
     assert p.pointwise_gbps > 0 and p.optimizer_gbps > 0
-    assert set(p.overlap) == {"all_gather", "all_reduce"} and all(x >= 0 for x in p.overlap.values())
-    assert set(p.stretch) == {"all_gather", "all_reduce"} and all(x >= 1 for x in p.stretch.values())
+    assert set(p.overlap) == {"all_gather", "all_reduce", "send_recv"} and all(x >= 0 for x in p.overlap.values())
+    assert set(p.stretch) == {"all_gather", "all_reduce", "send_recv"} and all(x >= 1 for x in p.stretch.values())
     capsys.readouterr()
     assert main(["plan", "--hardware", str(out), "--model", "tiny", "--seq", "64", "--gpus-per-node", "2",
                  "--dp", "2", "--micro-batch", "1", "--global-batch", "2", "--explain"]) == 0

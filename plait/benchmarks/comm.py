@@ -1,10 +1,15 @@
 """`plait bench comm`: time collectives like nccl-tests, for torch.distributed and plait's ring.
 
-For each size S (bytes; the gathered size for all-gather, the unreduced size for reduce-scatter):
+For each size S (bytes; the gathered size for all-gather, the unreduced size for reduce-scatter,
+what each rank sends for send_recv):
   time   mean of `iters` back-to-back calls, the slowest rank's (a collective ends when the last ends)
   algbw  S / time
   busbw  algbw x 2(N-1)/N for all-reduce, x (N-1)/N for all-gather and reduce-scatter: what each link
-         carries, comparable across N and with the hardware's link bandwidth (nccl-tests' definition)
+         carries, comparable across N and with the hardware's link bandwidth (nccl-tests' definition);
+         for send_recv, algbw
+send_recv is a ring exchange, the step of ring attention and of a pipeline's steady state: every
+rank sends S bytes to the next rank and receives S from the previous one in one batched call
+(torch only; plait's ring collectives are built from it).
 
 Every size is first checked for correctness (integer-valued data, exact in bf16) against the
 expected sum, so a fast wrong answer cannot pass. Runs on CPU/gloo or GPU/NCCL; `--nproc N` starts
@@ -19,7 +24,7 @@ import re
 import time
 
 HELP = "collective bandwidth (time, algbw, busbw) of torch.distributed vs plait's ring, like nccl-tests"
-OPS = ("all_reduce", "all_gather", "reduce_scatter")
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 
 
 def add_arguments(p) -> None:
@@ -101,13 +106,15 @@ def bench_rank(opts: dict) -> dict | None:
         for op in opts["ops"]:
             numel = max(n, size // esize // n * n)  # divisible by N for all-gather / reduce-scatter
             for impl in opts["impls"]:
+                if op == "send_recv" and impl != "torch":
+                    continue  # the exchange is the primitive plait's rings are built from
                 fn, check = _make(op, impl, numel, n, rank, dtype, dev, opts["piece_bytes"])
                 good = check()
                 ok &= good
                 t = _time(fn, dev, opts, numel * esize)
                 nbytes = numel * esize
                 algbw = nbytes / t / 1e9
-                busbw = algbw * (2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n)
+                busbw = algbw * (2 * (n - 1) / n if op == "all_reduce" else 1.0 if op == "send_recv" else (n - 1) / n)
                 rows.append(dict(op=op, impl=impl, bytes=nbytes, time_us=t * 1e6, algbw_GBps=algbw,
                                  busbw_GBps=busbw, correct=good))
                 if rank == 0:
@@ -148,7 +155,14 @@ def _make(op, impl, numel, n, rank, dtype, dev, piece_bytes):
     base = (torch.arange(numel, device=dev) % 7).to(dtype)
     x = base + rank
     total = base * n + n * (n - 1) // 2
-    if op == "all_reduce":
+    if op == "send_recv":
+        got = torch.empty_like(x)
+        fn = ring_exchange(x, got, rank, n)
+
+        def check():
+            fn()
+            return torch.equal(got, base + (rank - 1) % n)
+    elif op == "all_reduce":
         fn = (lambda: dist.all_reduce(x)) if impl == "torch" else (lambda: C.ring_all_reduce(x, pipeline=pieces))
 
         def check():
@@ -175,6 +189,23 @@ def _make(op, impl, numel, n, rank, dtype, dev, piece_bytes):
             got = fn() if impl != "torch" else (fn(), out)[1]
             return torch.equal(got.reshape(-1), total[rank * chunk:(rank + 1) * chunk])
     return fn, lambda: _all_agree(check(), dev)
+
+
+def ring_exchange(send, recv, rank: int, n: int, async_op: bool = False):
+    """A callable that sends `send` to the next rank and receives the previous rank's into `recv`, in
+    one batched call; with `async_op` it returns the call's works (wait on each) instead of waiting."""
+    import torch.distributed as dist
+
+    nxt, prv = (rank + 1) % n, (rank - 1) % n
+
+    def call():
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, nxt), dist.P2POp(dist.irecv, recv, prv)])
+        if async_op:
+            return works
+        for w in works:
+            w.wait()
+
+    return call
 
 
 def _all_agree(flag: bool, dev) -> bool:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import statistics
 
-OPS = ("all_gather", "reduce_scatter", "all_reduce")
+OPS = ("all_gather", "reduce_scatter", "all_reduce", "send_recv")
 
 
 def measure(device: str, nproc: int, timeout_s: float = 300.0) -> tuple[dict[str, float], dict[str, float]]:
@@ -52,6 +52,7 @@ def _rank(opts: dict) -> dict[str, float]:
     import torch
     import torch.distributed as dist
 
+    from plait.benchmarks.comm import ring_exchange
     from plait.config import ParallelConfig
     from plait.launch import init_distributed
 
@@ -67,9 +68,13 @@ def _rank(opts: dict) -> dict[str, float]:
     numel = size // x.element_size() // n * n
     full = torch.empty(numel, device=dev, dtype=dtype)
     part = torch.empty(numel // n, device=dev, dtype=dtype)
+    got = torch.empty_like(part)
+    sync_x, async_x = (ring_exchange(part, got, dims.rank, n, a) for a in (False, True))
     ops = {"all_gather": lambda a: dist.all_gather_into_tensor(full, part, async_op=a),
            "reduce_scatter": lambda a: dist.reduce_scatter_tensor(part, full, async_op=a),
-           "all_reduce": lambda a: dist.all_reduce(full, async_op=a)}
+           "all_reduce": lambda a: dist.all_reduce(full, async_op=a),
+           # ring attention's step: a chunk to the next rank while the previous rank's arrives
+           "send_recv": lambda a: _Works(async_x()) if a else sync_x()}
     ops = {k: f for k, f in ops.items() if cuda or k != "reduce_scatter"}  # gloo has no reduce-scatter
 
     def compute(reps):
@@ -117,6 +122,17 @@ def _rank(opts: dict) -> dict[str, float]:
         torch.cuda.synchronize(dev)
     dist.barrier()
     return out
+
+
+class _Works:
+    """A batched point-to-point call's works, waited on as one."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self):
+        for w in self.works:
+            w.wait()
 
 
 def _clock(cuda: bool, dev):

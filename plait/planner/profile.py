@@ -122,7 +122,7 @@ class HardwareProfile:
             return None
         by_key: dict = {}
         for op, n, size, t in self.collectives:
-            if n > 1:
+            if n > 1 and op != "send_recv":  # the collectives' links; point-to-point is looked up as measured
                 by_key.setdefault((op, n), []).append((size, t))
         bws, lats = [], []
         for (op, n), pts in by_key.items():
