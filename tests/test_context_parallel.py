@@ -61,6 +61,42 @@ def _ring_vs_full(comm, cp_size: int, impl: str = "ring") -> dict:
     return worst
 
 
+def _ring_bytes(comm) -> tuple[int, int, tuple[float, float]]:
+    """Bytes the ring's element-wise work reads and writes on this rank (every aten op of its forward
+    and backward but the attention kernels and views, inputs plus outputs), bf16 inputs with head
+    dim 64, and `bookkeeping_bytes`' (forward, backward) for them."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    from plait.parallel.context import _ring_backward, _ring_forward, bookkeeping_bytes
+
+    free = {"view", "_unsafe_view", "transpose", "unsqueeze", "slice", "select", "narrow", "alias", "detach",
+            "empty_like", "empty", "promote_types", "randn_like", "eq", "nonzero"}
+
+    class Counted(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func._schema.name.split("::")[-1]
+            if func.namespace == "aten" and name not in free and "attention" not in name:
+                made = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
+                read = [] if name in ("zeros", "full") else [x for x in tree_flatten((args, kwargs))[0]
+                                                                  if isinstance(x, torch.Tensor)]
+                self.n += sum(x.numel() * x.element_size() for x in read + made)
+            return out
+
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 8, 64, 64, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(2, 2, 64, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    with Counted() as fwd:
+        out, lse = _ring_forward(q, k, v, None, comm, "cp")
+        out = out.to(q.dtype).contiguous()  # as the registered op returns it
+    with Counted() as bwd:
+        _ring_backward(torch.randn_like(q), q, k, v, out, lse, None, comm, "cp")
+    return fwd.n, bwd.n, bookkeeping_bytes(q.numel(), k.numel(), comm.size("cp"), 2)
+
+
 KV1 = {**CPM, "n_kv_heads": 1}  # Ulysses at cp 2 repeats the one key/value head for both ranks
 
 
@@ -93,6 +129,7 @@ def _body(dims, corpus, root, docs_corpus):
     r = dims.rank
     pair, world = (Comm(None, Ledger(), groups={"cp": g}) for g in (groups.pair[r // 2], dist.group.WORLD))
     out = {impl: {2: _ring_vs_full(pair, 2, impl), 4: _ring_vs_full(world, 4, impl)} for impl in ("ring", "ulysses")}
+    out["ring_bytes"] = {2: _ring_bytes(pair), 4: _ring_bytes(world)}
     if r < 2:
         out["activations"] = _activations(corpus, Comm(None, Ledger(), groups=_groups(groups, "pair", r)))
     for name, (layout, kw) in RUNS.items():
@@ -195,6 +232,16 @@ def test_activation_bytes_equal_the_formula(runs):
             want = layer_bytes(MICRO, SEQ // 2, KV1["dim"], KV1["n_heads"], KV1["n_kv_heads"], KV1["ffn_dim"],
                                recompute=mode, e=4, compiled=compiled, cp=2, ulysses=impl == "ulysses")
             assert n == want, (impl, mode, compiled, n, want)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_bookkeeping_bytes_equal_the_formula(runs, cp):
+    """The planner prices the ring's own element-wise work (merges, accumulators, copies) with
+    `bookkeeping_bytes`: the rank where they add up to most moves what the formula says, plus the
+    log-sum-exp's work (1/head-dim of it) and no more."""
+    got = [runs[0][rank]["ring_bytes"][cp] for rank in range(4)]
+    want = sum(got[0][2])
+    assert 1.0 <= max(f + b for f, b, _ in got) / want <= 1.06, [(f, b) for f, b, _ in got]
 
 
 def test_every_rank_does_the_same_attention_work():

@@ -78,48 +78,52 @@ def _agrees(q, k) -> bool:
     return close(out, ref_out) and close(lse, ref_lse) and all(close(x, y) for x, y in zip(grads, ref))
 
 
-def forward(q, k, v, causal: bool, scale: float, how: str, qdoc=None, kdoc=None):
+def forward(q, k, v, causal: bool, scale: float, how: str, qdoc=None, kdoc=None, cast: bool = True):
     """(out, lse) of q (B, H, c, d) over k, v (B, H, c, d): out in the accumulation dtype (fp32 for
-    16-bit inputs), lse fp32-or-wider (B, H, c)."""
+    16-bit inputs; with `cast` False a fused kernel's out stays in its own dtype, for a caller that
+    accumulates it into an fp32 buffer without a copy), lse fp32-or-wider (B, H, c)."""
     acc = torch.promote_types(q.dtype, torch.float32)
+    keep = acc if cast else None
     if how == "fused":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-        return out.to(acc), lse.to(acc)
+        return out.to(keep or out.dtype), lse.to(acc)
     if how == "cudnn":
         out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
                                                                       scale=scale)[:2]
-        return out.to(acc), lse.view(q.shape[:-1])  # cuDNN's log-sum-exp is (B, H, c, 1)
+        return out.to(keep or out.dtype), lse.view(q.shape[:-1])  # cuDNN's log-sum-exp is (B, H, c, 1)
     if how == "flash":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
-        return out.to(acc), lse
+        return out.to(keep or out.dtype), lse
     s = _scores(q.to(acc), k.to(acc), causal, scale, qdoc, kdoc)
     lse = torch.logsumexp(s, dim=-1)
     return torch.exp(s - _no_inf(lse)[..., None]) @ v.to(acc), lse
 
 
-def backward(dout, q, k, v, out, lse, causal: bool, scale: float, how: str, qdoc=None, kdoc=None):
-    """(dq, dk, dv) of one block given the query chunk's final output `out` and `lse`."""
-    acc = torch.promote_types(q.dtype, torch.float32)
+def backward(dout, q, k, v, out, lse, causal: bool, scale: float, how: str, qdoc=None, kdoc=None, cast: bool = True):
+    """(dq, dk, dv) of one block given the query chunk's final output `out` and `lse`; in the
+    accumulation dtype, or with `cast` False in a fused kernel's own."""
+    acc = torch.promote_types(q.dtype, torch.float32) if cast else None
     if how == "fused":
         dt = q.dtype
         lse = lse.to(torch.float32 if dt in (torch.bfloat16, torch.float16) else dt)  # as the forward gave it
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.to(dt), q, k, v, out.to(dt), lse, 0.0, causal, scale=scale)
-        return tuple(g.to(acc) for g in grads)
+        return tuple(g.to(acc or g.dtype) for g in grads)
     if how == "cudnn":
         dt, none = q.dtype, torch.empty(0, device=q.device)  # no dropout: no seed or offset to replay
         # no bias and no cumulative sequence lengths (given ones would mean packed, 3-d tensors)
         grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
             dout.to(dt).contiguous(), q, k, v, out.to(dt).contiguous(), lse.float().reshape(*q.shape[:-1], 1),
             none, none, None, None, None, q.shape[2], k.shape[2], 0.0, causal, scale=scale)
-        return tuple(g.to(acc) for g in grads)
+        return tuple(g.to(acc or g.dtype) for g in grads)
     if how == "flash":
         dt, n = q.dtype, q.shape[2]
         rng = torch.empty(0, device=q.device, dtype=torch.int64)  # no dropout: no random state to replay
         grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
             dout.to(dt).contiguous(), q, k, v, out.to(dt).contiguous(), lse.float().contiguous(), None, None, n,
             k.shape[2], 0.0, causal, rng, rng, scale=scale)
-        return tuple(g.to(acc) for g in grads)
+        return tuple(g.to(acc or g.dtype) for g in grads)
+    acc = torch.promote_types(q.dtype, torch.float32)
     qa, ka, va, da = q.to(acc), k.to(acc), v.to(acc), dout.to(acc)
     p = torch.exp(_scores(qa, ka, causal, scale, qdoc, kdoc) - lse[..., None])
     delta = (da * out.to(acc)).sum(-1, keepdim=True)  # D = rowsum(dO * O)

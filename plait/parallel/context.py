@@ -80,6 +80,39 @@ def ring_calls(cp: int, rank: int, batched: bool = True) -> list[list[tuple[str,
     return plan
 
 
+def bookkeeping_bytes(q_elems: float, kv_elems: float, cp: int, e: float = 2.0) -> tuple[float, float]:
+    """(forward, backward) bytes the ring's own element-wise work reads and writes per layer and
+    micro-batch, beside the attention kernels, on the rank where they add up to most (`ring_calls`
+    gives each rank its plan): `q_elems` elements of a rank's queries (b x T/cp x heads x head
+    dim), `kv_elems` of its keys, `e` the inputs' bytes per element; the running output, dQ and the
+    dK/dV accumulators in fp32. Forward: K/V stacked to travel; a chunk of the queries or of a held
+    block made contiguous where a step attends one chunk (the queries' once); the first output
+    widened to fp32; each later block merged in place (mul_ + addcmul_) over the queries it met;
+    the output narrowed back. Backward: dQ and the accumulators zeroed, added into at every step
+    over what each step met, narrowed at the end; K/V stacked and chunked again; the queries, their
+    gradient and output chunked once. The log-sum-exp's, 1/head-dim of these, are left out."""
+    a, frac = 4.0, {"both": 1.0, "early": 0.5, "late": 0.5}
+    best = (0.0, 0.0)
+    for r in range(cp):
+        fwd = 4 * e * kv_elems + (a + e) * q_elems  # the stack; the output narrowed back
+        bwd = 4 * e * kv_elems + (a + a + e) * q_elems + (2 * a + 2 * (a + e)) * kv_elems  # zeroed, narrowed
+        q_parts = set()
+        for step, ((qp, kp, _),) in enumerate(ring_calls(cp, r)):
+            fq, fk = frac[qp], frac[kp]
+            if kp != "both":
+                fwd += 2 * e * kv_elems
+                bwd += 2 * e * kv_elems
+            if qp != "both" and qp not in q_parts:
+                q_parts.add(qp)
+                fwd += e * q_elems  # the query chunk, read and written once
+                bwd += 3 * e * q_elems  # the queries, their gradient and the output, once each
+            fwd += (e + a) * q_elems if step == 0 else (4 * a + e) * q_elems * fq
+            bwd += (2 * a + e) * (q_elems * fq + 2 * kv_elems * fk)
+        if fwd + bwd > sum(best):
+            best = (fwd, bwd)
+    return best
+
+
 def work(cp: int, rank: int) -> float:
     """Attention work of a rank in units of one full chunk-by-chunk block (a causal one is half)."""
     return sum(1.0 if kind == "full" else 0.5 for step in block_plan(cp, rank) for _, _, kind in step)
@@ -135,14 +168,31 @@ def _exchange(comm, dim, tensors, nxt, prv, async_op):
     return incoming, pending
 
 
+class _Parts:
+    """A tensor's early / late / both chunks along `dim` as contiguous tensors, each copied once
+    however many ring steps ask for it (the kernels take contiguous inputs)."""
+
+    def __init__(self, x: torch.Tensor | None, dim: int = 2):
+        self.x, self.dim, self.made = x, dim, {}
+
+    def __getitem__(self, part: str) -> torch.Tensor | None:
+        if self.x is None or part == "both":
+            return self.x
+        if part not in self.made:
+            self.made[part] = _part(self.x, part, self.dim).contiguous()
+        return self.made[part]
+
+
 def _ring_forward(q, k, v, docs, comm, dim) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of this rank's queries over every rank's keys, in the accumulation dtype."""
+    """(out, lse) of this rank's queries over every rank's keys, in the accumulation dtype. Each
+    block's output is merged into the fp32 running output in place, in the kernel's own dtype."""
     C, r = comm.size(dim), comm.rank(dim)
     scale = q.shape[-1] ** -0.5
     how = blk.kernel(q, docs, k)
     groups = 1 if how in blk.NATIVE_GQA else q.shape[1] // k.shape[1]
     acc = torch.promote_types(q.dtype, torch.float32)  # 16-bit inputs merge in fp32
     q = q.contiguous()
+    qs, qdocs = _Parts(q), _Parts(docs, 1)
     out = lse = None
     block = [torch.stack([k, v]).contiguous()] + ([docs.contiguous()] if docs is not None else [])  # what travels
     nxt, prv = (r + 1) % C, (r - 1) % C
@@ -153,15 +203,15 @@ def _ring_forward(q, k, v, docs, comm, dim) -> tuple[torch.Tensor, torch.Tensor]
         kk, vv = _expand(block[0][0], groups), _expand(block[0][1], groups)
         kdocs = block[1] if docs is not None else None
         for qp, kp, kind in calls:
-            b_out, b_lse = blk.forward(_part(q, qp).contiguous(), _part(kk, kp).contiguous(), _part(vv, kp).contiguous(),
-                                       kind == "causal", scale, how, _part(docs, qp, 1), _part(kdocs, kp, 1))
+            b_out, b_lse = blk.forward(qs[qp], _part(kk, kp).contiguous(), _part(vv, kp).contiguous(),
+                                       kind == "causal", scale, how, qdocs[qp], _part(kdocs, kp, 1), cast=False)
             if out is None:  # the first call covers every query (batched or not, the own block's causal one)
                 out, lse = _first(q, b_out, b_lse, qp, acc)
                 continue
             o, l_ = _part(out, qp), _part(lse, qp)
             new = torch.logaddexp(l_, b_lse)
             safe = blk._no_inf(new)
-            o.mul_(torch.exp(l_ - safe)[..., None]).add_(b_out * torch.exp(b_lse - safe)[..., None])
+            o.mul_(torch.exp(l_ - safe).unsqueeze(-1)).addcmul_(b_out, torch.exp(b_lse - safe).unsqueeze(-1))
             l_.copy_(new)
         if pending is not None:
             pending.wait()
@@ -182,40 +232,42 @@ def _first(q, b_out, b_lse, part, acc):
 
 
 def _ring_backward(dout, q, k, v, out, lse, docs, comm, dim):
-    """(dq, dk, dv): the ring again, each block's dK/dV accumulated in a buffer that travels with it
-    (sent on while the next block is attended) and reaches the block's owner after the last hop."""
+    """(dq, dk, dv): the ring again. Each block's dK/dV accumulates in an fp32 buffer that travels
+    with it: a rank adds its share into the buffer it received, in place, and sends it on while it
+    attends the next block; the last hop brings each block's buffer home to its owner."""
     C, r = comm.size(dim), comm.rank(dim)
     scale = q.shape[-1] ** -0.5
     how = blk.kernel(q, docs, k)
     groups = 1 if how in blk.NATIVE_GQA else q.shape[1] // k.shape[1]
     acc = torch.promote_types(q.dtype, torch.float32)
     q, dout, out, lse = q.contiguous(), dout.contiguous(), out.contiguous(), lse.contiguous()
+    qs, douts, outs, lses, qdocs = _Parts(q), _Parts(dout), _Parts(out), _Parts(lse), _Parts(docs, 1)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     block = [torch.stack([k, v]).contiguous()] + ([docs.contiguous()] if docs is not None else [])
     nxt, prv = (r + 1) % C, (r - 1) % C
-    B, Hkv, T, d = k.shape
-    arrived, moving = torch.zeros(block[0].shape, dtype=acc, device=k.device), None  # this block's dK/dV so far
+    moving = None  # (received buffers, pending exchange) of the accumulator on its way
     for step, calls in enumerate(ring_calls(C, r, batched=how in blk.NATIVE_GQA)):
         pending = None
         if step < C - 1:
             incoming, pending = _exchange(comm, dim, block, nxt, prv, async_op=True)
         kk, vv = _expand(block[0][0], groups), _expand(block[0][1], groups)
         kdocs = block[1] if docs is not None else None
-        dk = torch.zeros(kk.shape, dtype=acc, device=k.device)
-        dv = torch.zeros(vv.shape, dtype=acc, device=k.device)
+        shares = []
         for qp, kp, kind in calls:
-            g = blk.backward(_part(dout, qp).contiguous(), _part(q, qp).contiguous(), _part(kk, kp).contiguous(),
-                             _part(vv, kp).contiguous(), _part(out, qp).contiguous(), _part(lse, qp).contiguous(),
-                             kind == "causal", scale, how, _part(docs, qp, 1), _part(kdocs, kp, 1))
+            g = blk.backward(douts[qp], qs[qp], _part(kk, kp).contiguous(), _part(vv, kp).contiguous(), outs[qp],
+                             lses[qp], kind == "causal", scale, how, qdocs[qp], _part(kdocs, kp, 1), cast=False)
             _part(dq, qp).add_(g[0])
-            _part(dk, kp).add_(g[1])
-            _part(dv, kp).add_(g[2])
-        # fold expanded query-head groups back onto the key/value heads they share
-        mine = torch.stack([x.view(B, Hkv, groups, T, d).sum(2) for x in (dk, dv)])
-        if moving is not None:  # the accumulator of the block now held, sent on by the previous rank
+            # fold expanded query-head groups back onto the key/value heads they share
+            shares.append((kp, *(x if groups == 1 else x.unflatten(1, (-1, groups)).sum(2) for x in g[1:])))
+        if moving is None:  # the own block: nothing has arrived for it
+            held = torch.zeros(block[0].shape, dtype=acc, device=k.device)
+        else:  # the accumulator of the block now held, sent on by the previous rank
             moving[1].wait()
-            arrived = moving[0][0]
-        moving = _exchange(comm, dim, [arrived + mine], nxt, prv, async_op=True)  # on with the block
+            held = moving[0][0]
+        for kp, dk, dv in shares:
+            _part(held[0], kp).add_(dk)
+            _part(held[1], kp).add_(dv)
+        moving = _exchange(comm, dim, [held], nxt, prv, async_op=True)  # on with the block
         if pending is not None:
             pending.wait()
             block = incoming

@@ -158,6 +158,13 @@ def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision) -> Stage
         cp_s = Collective("send_recv", kv_chunk, cp, cp - 1, "").time_s(links["cp"][0]) if cp > 1 else 0.0
         cp_f = sum(hide((("send_recv", cp_s),), lt.attention_forward_s, c))
         cp_b = sum(hide((("send_recv", 2 * cp_s),), 2.5 * lt.attention_forward_s, c))  # K/V again plus dK/dV
+        if cp > 1:  # the ring's own element-wise work: merges, accumulators, copies (plait/parallel/context.py)
+            from plait.parallel.context import bookkeeping_bytes
+
+            per_q = tokens * d.heads / tp * d.head_dim
+            bk_f, bk_b = bookkeeping_bytes(per_q, per_q * max(1, d.kv_heads // tp) / (d.heads / tp), cp, e)
+            cp_f += roofline.kernel_time_s(0.0, bk_f, c)
+            cp_b += roofline.kernel_time_s(0.0, bk_b, c)
 
     shard = lay.shard_group
     z3_f = z3_b = 0.0
