@@ -51,6 +51,19 @@ def test_pins_are_respected():
     assert res.ranked and all(p.layout.tp == 4 and p.layout.pp == 2 for p in res.ranked)
 
 
+def test_context_parallel_layouts_are_tried_both_ways():
+    """Where cp > 1 the search prices the ring and Ulysses (the planner prices both within a few
+    percent of measured runs, bench/README.md); a pinned implementation is the only one tried."""
+    long = ModelDims.from_config(ModelConfig(**PRESETS["8b"]), seq=32768)
+    c = cluster("h200", 1, 4)
+    space = Space(micro_batch=(1,), recompute=("selective",), zero=(2,), pp=(1,))
+    impls = {(lay.cp, lay.cp_impl) for lay in candidates(long, c, 4, space)}
+    assert {(2, "ring"), (2, "ulysses"), (4, "ring"), (4, "ulysses")} <= impls
+    assert all(impl == "ring" for cp, impl in impls if cp == 1)
+    pinned = {(lay.cp, lay.cp_impl) for lay in candidates(long, c, 4, pin(space, cp_impl="ring"))}
+    assert {impl for cp, impl in pinned if cp > 1} == {"ring"}
+
+
 def test_candidates_are_valid_layouts():
     c = cluster("h100", 2, 8)
     for lay in candidates(L8B, c, 64, SMALL):

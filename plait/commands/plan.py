@@ -40,8 +40,9 @@ def add_arguments(p) -> None:
     lay.add_argument("--stage-layers", default="", metavar="SPLIT",
                      help="layers per pipeline stage: balance (the last stage lighter by its output head) or "
                           "counts like 9,7 (default: as even as possible)")
-    lay.add_argument("--cp-impl", choices=("ring", "ulysses"), default="ring",
-                     help="context parallelism by ring (K/V around the ranks) or ulysses (all-to-all of heads)")
+    lay.add_argument("--cp-impl", choices=("ring", "ulysses"), default=None,
+                     help="context parallelism by ring (K/V around the ranks) or ulysses (all-to-all of heads); "
+                          "a layout given without it is priced with the ring, a search tries both")
     lay.add_argument("--no-compile", action="store_true",
                      help="price eager blocks (train.compile off): they keep more activations than compiled ones")
     o = p.add_argument_group("output")

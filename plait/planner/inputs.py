@@ -59,7 +59,7 @@ def make_cluster(gpu: str, nodes: int, gpus_per_node: int, overrides: dict[str, 
 
 
 def make_layout(c: Cluster, tp=None, pp=None, dp=None, cp=None, dp_replicate=None, zero=None, v=None,
-                schedule=None, micro_batch=None, recompute=None, sp=True, compile=True, cp_impl="ring",
+                schedule=None, micro_batch=None, recompute=None, sp=True, compile=True, cp_impl=None,
                 stage_split="", head_in_forward=False) -> Layout:
     """A full layout from the degrees given; dp defaults to what the others leave."""
     tp, pp, cp = tp or 1, pp or 1, cp or 1
@@ -76,15 +76,16 @@ def make_layout(c: Cluster, tp=None, pp=None, dp=None, cp=None, dp_replicate=Non
         raise bad_value("--dp-replicate", rep, f"must divide --dp = {dp}")
     return Layout(tp=tp, pp=pp, dp_replicate=rep, dp_shard=dp // rep, cp=cp, zero=0 if zero is None else zero,
                   v=v or 1, schedule=schedule or "1f1b", micro_batch=micro_batch or 1,
-                  recompute=recompute or "none", sp=sp, compile=compile, cp_impl=cp_impl,
+                  recompute=recompute or "none", sp=sp, compile=compile, cp_impl=cp_impl or "ring",
                   stage_split=stage_split or "", head_in_forward=head_in_forward)
 
 
 def make_space(tp=None, pp=None, cp=None, dp_replicate=None, zero=None, v=None, schedule=None,
-               micro_batch=None, recompute=None, sp=True, compile=True, cp_impl="ring", stage_split=None) -> Space:
+               micro_batch=None, recompute=None, sp=True, compile=True, cp_impl=None, stage_split=None) -> Space:
     """The search space with every flag the user gave pinned."""
-    s = Space(sp=sp, compile=compile, cp_impl=cp_impl)
+    s = Space(sp=sp, compile=compile)
     pins = {"tp": tp, "pp": pp, "cp": cp, "dp_replicate": dp_replicate, "zero": zero, "v": v,
-            "schedule": schedule, "micro_batch": micro_batch, "recompute": recompute, "stage_split": stage_split}
+            "schedule": schedule, "micro_batch": micro_batch, "recompute": recompute, "stage_split": stage_split,
+            "cp_impl": cp_impl}
     from dataclasses import replace
     return replace(s, **{k: (val,) for k, val in pins.items() if val is not None})

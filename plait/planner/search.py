@@ -39,7 +39,8 @@ class Space:
     schedule: tuple[str, ...] = ("1f1b", "interleaved", "zb")
     sp: bool = True
     compile: bool = True
-    cp_impl: str = "ring"
+    cp_impl: tuple[str, ...] = ("ring", "ulysses")
+    """Context parallelism's two ways, tried where cp > 1 (Ulysses only where the heads split)."""
     stage_split: tuple[str, ...] = ("", "balance")
     """Pipeline splits to try (pp > 1): as even as possible, and lighter last stage."""
     max_cp: int = 8
@@ -91,10 +92,11 @@ def candidates(d: ModelDims, c: Cluster, global_batch: int, space: Space = Space
                                         if sched == "interleaved" and (m % pp or pp * v > d.layers):
                                             continue
                                         for split in space.stage_split if pp > 1 else ("",):
-                                            yield Layout(tp=tp, pp=pp, dp_replicate=rep, dp_shard=dp // rep, cp=cp,
-                                                         zero=zero, v=v, schedule=sched, micro_batch=mb,
-                                                         recompute=rc, sp=space.sp, compile=space.compile,
-                                                         cp_impl=space.cp_impl, stage_split=split)
+                                            for impl in space.cp_impl if cp > 1 else space.cp_impl[:1]:
+                                                yield Layout(tp=tp, pp=pp, dp_replicate=rep, dp_shard=dp // rep,
+                                                             cp=cp, zero=zero, v=v, schedule=sched, micro_batch=mb,
+                                                             recompute=rc, sp=space.sp, compile=space.compile,
+                                                             cp_impl=impl, stage_split=split)
 
 
 def search(d: ModelDims, c: Cluster, global_batch: int, prec: Precision | str = "mixed",
