@@ -217,7 +217,8 @@ def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision) -> Stage
 
     pp_link = links["pp"][0]
     msg = act / (tp if sp else 1)  # SP keeps the hidden states sequence-split between stages
-    p2p_s = (pp_link.latency_s + msg / pp_link.bytes_per_s) if pp > 1 else 0.0
+    # a stage boundary's message: the measured exchange between two GPUs where calibrated
+    p2p_s = Collective("send_recv", msg, 2, 1, "").time_s(pp_link) if pp > 1 else 0.0
     parts = {"compute": lt.forward_s + lt.backward_s + rc - replay_s,
              "tp": 2 * tp_s + replay_s, "cp": cp_f + cp_b, "zero3": z3_f + z3_b}
     return StageCosts(tuple(layers), tuple(durs), parts, tuple(rank_params), tuple(root_params), tp_fwd, tp_replay, kv_chunk, msg,
