@@ -8,6 +8,8 @@ global names (`layers.17` on whichever rank holds it), so checkpoints do not dep
 
 from __future__ import annotations
 
+import functools
+
 from plait.errors import bad_value
 
 
@@ -29,7 +31,11 @@ def balanced_counts(layers: int, stages: int, layer_cost: float, head_cost: floa
     of squares), every stage at least one layer."""
     if stages == 1:
         return [layers]
-    ratio, first = head_cost / layer_cost, first_cost / layer_cost
+    return list(_balanced(layers, stages, head_cost / layer_cost, first_cost / layer_cost))
+
+
+@functools.lru_cache(maxsize=4096)  # the planner's search asks for the same split thousands of times
+def _balanced(layers: int, stages: int, ratio: float, first: float) -> tuple[int, ...]:
     best = {0: (0.0, 0.0, [])}  # layers placed -> (max cost, sum of squares, counts)
     for s in range(stages):
         last = s == stages - 1
@@ -45,7 +51,7 @@ def balanced_counts(layers: int, stages: int, layer_cost: float, head_cost: floa
                 if key not in nxt or cand[:2] < nxt[key][:2]:
                     nxt[key] = cand
         best = nxt
-    return best[layers][2]
+    return tuple(best[layers][2])
 
 
 def flops_balanced(d, stages: int) -> list[int]:
