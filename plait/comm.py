@@ -311,13 +311,6 @@ class Comm:
             return x
         return x.chunk(n, axis)[self.rank(dim)].contiguous()
 
-    def _all_to_all(self, x, dim, s_axis, g_axis):
-        n = self.size(dim)
-        if n == 1:
-            return x
-        s_axis, g_axis = s_axis % x.dim(), g_axis % x.dim()
-        return _from_chunks(self.all_to_all(_to_chunks(x, n, s_axis), dim), g_axis)
-
 
 def _to_chunks(x, n: int, s_axis: int):
     """(n, *chunk), contiguous: chunk j of `x` along `s_axis` (the one rank j gets) in slot j."""

@@ -24,3 +24,11 @@ def test_bench_comm_writes_nccl_tests_style_results(tmp_path):
         share = {"all_reduce": 1.0, "send_recv": 1.0}.get(r["op"], 0.5)
         assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * share)
         assert r["algbw_GBps"] == pytest.approx(r["bytes"] / (r["time_us"] * 1e-6) / 1e9)
+
+
+@pytest.mark.parametrize("argv, field", [(["--ops", "send_recv", "--impl", "ring"], "--impl"),
+                                         (["--ops", "all_to_all"], "--ops")])
+def test_bench_comm_refuses_what_it_cannot_measure_in_one_line(argv, field, capsys):
+    assert main(["bench", "comm", "--nproc", "2", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and field in err[0]

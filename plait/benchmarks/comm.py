@@ -77,6 +77,8 @@ def run(args) -> int:
     for i in impls:
         if not re.fullmatch(r"torch|ring|ring-auto|ring-\d+", i):
             raise bad_value("--impl", i, "choose torch, ring, ring-auto or ring-K (K pieces per chunk)")
+    if "send_recv" in ops and "torch" not in impls:
+        raise bad_value("--impl", args.impl, "send_recv is measured with torch's point-to-point only: add torch")
     opts = dict(device=device, ops=ops, impls=impls, min_bytes=parse_bytes(args.min_bytes),
                 max_bytes=parse_bytes(args.max_bytes or ("1G" if device == "cuda" else "16M")),
                 factor=max(2, args.factor), dtype=args.dtype or ("bf16" if device == "cuda" else "fp32"),
@@ -157,7 +159,7 @@ def _make(op, impl, numel, n, rank, dtype, dev, piece_bytes):
     total = base * n + n * (n - 1) // 2
     if op == "send_recv":
         got = torch.empty_like(x)
-        fn = ring_exchange(x, got, rank, n)
+        fn = ring_exchange(x, got)
 
         def check():
             fn()
@@ -191,21 +193,30 @@ def _make(op, impl, numel, n, rank, dtype, dev, piece_bytes):
     return fn, lambda: _all_agree(check(), dev)
 
 
-def ring_exchange(send, recv, rank: int, n: int, async_op: bool = False):
-    """A callable that sends `send` to the next rank and receives the previous rank's into `recv`, in
-    one batched call; with `async_op` it returns the call's works (wait on each) instead of waiting."""
-    import torch.distributed as dist
+def ring_exchange(send, recv, async_op: bool = False):
+    """A callable that sends `send` to the next rank and receives the previous rank's into `recv` in
+    one batched call (plait.collectives' ring step); with `async_op` it returns a handle to wait on."""
+    from plait import collectives as C
 
-    nxt, prv = (rank + 1) % n, (rank - 1) % n
+    ring = C._Ring(None)
 
     def call():
-        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, nxt), dist.P2POp(dist.irecv, recv, prv)])
-        if async_op:
-            return works
-        for w in works:
-            w.wait()
+        works = C._exchange(ring, send, recv)
+        return _Pending(works) if async_op else C._wait(works)
 
     return call
+
+
+class _Pending:
+    """A batched exchange's works, waited on as one."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self):
+        from plait import collectives as C
+
+        C._wait(self.works)
 
 
 def _all_agree(flag: bool, dev) -> bool:

@@ -69,12 +69,12 @@ def _rank(opts: dict) -> dict[str, float]:
     full = torch.empty(numel, device=dev, dtype=dtype)
     part = torch.empty(numel // n, device=dev, dtype=dtype)
     got = torch.empty_like(part)
-    sync_x, async_x = (ring_exchange(part, got, dims.rank, n, a) for a in (False, True))
+    sync_x, async_x = ring_exchange(part, got), ring_exchange(part, got, async_op=True)
     ops = {"all_gather": lambda a: dist.all_gather_into_tensor(full, part, async_op=a),
            "reduce_scatter": lambda a: dist.reduce_scatter_tensor(part, full, async_op=a),
            "all_reduce": lambda a: dist.all_reduce(full, async_op=a),
            # ring attention's step: a chunk to the next rank while the previous rank's arrives
-           "send_recv": lambda a: _Works(async_x()) if a else sync_x()}
+           "send_recv": lambda a: async_x() if a else sync_x()}
     ops = {k: f for k, f in ops.items() if cuda or k != "reduce_scatter"}  # gloo has no reduce-scatter
 
     def compute(reps):
@@ -122,17 +122,6 @@ def _rank(opts: dict) -> dict[str, float]:
         torch.cuda.synchronize(dev)
     dist.barrier()
     return out
-
-
-class _Works:
-    """A batched point-to-point call's works, waited on as one."""
-
-    def __init__(self, works):
-        self.works = works
-
-    def wait(self):
-        for w in self.works:
-            w.wait()
 
 
 def _clock(cuda: bool, dev):

@@ -161,8 +161,8 @@ def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision) -> Stage
         if cp > 1:  # the ring's own element-wise work: merges, accumulators, copies (plait/parallel/context.py)
             from plait.parallel.context import bookkeeping_bytes
 
-            per_q = tokens * d.heads / tp * d.head_dim
-            bk_f, bk_b = bookkeeping_bytes(per_q, per_q * max(1, d.kv_heads // tp) / (d.heads / tp), cp, e)
+            q_elems, kv_elems = (tokens * heads * d.head_dim for heads in (d.heads / tp, max(1, d.kv_heads // tp)))
+            bk_f, bk_b = bookkeeping_bytes(q_elems, kv_elems, cp, e)
             cp_f += roofline.kernel_time_s(0.0, bk_f, c)
             cp_b += roofline.kernel_time_s(0.0, bk_b, c)
 
