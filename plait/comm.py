@@ -283,6 +283,12 @@ class Comm:
         (Ulysses-style context parallel: sequence-sharded <-> head-sharded)."""
         return _AllToAllAlong.apply(x, self.key(dim), self.size(dim), scatter_axis, gather_axis)
 
+    def all_to_all_chunks(self, x, dim: str):
+        """x (n, *chunk): slot j goes to rank j, slot i of the result came from rank i; backward
+        sends the gradient's slots home the same way. For callers that build the send layout
+        themselves (several tensors in one buffer)."""
+        return _AllToAllChunks.apply(x, self.key(dim))
+
     def _gather(self, x, dim, axis):
         n = self.size(dim)
         if n == 1:
@@ -451,6 +457,17 @@ class _SplitAlong(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return torch.ops.plait.all_gather(g, ctx.key, ctx.axis), None, None
+
+
+class _AllToAllChunks(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, key):
+        ctx.key = key
+        return torch.ops.plait.all_to_all(x, key)
+
+    @staticmethod
+    def backward(ctx, g):
+        return torch.ops.plait.all_to_all(g, ctx.key), None
 
 
 class _AllToAllAlong(torch.autograd.Function):

@@ -54,6 +54,9 @@ class StageCosts:
     root_zero3_s: float = 0.0
     """ZeRO-3's transfers exposed at a micro-batch's ends (the root unit's and the first and last
     blocks' gathers and reduce-scatters), on rank 0, without a pipeline."""
+    lockstep: float = 1.0
+    """How much longer the job's GPUs take for their work than one alone, each waiting for the
+    slowest at every collective (measured: `HardwareProfile.lockstep_slowdown`); in the durations."""
 
     def rank_busy_s(self, rank: int, v: int) -> float:
         return sum(sum(self.durations[rank * v + c]) for c in range(v))
@@ -90,8 +93,8 @@ def split_layers(d: ModelDims, stages: int, split: str) -> list[int]:
 
 def ulysses_all_to_alls(d: ModelDims, lay: Layout, e: float) -> tuple[Collective, ...]:
     """One layer's forward all-to-alls under Ulysses (plait/parallel/ulysses.py), per micro-batch on
-    one rank: q, k, v out (key/value heads repeated up to cp when fewer) and the output back; the
-    backward runs the same four on the gradients."""
+    one rank: q, k and v out in one call (key/value heads repeated up to cp when fewer) and the
+    output back; the backward runs the same two on the gradients."""
     from plait.parallel.ulysses import kv_repeats
 
     tokens = lay.micro_batch * d.seq // lay.cp
@@ -99,8 +102,8 @@ def ulysses_all_to_alls(d: ModelDims, lay: Layout, e: float) -> tuple[Collective
     kv_sent = kv_heads * kv_repeats(kv_heads, lay.cp)
     q = tokens * q_heads * d.head_dim * e
     kv = tokens * kv_sent * d.head_dim * e
-    return (Collective("all_to_all", q, lay.cp, 2, "Ulysses: queries out, output back"),
-            Collective("all_to_all", kv, lay.cp, 2, "Ulysses: keys and values out"))
+    return (Collective("all_to_all", q + 2 * kv, lay.cp, 1, "Ulysses: queries, keys and values out"),
+            Collective("all_to_all", q, lay.cp, 1, "Ulysses: output back"))
 
 
 GROUPS = {"tp": ("tp",), "cp": ("cp",), "pp": ("pp",), "shard": ("dp_shard", "cp"),
@@ -214,6 +217,10 @@ def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision) -> Stage
             bi = n * bi1 + (0.0 if lay.head_in_forward else head) + (root_b if st == 0 else 0.0)
             bw = n * bw1
             durs.append((f, bi, bw) if split else (f, bi + bw, 0.0))
+    # GPUs that meet at every collective each wait for the slowest (plait/benchmarks/lockstep.py):
+    # everything a rank runs between two meetings takes the expected maximum of the job's GPUs
+    slow = 1.0 + (c.profile.lockstep_slowdown(c.n_gpus) if c.profile is not None else 0.0)
+    durs = [tuple(x * slow for x in t) for t in durs]
 
     pp_link = links["pp"][0]
     msg = act / (tp if sp else 1)  # SP keeps the hidden states sequence-split between stages
@@ -221,5 +228,6 @@ def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision) -> Stage
     p2p_s = Collective("send_recv", msg, 2, 1, "").time_s(pp_link) if pp > 1 else 0.0
     parts = {"compute": lt.forward_s + lt.backward_s + rc - replay_s,
              "tp": 2 * tp_s + replay_s, "cp": cp_f + cp_b, "zero3": z3_f + z3_b}
+    parts = {k: x * slow for k, x in parts.items()}
     return StageCosts(tuple(layers), tuple(durs), parts, tuple(rank_params), tuple(root_params), tp_fwd, tp_replay, kv_chunk, msg,
-                      p2p_s, links, tuple(last_params), root_f + root_b)
+                      p2p_s, links, tuple(last_params), (root_f + root_b) * slow, slow)
