@@ -120,11 +120,59 @@ def test_calibrate_writes_a_profile_that_plan_reads(tmp_path, capsys):
     assert p.pointwise_gbps > 0 and p.optimizer_gbps > 0
     assert set(p.overlap) == {"all_gather", "all_reduce", "send_recv"} and all(x >= 0 for x in p.overlap.values())
     assert set(p.stretch) == {"all_gather", "all_reduce", "send_recv"} and all(x >= 1 for x in p.stretch.values())
+    assert set(p.lockstep["groups"]) == {"2"} and p.lockstep["groups"]["2"] >= 0 and p.lockstep["sigma"] >= 0
     capsys.readouterr()
     assert main(["plan", "--hardware", str(out), "--model", "tiny", "--seq", "64", "--gpus-per-node", "2",
                  "--dp", "2", "--micro-batch", "1", "--global-batch", "2", "--explain"]) == 0
     text = capsys.readouterr().out
     assert "as measured on cpu" in text and "measured (" in text
+
+
+def test_lockstep_is_the_expected_maximum_of_the_jobs_gpus():
+    """A measured group size costs what it measured; a larger job its spread times the expected
+    maximum of that many normal draws; one GPU, or a profile without it, nothing."""
+    from plait.planner.profile import expected_max_normal
+
+    assert expected_max_normal(1) == 0.0
+    assert expected_max_normal(2) == pytest.approx(1 / math.sqrt(math.pi), rel=1e-6)  # the textbook value
+    assert expected_max_normal(4) == pytest.approx(1.02938, rel=1e-4)
+    assert expected_max_normal(64) == pytest.approx(2.3464, rel=2e-3)
+    p = _profile(lockstep={"groups": {"2": 0.02, "4": 0.035}, "sigma": 0.034})
+    assert p.lockstep_slowdown(1) == 0.0 and p.lockstep_slowdown(4) == 0.035
+    assert p.lockstep_slowdown(64) == pytest.approx(0.034 * expected_max_normal(64))
+    assert _profile().lockstep_slowdown(4) == 0.0
+
+
+def test_lockstep_slows_the_work_of_a_job_on_several_gpus():
+    """The stage durations (hence a compute-bound step) of a multi-GPU layout grow by the measured
+    slowdown; one GPU's do not."""
+    d = _dims()
+    base, locked = _profile(), _profile(lockstep={"groups": {"4": 0.04}, "sigma": 0.039})
+    four = [predict(d, Layout(dp_shard=4, zero=1), apply_profile(cluster("h100", 1, 4), p), 4) for p in (base, locked)]
+    assert four[1].time_s["compute"] == pytest.approx(1.04 * four[0].time_s["compute"], rel=1e-9)
+    assert four[1].step_time_s > four[0].step_time_s + 0.03 * four[0].time_s["compute"]
+    one = [predict(d, Layout(), apply_profile(cluster("h100", 1, 1), p), 1) for p in (base, locked)]
+    assert one[0].step_time_s == one[1].step_time_s
+
+
+def test_calibrate_only_lockstep_updates_a_profile(tmp_path, capsys):
+    """--only lockstep rewrites that part of an existing profile and keeps the rest; without an
+    existing --out it is one line naming the flag; a malformed lockstep field is one line."""
+    out = tmp_path / "cpu.json"
+    save(_profile(card="cpu", gpu=None, peak_tflops=0.2), out)
+    assert main(["bench", "calibrate", "--only", "lockstep", "--device", "cpu", "--nproc", "2", "--out", str(out)]) == 0
+    p = load(out)
+    assert p == _profile(card="cpu", gpu=None, peak_tflops=0.2) and set(p.lockstep["groups"]) == {"2"}
+    assert "lockstep" in p.source
+    capsys.readouterr()
+    assert main(["bench", "calibrate", "--only", "lockstep", "--device", "cpu", "--out", str(tmp_path / "no.json")]) == 2
+    assert re.fullmatch(r"plait bench: error: --out = '.*no.json': --only updates an existing profile.*",
+                        capsys.readouterr().err.strip())
+    raw = json.loads(out.read_text())
+    (tmp_path / "bad.json").write_text(json.dumps(dict(raw, lockstep={"groups": {"2": -1}})))
+    with pytest.raises(UserError, match="lockstep = .*re-run `plait bench calibrate`") as e:
+        load(tmp_path / "bad.json")
+    assert "\n" not in str(e.value)
 
 
 def test_calibrate_takes_collectives_from_a_comm_result(tmp_path, capsys):

@@ -13,7 +13,10 @@ Measured, each the median of timed repetitions after a warm-up (CUDA events on a
               `--nproc` GPUs of this machine, 1 KiB to 1 GiB
   overlap     how much slower matmuls run while each collective runs beside them, over 2 GPUs
               (plait/benchmarks/overlap.py)
+  lockstep    how much longer groups of 2, 4, ... GPUs that meet at every collective take for the
+              same work than one GPU alone (plait/benchmarks/lockstep.py)
 
+`--only lockstep --out FILE` measures that part alone and writes it into an existing profile.
 A few minutes on one GPU node; `--quick` measures a tiny model's shapes (what the tests run on CPU).
 """
 
@@ -25,6 +28,7 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 HELP = "measure matmuls, attention, memory-bound kernels, the optimizer and collectives -> a hardware profile"
 
@@ -42,6 +46,8 @@ def add_arguments(p) -> None:
     p.add_argument("--collectives", default="",
                    help="add collectives from `plait bench comm --json` files (comma-separated) for group sizes "
                         "not measured here, e.g. a run over more GPUs than this machine has")
+    p.add_argument("--only", choices=("lockstep",), default=None,
+                   help="measure only this part and write it into the existing profile at --out (the rest kept)")
     p.add_argument("--quick", action="store_true", help="a tiny model's shapes only (for a CPU check of the tool)")
     p.add_argument("--out", default=None, help="profile path (default bench/results/hardware-<card>.json)")
 
@@ -81,6 +87,8 @@ def run(args) -> int:
     nproc = args.nproc or (torch.cuda.device_count() if cuda else 2)
 
     t0 = time.time()
+    if args.only:
+        return _only(args, device, nproc, t0)
     if cuda:
         warm_up(dev)
     shapes = _linear_shapes(models, tps, tokens)
@@ -105,6 +113,8 @@ def run(args) -> int:
     print("# overlap: " + (", ".join(f"{k} +{100 * v:.1f}% (itself x{stretch[k]:.2f})" for k, v in overlap.items())
                            or "not measured (one GPU)"), flush=True)
 
+    lockstep = _lockstep(device, nproc)
+
     card = torch.cuda.get_device_name(dev) if cuda else "cpu"
     gpu = _catalog_key(card) if cuda else None
     best = max(2.0 * m * k * n / t for _, m, k, n, t in linear) / 1e12
@@ -114,7 +124,7 @@ def run(args) -> int:
         peak_tflops=None if gpu else best,
         hbm_gib=torch.cuda.get_device_properties(dev).total_memory / 2**30 if cuda else None,
         linear=tuple(linear), attention=tuple(attention), pointwise_gbps=pointwise, optimizer_gbps=optimizer,
-        collectives=tuple(collectives), overlap=overlap, stretch=stretch,
+        collectives=tuple(collectives), overlap=overlap, stretch=stretch, lockstep=lockstep,
         source={"torch": torch.__version__, "nccl": _nccl(), "date": time.strftime("%Y-%m-%d"),
                 "command": "plait " + " ".join(sys.argv[1:]),
                 "seconds": round(time.time() - t0, 1),
@@ -122,6 +132,41 @@ def run(args) -> int:
     out = args.out or f"bench/results/hardware-{_slug(card)}.json"
     prof.save(p, out)
     print(f"# wrote {out} in {time.time() - t0:.0f} s (best matmul {best:.1f} TFLOP/s)")
+    return 0
+
+
+def _lockstep(device: str, nproc: int) -> dict:
+    from plait.benchmarks import lockstep
+
+    got = lockstep.measure(device, nproc) if nproc > 1 else {}
+    print("# lockstep: " + (", ".join(f"{n} GPUs +{100 * s:.2f}%" for n, s in got["groups"].items())
+                            + f" (spread {100 * got['sigma']:.2f}%)" if got else "not measured (one GPU)"), flush=True)
+    return got
+
+
+def _only(args, device: str, nproc: int, t0: float) -> int:
+    """Measure one part and write it into the profile at --out, keeping everything else there."""
+    import dataclasses
+
+    import torch
+
+    from plait.errors import bad_value
+    from plait.planner import profile as prof
+
+    if not args.out or not Path(args.out).exists():
+        raise bad_value("--out", args.out, "--only updates an existing profile: name it with --out")
+    old = prof.load(args.out)
+    card = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
+    if old.card != card:
+        raise bad_value("--out", args.out, f"it was measured on {old.card}, this machine has {card}")
+    if nproc < 2:
+        raise bad_value("--nproc", nproc, "lockstep needs two or more GPUs")
+    new = dataclasses.replace(old, lockstep=_lockstep(device, nproc),
+                              source={**old.source, "lockstep": {"command": "plait " + " ".join(sys.argv[1:]),
+                                                                 "date": time.strftime("%Y-%m-%d"),
+                                                                 "torch": torch.__version__, "nccl": _nccl()}})
+    prof.save(new, args.out)
+    print(f"# updated {args.out} in {time.time() - t0:.0f} s")
     return 0
 
 

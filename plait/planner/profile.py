@@ -15,6 +15,9 @@ What it holds, each as measured on the machine:
               longer per second of overlapped collective; plait/benchmarks/overlap.py)
   stretch     per collective op, how many times longer it takes beside matmuls than alone (both
               compete for the SMs and memory bandwidth)
+  lockstep    how much slower GPUs that meet at every collective run than one alone (each waits
+              for the slowest), per group size measured, and the spread that extends it to larger
+              jobs (plait/benchmarks/lockstep.py)
 
 How the planner uses it (`plait/planner/roofline.py`, `plait/planner/traffic.py`):
   a measured shape costs what it measured; another shape costs its FLOPs at the efficiency (share
@@ -24,12 +27,14 @@ How the planner uses it (`plait/planner/roofline.py`, `plait/planner/traffic.py`
   a group size or an operation not measured falls back to the alpha-beta model with the link's
   bandwidth and latency fitted to the measurements; a collective hidden behind compute runs
   `stretch` times its time alone and adds its op's overlap slowdown times that duration to the
-  compute (none measured: 0 slowdown, no stretch).
+  compute (none measured: 0 slowdown, no stretch); the work of a job on several GPUs takes
+  1 + `lockstep_slowdown(n)` times as long (none measured: no slowdown).
   Nothing is fitted to training step times.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -63,6 +68,8 @@ class HardwareProfile:
     """{collective op: fractional slowdown of compute beside it}"""
     stretch: dict = field(default_factory=dict, compare=False, hash=False)
     """{collective op: its duration beside compute over its duration alone (>= 1)}"""
+    lockstep: dict = field(default_factory=dict, compare=False, hash=False)
+    """{"groups": {group size: slowdown}, "sigma": relative spread} (plait/benchmarks/lockstep.py)"""
     source: dict = field(default_factory=dict, compare=False, hash=False)
     """How it was measured: torch and NCCL versions, date, command."""
 
@@ -147,6 +154,34 @@ class HardwareProfile:
             return self.stretch[op]
         return sum(self.stretch.values()) / len(self.stretch) if self.stretch else 1.0
 
+    def lockstep_slowdown(self, n: int) -> float:
+        """Fraction by which the work of `n` GPUs that synchronise runs longer than one GPU's alone:
+        as measured for a group of `n`, else the measured spread times the expected maximum of `n`
+        normal draws (a job larger than the machine), else 0 (not measured)."""
+        if n <= 1 or not self.lockstep:
+            return 0.0
+        measured = self.lockstep.get("groups", {})
+        if str(n) in measured:
+            return measured[str(n)]
+        return self.lockstep.get("sigma", 0.0) * expected_max_normal(n)
+
+
+@functools.lru_cache(maxsize=None)
+def expected_max_normal(n: int) -> float:
+    """E[max of n independent standard normals] (0 for n = 1), by integrating x n phi(x) Phi(x)^(n-1)."""
+    if n <= 1:
+        return 0.0
+    lo, hi, steps = -10.0, 10.0, 4000
+    h = (hi - lo) / steps
+    total = 0.0
+    for i in range(steps + 1):
+        x = lo + i * h
+        phi = math.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
+        cdf = 0.5 * (1 + math.erf(x / math.sqrt(2)))
+        w = 0.5 if i in (0, steps) else 1.0
+        total += w * x * n * phi * cdf ** (n - 1)
+    return total * h
+
 
 def _log_distance(a, b) -> float:
     return sum(math.log(x / y) ** 2 for x, y in zip(a, b))
@@ -166,7 +201,7 @@ def to_dict(p: HardwareProfile) -> dict:
             "source": p.source,
             "linear": [list(x) for x in p.linear], "attention": [list(x) for x in p.attention],
             "collectives": [list(x) for x in p.collectives], "overlap": dict(p.overlap),
-            "overlap_stretch": dict(p.stretch)}
+            "overlap_stretch": dict(p.stretch), "lockstep": dict(p.lockstep)}
 
 
 def save(p: HardwareProfile, path: str | Path) -> None:
@@ -218,12 +253,23 @@ def load(path: str | Path) -> HardwareProfile:
             isinstance(v, (int, float)) and not isinstance(v, bool) and 1 <= v < 100 for v in stretch.values()):
         raise UserError(f"{where}: overlap_stretch = {stretch!r}, expected {{op: factor >= 1}}; "
                         f"re-run `plait bench calibrate`")
+    lockstep = raw.get("lockstep") or {}
+    groups = lockstep.get("groups", {}) if isinstance(lockstep, dict) else None
+    if not isinstance(groups, dict) or not all(
+            str(k).isdigit() and isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 10
+            for k, v in groups.items()) or not (
+            isinstance(lockstep.get("sigma", 0.0), (int, float)) and 0 <= lockstep.get("sigma", 0.0) < 10):
+        raise UserError(f"{where}: lockstep = {lockstep!r}, expected {{\"groups\": {{size: slowdown >= 0}}, "
+                        f"\"sigma\": spread >= 0}}; re-run `plait bench calibrate`")
     return HardwareProfile(card=str(raw.get("card", "?")), gpu=raw.get("gpu"), dtype=str(raw.get("dtype", "bf16")),
                            peak_tflops=number("peak_tflops", optional=True), hbm_gib=number("hbm_gib", optional=True),
                            linear=linear, attention=attention, pointwise_gbps=number("pointwise_gbps"),
                            optimizer_gbps=number("optimizer_gbps"), collectives=collectives,
                            overlap={str(k): float(v) for k, v in overlap.items()},
-                           stretch={str(k): float(v) for k, v in stretch.items()}, source=raw.get("source") or {})
+                           stretch={str(k): float(v) for k, v in stretch.items()},
+                           lockstep={"groups": {str(k): float(v) for k, v in groups.items()},
+                                     "sigma": float(lockstep.get("sigma", 0.0))} if lockstep else {},
+                           source=raw.get("source") or {})
 
 
 def apply_profile(c, prof: HardwareProfile, path: str = "the profile"):
