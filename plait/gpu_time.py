@@ -65,7 +65,20 @@ def split(kernels: list[tuple[str, float, float]], steps: int = 1) -> dict:
     return {"window_ms": window * ms, "compute_ms": _length(compute) * ms,
             "exposed_comm_ms": (_length(comm) - both) * ms, "overlapped_ms": both * ms,
             "idle_ms": (window - busy) * ms,
-            "top": [(n[:80], t * ms) for n, t in per.most_common(10)]}
+            "top": [(n[:80], t * ms) for n, t in per.most_common(10)], "gaps": gaps(kernels)}
+
+
+def gaps(kernels: list[tuple[str, float, float]], top: int = 8) -> list[tuple[float, str, str]]:
+    """The `top` longest stretches with no kernel running, longest first: (milliseconds, the kernel
+    that ended before it, the one that started after it) - where the host left the GPU waiting."""
+    by_start = sorted(kernels, key=lambda k: k[1])
+    out, end, last = [], None, None
+    for n, a, b in by_start:
+        if end is not None and a > end:
+            out.append(((a - end) * 1e-3, last[:60], n[:60]))
+        if end is None or b > end:
+            end, last = b, n
+    return sorted(out, reverse=True)[:top]
 
 
 def kernels_of(prof) -> list[tuple[str, float, float]]:

@@ -27,3 +27,12 @@ def test_communication_beside_compute_on_several_windows():
 
 def test_no_kernels_is_all_zero():
     assert split([])["window_ms"] == 0.0
+
+
+def test_gaps_name_the_kernels_around_each_idle_stretch():
+    # idle 80-90 (after the all-reduce, which ends last of the kernels before it) and 100-130
+    kernels = [("gemm", 0, 40), ("ncclDevKernel_AllReduce", 50, 80), ("elementwise", 30, 60), ("gemm", 90, 100),
+               ("optimizer", 130, 140)]
+    g = split(kernels)
+    assert [(round(ms * 1e3), a, b) for ms, a, b in g["gaps"]] == [
+        (30, "gemm", "optimizer"), (10, "ncclDevKernel_AllReduce", "gemm")]
