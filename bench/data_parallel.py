@@ -90,7 +90,8 @@ def _plait_step(a, variant, device, comm):
     zero = {"plait-1gpu": 0, "plait-ddp": 0, "plait-zero1": 1, "plait-zero2": 2, "plait-zero3": 3}[variant]
     cfg = build_config({"model": _model_section(a),
                         "train": {"lr": 1e-4, "warmup_steps": 0, "recompute": a.recompute},
-                        "parallel": {"zero": zero, "bucket_mb": a.bucket_mb}})
+                        "parallel": {"zero": zero, "bucket_mb": a.bucket_mb,
+                                     "overlap_ctas": a.overlap_ctas}})
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     par = parallelize(cfg, comm, device, dtype, compile=a.compile)
     x, y = _batch(a, cfg.model.vocab_size, par.data_rank, device)
@@ -351,6 +352,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10, help="timed steps per variant (median reported)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile happens here)")
     ap.add_argument("--bucket-mb", type=float, default=25.0)
+    ap.add_argument("--overlap-ctas", type=int, default=0,
+                    help="plait DDP: SMs its overlapped gradient all-reduce may take (parallel.overlap_ctas; 0 = NCCL's choice)")
     ap.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
                     help="plait's activation recomputation (train.recompute); the torch peers keep everything")
     ap.add_argument("--profile", type=int, default=0, metavar="K",
@@ -386,7 +389,8 @@ def main(argv=None) -> int:
     out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"dp-{card_slug(card)}-{a.gpus}gpu.json"
     result = {"benchmark": "data_parallel", "card": card, "gpus": a.gpus, "torch": torch.__version__, "nccl": nccl,
               "date": time.strftime("%Y-%m-%d"), "config": {"preset": a.preset, "model": a.model, "seq": a.seq, "micro_batch": a.micro_batch,
-              "steps": a.steps, "warmup": a.warmup, "bucket_mb": a.bucket_mb, "compile": a.compile, "recompute": a.recompute,
+              "steps": a.steps, "warmup": a.warmup, "bucket_mb": a.bucket_mb, "overlap_ctas": a.overlap_ctas,
+              "compile": a.compile, "recompute": a.recompute,
               "nccl_env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}}, "rows": []}
     t0 = time.perf_counter()
     if a.single:  # its own process: nothing of it stays on GPU 0 while the workers run

@@ -93,6 +93,7 @@ class Comm:
         self.ledger = ledger if ledger is not None and ledger.enabled else None
         self._given = dict(groups or {})
         self._groups: dict[str, _Group] = {}
+        self._lean: dict[str, _Group] = {}  # per dim: the same ranks on a communicator of few SMs (`lean`)
         self.timeout_s = timeout_s if timeout_s is not None else getattr(dims, "timeout_s", None)
         _LIVE[id(self)] = self  # the registered ops find this Comm by its id (see `key`)
 
@@ -110,6 +111,19 @@ class Comm:
             g = self._groups[dim] = _Group(pg)
         return g
 
+    def lean(self, dim: str, max_ctas: int) -> None:
+        """Give dim `dim` a second communicator whose collectives take at most `max_ctas` SMs, for
+        those issued with `lean=True` (communication that overlaps compute). Collective: every rank
+        calls it, in the same order. On NCCL it needs `dims` (bare groups carry no partition to copy);
+        other backends have no such budget and use the dim's own group."""
+        g = self.group(dim)
+        if g.n == 1 or not g.native_avg:  # only NCCL takes a thread-block budget: elsewhere the group itself
+            self._lean[dim] = g
+            return
+        if self.dims is None:
+            raise ValueError(f"Comm.lean({dim!r}) needs the mesh: build the Comm from dims")
+        self._lean[dim] = _Group(self.dims.lean_group(dim, max_ctas))
+
     def size(self, dim: str) -> int:
         return self.group(dim).n
 
@@ -118,8 +132,11 @@ class Comm:
 
     # ---- plain collectives ---------------------------------------------------------------------------
 
-    def all_reduce(self, t, dim: str, op: str = "sum", async_op: bool = False):
-        g = self.group(dim)
+    def all_reduce(self, t, dim: str, op: str = "sum", async_op: bool = False, lean: bool = False):
+        """`lean`: on the dim's few-SM communicator where `lean(dim, ...)` made one (same ranks, same
+        result, counted under `dim`)."""
+        g = self._lean.get(dim) if lean else None
+        g = g if g is not None else self.group(dim)
         if self.ledger is not None:
             self.ledger.record("all_reduce", dim, t.numel() * t.element_size(), g.n)
         if g.n == 1:

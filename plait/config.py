@@ -223,6 +223,8 @@ class ParallelConfig:
     """A collective that does not finish within this many seconds ends the run with an error."""
     bucket_mb: float = 25.0
     """Gradient bucket size for data-parallel reduction, in MiB."""
+    overlap_ctas: int = 0
+    """NCCL thread blocks (each an SM) that DDP's gradient all-reduce may take while it runs beside the backward's matmuls, on a second communicator; 0 = NCCL's choice. Fewer leave the matmuls more SMs; the step's last bucket, which nothing overlaps, keeps NCCL's choice. GPUs only."""
     reduce_dtype: str = "auto"
     """dtype in which ZeRO-2/3 reduce gradients: auto (the parameters' dtype), fp32 (bf16 gradients summed without rounding to bf16 at each add, at twice the bytes on the wire and in the gradient shard) or bf16."""
 

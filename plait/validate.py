@@ -158,6 +158,8 @@ def validate_parallel(cfg: Config):
         raise bad_value("parallel.zero", p.zero, "choose 0 (DDP), 1, 2 or 3 (FSDP)")
     _positive("parallel.timeout_s", p.timeout_s)
     _positive("parallel.bucket_mb", p.bucket_mb)
+    if not isinstance(p.overlap_ctas, int) or isinstance(p.overlap_ctas, bool) or not 0 <= p.overlap_ctas <= 64:
+        raise bad_value("parallel.overlap_ctas", p.overlap_ctas, "give 0 (NCCL's choice) or a count of 1-64 thread blocks")
     _positive("parallel.microbatches", p.microbatches, allow_zero=True)
     if p.reduce_dtype not in ("auto", "fp32", "bf16"):
         raise bad_value("parallel.reduce_dtype", p.reduce_dtype, "choose auto, fp32 or bf16")

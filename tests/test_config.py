@@ -52,6 +52,7 @@ def test_toml_then_cli_override(tmp_path):
     ({"train": {"seq_len": 4096}}, "train.seq_len = 4096: exceeds model.max_seq_len"),
     ({"train": {"dtype": "fp8"}}, "train.dtype = 'fp8'"),
     ({"parallel": {"zero": 4}}, "parallel.zero = 4"),
+    ({"parallel": {"overlap_ctas": 100}}, "parallel.overlap_ctas = 100: give 0 (NCCL's choice) or a count of 1-64"),
     ({"train": {"min_lr": 1.0}}, "train.min_lr = 1.0"),
 ])
 def test_bad_input_is_one_line_naming_field_and_fix(raw, needle):

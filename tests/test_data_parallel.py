@@ -51,9 +51,13 @@ def _mechanisms(corpus, comm) -> dict:
 
     out = {}
     for zero in (0, 2):
-        cfg = config(corpus, zero=zero, grad_accum=2)
+        cfg = config(corpus, zero=zero, grad_accum=2, overlap_ctas=8 if zero == 0 else 0)
         par = parallelize(cfg, comm, torch.device("cpu"), torch.float32, compile=False)
         model, engine = par.model, par.engine
+        lean = []  # DDP: which all-reduces asked for the few-SM communicator (parallel.overlap_ctas)
+        if zero == 0:
+            plain = comm.all_reduce
+            comm.all_reduce = lambda *a, **k: (lean.append(k.get("lean", False)), plain(*a, **k))[1]
         data = TokenData(cfg.data.path)
         x, y = data.batch(0, 0, micro_batch=MICRO, grad_accum=2, dp_rank=par.data_rank, dp_size=par.data_size,
                           seq_len=32, seed=0)
@@ -66,7 +70,9 @@ def _mechanisms(corpus, comm) -> dict:
         s = comm.ledger.summary()
         if zero == 0:
             out["ddp"] = {"first_micro_bytes": first, "buckets": len(engine.ranges),
-                          "launched_in_backward": s.get("dp", {}).get("all_reduce", {}).get("calls", 0)}
+                          "launched_in_backward": s.get("dp", {}).get("all_reduce", {}).get("calls", 0),
+                          "lean": list(lean)}
+            comm.all_reduce = plain
         else:
             biggest = max(u.padded for u in engine.layout.units)
             out["zero2"] = {"grads_left": sum(p.grad is not None for p in model.parameters()),
@@ -174,6 +180,9 @@ def test_ddp_buckets_launch_during_backward_and_not_on_early_micro_batches(runs)
     m = runs[0]["mechanisms"]["ddp"]
     assert m["first_micro_bytes"] == 0  # accumulation micro-batch: no communication
     assert m["launched_in_backward"] == m["buckets"] > 3  # every bucket already on its way when backward returns
+    # parallel.overlap_ctas: the buckets the backward overlaps go to the few-SM communicator, the
+    # last one (nothing left to overlap it) does not
+    assert m["lean"] == [True] * (m["buckets"] - 1) + [False]
 
 
 def test_zero2_never_holds_a_full_gradient(runs):

@@ -44,7 +44,7 @@ def apply_data_parallel(model, cfg, comm=None, groups: Groups = Groups(), compil
 
         flat = FlatParams(named)
         cap = bucket_cap(p.bucket_mb, flat.grad.element_size())
-        return DDP(model, FlatAdamW(flat, t, compile=compile), comm, groups, cap, split)
+        return DDP(model, FlatAdamW(flat, t, compile=compile), comm, groups, cap, split, p.overlap_ctas)
     from plait.parallel import zero
 
     if p.zero == 1:

@@ -18,7 +18,8 @@ class DDP(Engine):
     step's last backward reduces: before it, gradients accumulate locally and the hooks do nothing.
     """
 
-    def __init__(self, model, opt: FlatAdamW, comm, groups: Groups, cap: int, split: TensorSplit = TensorSplit()):
+    def __init__(self, model, opt: FlatAdamW, comm, groups: Groups, cap: int, split: TensorSplit = TensorSplit(),
+                 overlap_ctas: int = 0):
         super().__init__(model, opt, comm, groups, split=split)
         flat = opt.flat
         self.flat = flat
@@ -30,6 +31,13 @@ class DDP(Engine):
         self.inflight = InFlight()
         self.sync = True
         self.hooks = [p.register_post_accumulate_grad_hook(self._arrived) for p in flat.params]
+        # Every bucket but the last reduces while the backward's matmuls run beside it: on a
+        # communicator of `overlap_ctas` SMs they keep more of the GPU (4 x H200, 1b: the backward
+        # 8 ms slower beside NCCL's own choice, 2 ms beside 8 SMs). The last bucket (the embedding's)
+        # runs after the backward with nothing beside it: it keeps every SM NCCL wants.
+        self.lean = overlap_ctas > 0
+        if self.lean:
+            comm.lean(groups.grad, overlap_ctas)
 
     def before_backward(self, first, last):
         self.sync = last
@@ -40,7 +48,9 @@ class DDP(Engine):
 
     def _launch(self, b: int) -> None:
         a, e = self.ranges[b]
-        self.inflight.add(self.comm.all_reduce(self.flat.grad[a:e], self.groups.grad, op="avg", async_op=True))
+        lean = self.lean and b < len(self.ranges) - 1
+        self.inflight.add(self.comm.all_reduce(self.flat.grad[a:e], self.groups.grad, op="avg", async_op=True,
+                                               lean=lean))
 
     def step(self, lr, loss_sum):
         self.ready.flush()  # buckets whose parameters got no gradient still take part

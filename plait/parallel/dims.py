@@ -307,6 +307,27 @@ class ParallelDims:
             return self._ends
         return self.submesh(name).get_group()
 
+    def lean_group(self, name: str, max_ctas: int):
+        """This rank's group along dim `name` on a second communicator whose collectives take at
+        most `max_ctas` thread blocks (NCCL runs one per SM): communication that overlaps compute
+        then leaves the compute more of the GPU. The same ranks as `group(name)`; that group itself
+        where the backend is not NCCL or the dim has one rank. Every rank must call it (creating a
+        group is collective), in the same order."""
+        import torch.distributed as dist
+
+        if self.size(name) == 1 or "nccl" not in str(dist.get_backend()).lower():
+            return self.group(name)
+        opts = dist.ProcessGroupNCCL.Options()
+        opts.config.max_ctas = max_ctas
+        opts.config.min_ctas = min(max_ctas, 1)
+        kw = {"timeout": timedelta(seconds=self.timeout_s)} if self.timeout_s is not None else {}
+        mine = None
+        for ranks in self.groups(name):
+            g = dist.new_group(ranks, pg_options=opts, **kw)
+            if self.rank in ranks:
+                mine = g
+        return mine
+
     def all_groups(self) -> list:
         import torch.distributed as dist
 
