@@ -52,16 +52,11 @@ def _rank(opts: dict) -> dict[int, float]:
     import torch
     import torch.distributed as dist
 
-    from plait.config import ParallelConfig
-    from plait.launch import init_distributed
+    from plait.benchmarks.overlap import mlp_rank
 
-    dims = init_distributed(ParallelConfig(nproc=opts["nproc"], timeout_s=opts["timeout"]), opts["device"])
+    dims, x, w, _ = mlp_rank(opts)
     dev, rank = dims.device, dims.rank
     cuda = dev.type == "cuda"
-    dtype = torch.bfloat16 if cuda else torch.float32
-    tokens, hidden, ffn = (8192, 4096, 14336) if cuda else (256, 256, 512)
-    x = torch.randn(tokens, hidden, device=dev, dtype=dtype)
-    w = torch.randn(hidden, ffn, device=dev, dtype=dtype) / hidden ** 0.5
     one = torch.ones(1, device=dev)
 
     def sync():

@@ -48,22 +48,34 @@ def stretch(alone_s: float, compute_s: float, ended_s: float) -> float:
     return max(1.0, compute_s / done_beside)
 
 
+def mlp_rank(opts: dict):
+    """Join the group of `opts` ("nproc", "timeout", "device") and make a transformer MLP's matmul
+    operands on this rank: (dims, x, w, w2), bf16 at an 8b layer's size on a GPU, small fp32 on a CPU."""
+    import torch
+
+    from plait.config import ParallelConfig
+    from plait.launch import init_distributed
+
+    dims = init_distributed(ParallelConfig(nproc=opts["nproc"], timeout_s=opts["timeout"]), opts["device"])
+    dev = dims.device
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    tokens, hidden, ffn = (8192, 4096, 14336) if dev.type == "cuda" else (256, 256, 512)
+    x = torch.randn(tokens, hidden, device=dev, dtype=dtype)
+    w = torch.randn(hidden, ffn, device=dev, dtype=dtype) / hidden ** 0.5
+    w2 = torch.randn(ffn, hidden, device=dev, dtype=dtype) / ffn ** 0.5
+    return dims, x, w, w2
+
+
 def _rank(opts: dict) -> dict[str, float]:
     import torch
     import torch.distributed as dist
 
     from plait.benchmarks.comm import ring_exchange
-    from plait.config import ParallelConfig
-    from plait.launch import init_distributed
 
-    dims = init_distributed(ParallelConfig(nproc=opts["nproc"], timeout_s=opts["timeout"]), opts["device"])
+    dims, x, w, w2 = mlp_rank(opts)
     dev, n = dims.device, dims.world_size
     cuda = dev.type == "cuda"
-    dtype = torch.bfloat16 if cuda else torch.float32
-    tokens, hidden, ffn = (8192, 4096, 14336) if cuda else (256, 256, 512)
-    x = torch.randn(tokens, hidden, device=dev, dtype=dtype)
-    w = torch.randn(hidden, ffn, device=dev, dtype=dtype) / hidden ** 0.5
-    w2 = torch.randn(ffn, hidden, device=dev, dtype=dtype) / ffn ** 0.5
+    dtype = x.dtype
     size = (256 << 20) if cuda else (4 << 20)  # bytes of the collective's full buffer
     numel = size // x.element_size() // n * n
     full = torch.empty(numel, device=dev, dtype=dtype)
