@@ -41,6 +41,10 @@ class Layout:
     compile: bool = True
     """Blocks and loss under torch.compile (`train.compile`, on by default on GPUs): it decides what a
     block keeps for its backward and what the loss holds."""
+    recompute_matmuls: float = 0.0
+    """Share of each block's forward matmul FLOPs recomputed in its backward on top of `recompute`:
+    0 for every policy plait runs; another system's per-op policy (torchtitan's "selective op"
+    recomputes every second matmul of a block) when the planner prices that system's published runs."""
     head_in_forward: bool = False
     """The last pipeline stage ran its output head and fused loss in its forward slot, as plait did
     before it moved them to the backward slot (recorded runs: `plait.planner.recorded`)."""
@@ -56,6 +60,8 @@ class Layout:
             raise bad_value("--schedule", self.schedule, f"choose one of {', '.join(SCHEDULES)}")
         if self.recompute not in RECOMPUTE:
             raise bad_value("--recompute", self.recompute, f"choose one of {', '.join(RECOMPUTE)}")
+        if not 0.0 <= self.recompute_matmuls <= 1.0:
+            raise bad_value("recompute_matmuls", self.recompute_matmuls, "give a share of the forward matmuls, 0 to 1")
 
     @property
     def dp(self) -> int:

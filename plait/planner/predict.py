@@ -327,7 +327,8 @@ def predict(d: ModelDims, lay: Layout, c: Cluster, global_batch: int,
     model_flops = costs.model_flops_per_token(d) * tokens_step
     # plait's fused attention already recomputes its scores: "selective" adds no work to Llama
     hw_rc = "none" if (d.arch == "llama" and lay.recompute == "selective") else lay.recompute
-    hw_flops = costs.hardware_flops_per_token(d, hw_rc) * tokens_step
+    hw_flops = (costs.hardware_flops_per_token(d, hw_rc)
+                + 2 * lay.recompute_matmuls * d.layers * costs.layer_params(d)) * tokens_step
     peak = c.peak_flops
     mfu = model_flops / (step * c.n_gpus * peak)
     hfu = hw_flops / (step * c.n_gpus * peak)

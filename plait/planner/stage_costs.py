@@ -200,6 +200,8 @@ def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision) -> Stage
         rc = lt.attention_forward_s if d.arch == "gpt" else lt.pointwise_forward_s
     else:
         rc = 0.0
+    # a checkpoint policy that also recomputes some matmuls (another system's: Layout.recompute_matmuls)
+    rc += lay.recompute_matmuls * (lt.forward_s - lt.attention_forward_s - lt.pointwise_forward_s)
     f1 = lt.forward_s + tp_s + cp_f + z3_f
     bi1 = lt.backward_input_s + tp_s + cp_b + z3_b + rc
     bw1 = lt.backward_weight_s
