@@ -32,9 +32,10 @@ class DDP(Engine):
         self.sync = True
         self.hooks = [p.register_post_accumulate_grad_hook(self._arrived) for p in flat.params]
         # Every bucket but the last reduces while the backward's matmuls run beside it: on a
-        # communicator of `overlap_ctas` SMs they keep more of the GPU (4 x H200, 1b: the backward
-        # 8 ms slower beside NCCL's own choice, 2 ms beside 8 SMs). The last bucket (the embedding's)
-        # runs after the backward with nothing beside it: it keeps every SM NCCL wants.
+        # communicator of `overlap_ctas` SMs they leave the matmuls more of the GPU (4 x H200, 1b,
+        # every collective capped by NCCL_MAX_CTAS: the step's compute 8.2 ms over one GPU's at NCCL's
+        # choice, 2.1 ms at 8). The last bucket (the embedding's) runs after the backward with
+        # nothing beside it, where the cap only slowed it (3.1 -> 6.5 ms): it keeps NCCL's choice.
         self.lean = overlap_ctas > 0
         if self.lean:
             comm.lean(groups.grad, overlap_ctas)
