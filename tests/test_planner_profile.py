@@ -168,6 +168,11 @@ def test_calibrate_only_lockstep_updates_a_profile(tmp_path, capsys):
     assert main(["bench", "calibrate", "--only", "lockstep", "--device", "cpu", "--out", str(tmp_path / "no.json")]) == 2
     assert re.fullmatch(r"plait bench: error: --out = '.*no.json': --only updates an existing profile.*",
                         capsys.readouterr().err.strip())
+    assert main(["bench", "calibrate", "--only", "lockstep", "--device", "cpu", "--nproc", "1", "--out", str(out)]) == 2
+    assert "--nproc = 1: lockstep needs two or more GPUs" in capsys.readouterr().err
+    save(_profile(), tmp_path / "h100.json")  # measured on another device than this one
+    assert main(["bench", "calibrate", "--only", "lockstep", "--device", "cpu", "--out", str(tmp_path / "h100.json")]) == 2
+    assert "it was measured on NVIDIA H100 80GB HBM3, this machine has cpu" in capsys.readouterr().err
     raw = json.loads(out.read_text())
     (tmp_path / "bad.json").write_text(json.dumps(dict(raw, lockstep={"groups": {"2": -1}})))
     with pytest.raises(UserError, match="lockstep = .*re-run `plait bench calibrate`") as e:
