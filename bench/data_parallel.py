@@ -91,7 +91,7 @@ def _plait_step(a, variant, device, comm):
     cfg = build_config({"model": _model_section(a),
                         "train": {"lr": 1e-4, "warmup_steps": 0, "recompute": a.recompute},
                         "parallel": {"zero": zero, "bucket_mb": a.bucket_mb,
-                                     "overlap_ctas": a.overlap_ctas}})
+                                     "overlap_ctas": a.overlap_ctas if zero == 0 else 0}})
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     par = parallelize(cfg, comm, device, dtype, compile=a.compile)
     x, y = _batch(a, cfg.model.vocab_size, par.data_rank, device)
@@ -353,7 +353,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile happens here)")
     ap.add_argument("--bucket-mb", type=float, default=25.0)
     ap.add_argument("--overlap-ctas", type=int, default=0,
-                    help="plait DDP: SMs its overlapped gradient all-reduce may take (parallel.overlap_ctas; 0 = NCCL's choice)")
+                    help="plait DDP: SMs its overlapped gradient all-reduce may take (parallel.overlap_ctas; 0 = NCCL's "
+                         "choice; the ZeRO variants keep 0)")
     ap.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
                     help="plait's activation recomputation (train.recompute); the torch peers keep everything")
     ap.add_argument("--profile", type=int, default=0, metavar="K",

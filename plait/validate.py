@@ -160,6 +160,9 @@ def validate_parallel(cfg: Config):
     _positive("parallel.bucket_mb", p.bucket_mb)
     if not isinstance(p.overlap_ctas, int) or isinstance(p.overlap_ctas, bool) or not 0 <= p.overlap_ctas <= 64:
         raise bad_value("parallel.overlap_ctas", p.overlap_ctas, "give 0 (NCCL's choice) or a count of 1-64 thread blocks")
+    if p.overlap_ctas and p.zero != 0:
+        raise bad_value("parallel.overlap_ctas", p.overlap_ctas,
+                        f"it budgets DDP's all-reduce only (parallel.zero = 0, not {p.zero}): leave it 0")
     _positive("parallel.microbatches", p.microbatches, allow_zero=True)
     if p.reduce_dtype not in ("auto", "fp32", "bf16"):
         raise bad_value("parallel.reduce_dtype", p.reduce_dtype, "choose auto, fp32 or bf16")
