@@ -153,6 +153,11 @@ def test_lockstep_slows_the_work_of_a_job_on_several_gpus():
     assert four[1].step_time_s > four[0].step_time_s + 0.03 * four[0].time_s["compute"]
     one = [predict(d, Layout(), apply_profile(cluster("h100", 1, 1), p), 1) for p in (base, locked)]
     assert one[0].step_time_s == one[1].step_time_s
+    # --explain says which: measured for this many GPUs, or extended from the spread
+    assert "x 1.040: 4 GPUs in lockstep" in dict(four[1].explain)["layer time"]
+    assert "(measured)" in dict(four[1].explain)["layer time"]
+    eight = predict(d, Layout(dp_shard=8, zero=1), apply_profile(cluster("h100", 1, 8), locked), 8)
+    assert "8 GPUs in lockstep" in dict(eight.explain)["layer time"] and "spread" in dict(eight.explain)["layer time"]
 
 
 def test_calibrate_only_lockstep_updates_a_profile(tmp_path, capsys):

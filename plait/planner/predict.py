@@ -366,7 +366,10 @@ def _explain(d, lay, c, prec, gb, m, sc, mem_rank, sched_name, makespan, bubble,
                            f"roofline: peak {c.peak_flops / 1e12:.0f} TFLOP/s x {c.matmul_efficiency:g}, HBM "
                            f"{c.gpu.hbm_gbps:g} GB/s x {c.hbm_efficiency:g})") + (
                            f"; x {sc.lockstep:.3f}: {c.n_gpus} GPUs in lockstep, each waiting for the "
-                           f"slowest at every collective (measured)" if sc.lockstep != 1.0 else "")),
+                           f"slowest at every collective (" + (
+                               "measured" if str(c.n_gpus) in c.profile.lockstep.get("groups", {}) else
+                               "the measured spread times the expected maximum of that many") + ")"
+                           if sc.lockstep != 1.0 else "")),
         ("pipeline", f"{sched_name} pp = {pp}, m = {m}, v = {v}: makespan {makespan * 1e3:.2f} ms, bubble "
                      f"{bubble:.2%} of all ranks' time as simulated (these stages and P2P times); the "
                      f"textbook (p-1)/(v m + p-1) for even stages and free P2P would be "
