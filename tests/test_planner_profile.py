@@ -185,6 +185,25 @@ def test_calibrate_only_lockstep_updates_a_profile(tmp_path, capsys):
     assert "\n" not in str(e.value)
 
 
+def test_calibrate_only_collectives_or_overlap_updates_those_parts(tmp_path):
+    """--only collectives re-measures every collective (send/recv included) over 2 processes and
+    --only overlap the slowdowns and stretches; the rest of the profile stays as it was."""
+    out = tmp_path / "cpu.json"
+    before = _profile(card="cpu", gpu=None, peak_tflops=0.2, collectives=(("all_reduce", 2, 1 << 20, 1.0),))
+    save(before, out)
+    assert main(["bench", "calibrate", "--only", "collectives", "--device", "cpu", "--nproc", "2",
+                 "--max-bytes", "64K", "--out", str(out)]) == 0
+    p = load(out)
+    assert {(x[0], x[1]) for x in p.collectives} == {("all_reduce", 2), ("all_gather", 2), ("reduce_scatter", 2),
+                                                      ("send_recv", 2)}
+    assert ("all_reduce", 2, 1 << 20, 1.0) not in p.collectives and max(x[2] for x in p.collectives) <= 64 << 10
+    assert p.linear == before.linear and p.overlap == {} and "collectives" in p.source
+    assert main(["bench", "calibrate", "--only", "overlap", "--device", "cpu", "--nproc", "2", "--out", str(out)]) == 0
+    q = load(out)
+    assert set(q.overlap) == {"all_gather", "all_reduce", "send_recv"} and all(x >= 1 for x in q.stretch.values())
+    assert q.collectives == p.collectives and {"collectives", "overlap"} <= set(q.source)
+
+
 def test_calibrate_takes_collectives_from_a_comm_result(tmp_path, capsys):
     """--collectives adds torch's rows of a `plait bench comm --json` file (its group size from the
     file) for group sizes not measured here; a file from another card is one line."""

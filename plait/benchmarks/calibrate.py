@@ -16,7 +16,8 @@ Measured, each the median of timed repetitions after a warm-up (CUDA events on a
   lockstep    how much longer groups of 2, 4, ... GPUs that meet at every collective take for the
               same work than one GPU alone (plait/benchmarks/lockstep.py)
 
-`--only lockstep --out FILE` measures that part alone and writes it into an existing profile.
+`--only lockstep|collectives|overlap --out FILE` measures that part alone and writes it into an
+existing profile, keeping the rest.
 A few minutes on one GPU node; `--quick` measures a tiny model's shapes (what the tests run on CPU).
 """
 
@@ -30,6 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
+ONLY = ("lockstep", "collectives", "overlap")  # the parts `--only` re-measures alone (GPU-group parts)
 HELP = "measure matmuls, attention, memory-bound kernels, the optimizer and collectives -> a hardware profile"
 
 
@@ -46,8 +48,9 @@ def add_arguments(p) -> None:
     p.add_argument("--collectives", default="",
                    help="add collectives from `plait bench comm --json` files (comma-separated) for group sizes "
                         "not measured here, e.g. a run over more GPUs than this machine has")
-    p.add_argument("--only", choices=("lockstep",), default=None,
-                   help="measure only this part and write it into the existing profile at --out (the rest kept)")
+    p.add_argument("--only", choices=ONLY, default=None,
+                   help="measure only this part and write it into the existing profile at --out (the rest kept): "
+                        "lockstep, collectives (every op over 2, 4, ... GPUs) or overlap (its slowdown and stretch)")
     p.add_argument("--quick", action="store_true", help="a tiny model's shapes only (for a CPU check of the tool)")
     p.add_argument("--out", default=None, help="profile path (default bench/results/hardware-<card>.json)")
 
@@ -145,7 +148,8 @@ def _lockstep(device: str, nproc: int) -> dict:
 
 
 def _only(args, device: str, nproc: int, t0: float) -> int:
-    """Measure one part and write it into the profile at --out, keeping everything else there."""
+    """Measure one part and write it into the profile at --out, keeping everything else there
+    (a profile made before the part existed, or a part worth re-measuring on its own)."""
     import dataclasses
 
     import torch
@@ -160,12 +164,22 @@ def _only(args, device: str, nproc: int, t0: float) -> int:
     if old.card != card:
         raise bad_value("--out", args.out, f"it was measured on {old.card}, this machine has {card}")
     if nproc < 2:
-        raise bad_value("--nproc", nproc, "lockstep needs two or more GPUs")
-    new = dataclasses.replace(old, lockstep=_lockstep(device, nproc),
-                              source={**old.source, "lockstep": {"command": "plait " + " ".join(sys.argv[1:]),
-                                                                 "date": time.strftime("%Y-%m-%d"),
-                                                                 "torch": torch.__version__, "nccl": _nccl()}})
-    prof.save(new, args.out)
+        raise bad_value("--nproc", nproc, f"{args.only} needs two or more GPUs")
+    if args.only == "lockstep":
+        fields = {"lockstep": _lockstep(device, nproc)}
+    elif args.only == "collectives":
+        fields = {"collectives": tuple(_collectives(device, nproc, args.max_bytes or ("1G" if device == "cuda" else "4M")))}
+        print(f"# collectives: {len(fields['collectives'])} timings over groups up to {nproc}", flush=True)
+    else:
+        from plait.benchmarks import overlap as ov
+
+        overlap, stretch = ov.measure(device, 2)
+        print("# overlap: " + ", ".join(f"{k} +{100 * v:.1f}% (itself x{stretch[k]:.2f})" for k, v in overlap.items()),
+              flush=True)
+        fields = {"overlap": overlap, "stretch": stretch}
+    where = {"command": "plait " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),
+             "torch": torch.__version__, "nccl": _nccl()}
+    prof.save(dataclasses.replace(old, **fields, source={**old.source, args.only: where}), args.out)
     print(f"# updated {args.out} in {time.time() - t0:.0f} s")
     return 0
 
