@@ -29,9 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-ONLY = ("lockstep", "collectives", "overlap")  # the parts `--only` re-measures alone (GPU-group parts)
 HELP = "measure matmuls, attention, memory-bound kernels, the optimizer and collectives -> a hardware profile"
 
 
@@ -48,6 +46,8 @@ def add_arguments(p) -> None:
     p.add_argument("--collectives", default="",
                    help="add collectives from `plait bench comm --json` files (comma-separated) for group sizes "
                         "not measured here, e.g. a run over more GPUs than this machine has")
+    from plait.benchmarks.recalibrate import ONLY
+
     p.add_argument("--only", choices=ONLY, default=None,
                    help="measure only this part and write it into the existing profile at --out (the rest kept): "
                         "lockstep, collectives (every op over 2, 4, ... GPUs) or overlap (its slowdown and stretch)")
@@ -91,7 +91,9 @@ def run(args) -> int:
 
     t0 = time.time()
     if args.only:
-        return _only(args, device, nproc, t0)
+        from plait.benchmarks.recalibrate import only
+
+        return only(args, device, nproc, t0)
     if cuda:
         warm_up(dev)
     shapes = _linear_shapes(models, tps, tokens)
@@ -116,7 +118,9 @@ def run(args) -> int:
     print("# overlap: " + (", ".join(f"{k} +{100 * v:.1f}% (itself x{stretch[k]:.2f})" for k, v in overlap.items())
                            or "not measured (one GPU)"), flush=True)
 
-    lockstep = _lockstep(device, nproc)
+    from plait.benchmarks.recalibrate import lockstep as measure_lockstep
+
+    lockstep = measure_lockstep(device, nproc)
 
     card = torch.cuda.get_device_name(dev) if cuda else "cpu"
     gpu = _catalog_key(card) if cuda else None
@@ -135,52 +139,6 @@ def run(args) -> int:
     out = args.out or f"bench/results/hardware-{_slug(card)}.json"
     prof.save(p, out)
     print(f"# wrote {out} in {time.time() - t0:.0f} s (best matmul {best:.1f} TFLOP/s)")
-    return 0
-
-
-def _lockstep(device: str, nproc: int) -> dict:
-    from plait.benchmarks import lockstep
-
-    got = lockstep.measure(device, nproc) if nproc > 1 else {}
-    print("# lockstep: " + (", ".join(f"{n} GPUs +{100 * s:.2f}%" for n, s in got["groups"].items())
-                            + f" (spread {100 * got['sigma']:.2f}%)" if got else "not measured (one GPU)"), flush=True)
-    return got
-
-
-def _only(args, device: str, nproc: int, t0: float) -> int:
-    """Measure one part and write it into the profile at --out, keeping everything else there
-    (a profile made before the part existed, or a part worth re-measuring on its own)."""
-    import dataclasses
-
-    import torch
-
-    from plait.errors import bad_value
-    from plait.planner import profile as prof
-
-    if not args.out or not Path(args.out).exists():
-        raise bad_value("--out", args.out, "--only updates an existing profile: name it with --out")
-    old = prof.load(args.out)
-    card = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
-    if old.card != card:
-        raise bad_value("--out", args.out, f"it was measured on {old.card}, this machine has {card}")
-    if nproc < 2:
-        raise bad_value("--nproc", nproc, f"{args.only} needs two or more GPUs")
-    if args.only == "lockstep":
-        fields = {"lockstep": _lockstep(device, nproc)}
-    elif args.only == "collectives":
-        fields = {"collectives": tuple(_collectives(device, nproc, args.max_bytes or ("1G" if device == "cuda" else "4M")))}
-        print(f"# collectives: {len(fields['collectives'])} timings over groups up to {nproc}", flush=True)
-    else:
-        from plait.benchmarks import overlap as ov
-
-        overlap, stretch = ov.measure(device, 2)
-        print("# overlap: " + ", ".join(f"{k} +{100 * v:.1f}% (itself x{stretch[k]:.2f})" for k, v in overlap.items()),
-              flush=True)
-        fields = {"overlap": overlap, "stretch": stretch}
-    where = {"command": "plait " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),
-             "torch": torch.__version__, "nccl": _nccl()}
-    prof.save(dataclasses.replace(old, **fields, source={**old.source, args.only: where}), args.out)
-    print(f"# updated {args.out} in {time.time() - t0:.0f} s")
     return 0
 
 

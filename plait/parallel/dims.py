@@ -319,7 +319,7 @@ class ParallelDims:
             return self.group(name)
         opts = dist.ProcessGroupNCCL.Options()
         opts.config.max_ctas = max_ctas
-        opts.config.min_ctas = min(max_ctas, 1)
+        opts.config.min_ctas = 1
         kw = {"timeout": timedelta(seconds=self.timeout_s)} if self.timeout_s is not None else {}
         mine = None
         for ranks in self.groups(name):

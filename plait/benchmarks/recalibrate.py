@@ -1,0 +1,59 @@
+"""`plait bench calibrate --only PART --out FILE`: measure one part of a hardware profile and write
+it into an existing one, keeping the rest (a profile made before the part existed, or a part worth
+re-measuring alone); and the lockstep part, which the full calibration measures too."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from plait.benchmarks.calibrate import _collectives, _nccl
+
+ONLY = ("lockstep", "collectives", "overlap")  # the parts that need a group of GPUs
+
+
+def lockstep(device: str, nproc: int) -> dict:
+    from plait.benchmarks import lockstep as ls
+
+    got = ls.measure(device, nproc) if nproc > 1 else {}
+    print("# lockstep: " + (", ".join(f"{n} GPUs +{100 * s:.2f}%" for n, s in got["groups"].items())
+                            + f" (spread {100 * got['sigma']:.2f}%)" if got else "not measured (one GPU)"), flush=True)
+    return got
+
+
+def only(args, device: str, nproc: int, t0: float) -> int:
+    """Measure one part and write it into the profile at --out, keeping everything else there
+    (a profile made before the part existed, or a part worth re-measuring on its own)."""
+    import dataclasses
+
+    import torch
+
+    from plait.errors import bad_value
+    from plait.planner import profile as prof
+
+    if not args.out or not Path(args.out).exists():
+        raise bad_value("--out", args.out, "--only updates an existing profile: name it with --out")
+    old = prof.load(args.out)
+    card = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
+    if old.card != card:
+        raise bad_value("--out", args.out, f"it was measured on {old.card}, this machine has {card}")
+    if nproc < 2:
+        raise bad_value("--nproc", nproc, f"{args.only} needs two or more GPUs")
+    if args.only == "lockstep":
+        fields = {"lockstep": lockstep(device, nproc)}
+    elif args.only == "collectives":
+        fields = {"collectives": tuple(_collectives(device, nproc, args.max_bytes or ("1G" if device == "cuda" else "4M")))}
+        print(f"# collectives: {len(fields['collectives'])} timings over groups up to {nproc}", flush=True)
+    else:
+        from plait.benchmarks import overlap as ov
+
+        overlap, stretch = ov.measure(device, 2)
+        print("# overlap: " + ", ".join(f"{k} +{100 * v:.1f}% (itself x{stretch[k]:.2f})" for k, v in overlap.items()),
+              flush=True)
+        fields = {"overlap": overlap, "stretch": stretch}
+    where = {"command": "plait " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),
+             "torch": torch.__version__, "nccl": _nccl()}
+    prof.save(dataclasses.replace(old, **fields, source={**old.source, args.only: where}), args.out)
+    print(f"# updated {args.out} in {time.time() - t0:.0f} s")
+    return 0
