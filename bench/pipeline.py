@@ -10,6 +10,8 @@ a step), each in its own set of G worker processes, which measures every micro-b
   plait-interleaved              interleaved 1F1B, v = 2 chunks per rank
   plait-zb                       ZB-H1: B computes input gradients, W the deferred weight gradients
                                  (blocks compiled whole: the deferring linears are ops in the graph)
+  plait-zbv                      ZB-V: ZB-H1's split backward over v = 2 chunks a rank placed in a V
+                                 (rank 0 holds the first and the last stage)
   plait-zero3                    no pipeline: ZeRO-3 over all G GPUs, the same global batch
   torch-gpipe / torch-1f1b       torch.distributed.pipelining's ScheduleGPipe / Schedule1F1B on the
                                  same stages (blocks compiled, fused AdamW, bf16 autocast, logits +
@@ -18,6 +20,7 @@ a step), each in its own set of G worker processes, which measures every micro-b
   torch-zb                       ScheduleInterleavedZeroBubble, v = 2 (torch's zero-bubble schedule
                                  needs several stages per rank; plait's ZB-H1 runs one), blocks eager:
                                  it cannot split a compiled block's backward
+  torch-zbv                      ScheduleZBVZeroBubble on the same V-placed stages, blocks eager
 plait rows add the measured bubble of the last timed step (per-action times on every rank, synced)
 next to the schedule's simulated one (equal costs) and its replay (the measured action times through
 the schedule's dependencies, messages instant: the bubble the stages' costs force). Measured minus
@@ -44,8 +47,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from data_parallel import _adamw, _cleanup, _measure, _model_cfg, _model_section, run_variants, card_slug  # noqa: E402
 
-ALL = ["plait-zero3", "plait-gpipe", "plait-1f1b", "plait-interleaved", "plait-zb", "torch-gpipe", "torch-1f1b",
-       "torch-interleaved", "torch-zb"]
+ALL = ["plait-zero3", "plait-gpipe", "plait-1f1b", "plait-interleaved", "plait-zb", "plait-zbv", "torch-gpipe",
+       "torch-1f1b", "torch-interleaved", "torch-zb", "torch-zbv"]
+CHUNKS = {"interleaved": 2, "zb": 2, "zbv": 2}  # model chunks a rank, torch's side (plait's zb runs one)
 
 
 def _batch(a, vocab, device):
@@ -73,10 +77,10 @@ def _plait(a, variant, dims, device, comm):
 
     sched = variant.split("-")[1]
     pp = a.gpus if sched != "zero3" else 1
+    v = 2 if sched in ("interleaved", "zbv") else 1
     cfg = build_config({"model": _model_section(a), "train": {"lr": 1e-4, "warmup_steps": 0, "micro_batch": a.micro_batch},
-                        "parallel": {"pp": pp, "schedule": sched if pp > 1 else "1f1b", "v": 2 if sched == "interleaved" else 1,
-                                     "zero": 3 if pp == 1 else 1,
-                                     "stage_layers": _split(a, 2 if sched == "interleaved" else 1) if pp > 1 else ""}})
+                        "parallel": {"pp": pp, "schedule": sched if pp > 1 else "1f1b", "v": v,
+                                     "zero": 3 if pp == 1 else 1, "stage_layers": _split(a, v) if pp > 1 else ""}})
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     par = parallelize(cfg, comm, device, dtype, compile=a.compile)
 
@@ -97,17 +101,18 @@ def _torch(a, variant, dims, device):
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                              ScheduleInterleavedZeroBubble)
+                                              ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
     from plait.model import Transformer
+    from plait.parallel.schedules import stage_of
     from plait.parallel.stages import rank_chunks, resolve_counts, stage_layer_ids
 
     sched = variant.split("-")[1]
-    v = 2 if sched in ("interleaved", "zb") else 1
+    v = CHUNKS.get(sched, 1)
     mcfg, pp, rank = _model_cfg(a), a.gpus, dist.get_rank()
     split = _split(a, v)
-    counts = resolve_counts(split, mcfg, a.seq, pp * v) if split else None
-    chunks = rank_chunks(pp, v, rank, stage_layer_ids(mcfg.n_layers, pp * v, counts))
+    counts = resolve_counts(split, mcfg, a.seq, pp * v, sched) if split else None
+    chunks = rank_chunks(pp, v, rank, stage_layer_ids(mcfg.n_layers, pp * v, counts), sched)
     cuda = device.type == "cuda"
 
     class Stage(torch.nn.Module):
@@ -125,7 +130,7 @@ def _torch(a, variant, dims, device):
 
     stages, params = [], []
     for c, ids in enumerate(chunks):
-        s = c * pp + rank
+        s = stage_of(sched, pp, rank, c)
         with torch.device("meta"):
             lm = Transformer(mcfg, layer_ids=ids, first=s == 0, last=s == pp * v - 1)
         lm.to_empty(device=device)
@@ -133,7 +138,7 @@ def _torch(a, variant, dims, device):
         # torch's zero-bubble schedule splits each backward by walking autograd's graph, which a
         # compiled block's node does not allow ("Attribute '_input_metadata' is invalid", torch 2.11,
         # 4 x H100): its blocks run eagerly, the way that schedule works
-        if a.compile and sched != "zb":
+        if a.compile and sched not in ("zb", "zbv"):
             for block in lm.layers.values():
                 block.compile()
         stages.append(PipelineStage(Stage(lm, [str(i) for i in ids], s == 0, s == pp * v - 1), s, pp * v, device))
@@ -143,7 +148,7 @@ def _torch(a, variant, dims, device):
         return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
 
     kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
-            "zb": ScheduleInterleavedZeroBubble}[sched]
+            "zb": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble}[sched]
     schedule = kind(stages if v > 1 else stages[0], a.microbatches, loss_fn=loss_fn)
     opt = _adamw(torch.nn.ModuleList([s.submod for s in stages]), fused=cuda)
     x, y = _batch(a, mcfg.vocab_size, device)
@@ -185,7 +190,7 @@ def _bubble(a, variant, row, spans, sched) -> None:
 
     flat = [(r, act[3], act[4], act[0], act[1], act[2]) for r, acts, _ in spans for act in acts]
     pp, v = len(spans), sched.v
-    row.update(tl.report(flat, sched, [spans[s % pp][2][s // pp] for s in range(pp * v)]))
+    row.update(tl.report(flat, sched, [spans[r][2][c] for r, c in map(sched.place, range(pp * v))]))
     row["host_share"] = tl.host_share([acts for _, acts, _ in spans])  # >= ~1: that rank was launch-bound
     if a.png_dir:  # the measured timeline beside the JSON
         try:

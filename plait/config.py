@@ -204,11 +204,11 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline-parallel stages."""
     schedule: str = "1f1b"
-    """Pipeline schedule: gpipe, 1f1b, interleaved, zb."""
+    """Pipeline schedule: gpipe, 1f1b, interleaved, zb (ZB-H1), zbv (ZB-V: v = 2 chunks per rank in a V, both ends of the model on rank 0)."""
     v: int = 1
-    """Virtual pipeline stages per rank (interleaved schedule)."""
+    """Virtual pipeline stages per rank (interleaved schedule; zbv: 2)."""
     stage_layers: str = ""
-    """Layers of each of the pp x v pipeline stages, comma-separated (e.g. 3,5,5,3); empty = as even as possible; balance = fewer on the last stage by what its output head and loss cost in FLOPs. The first and last stages also hold the embedding and the loss."""
+    """Layers of each of the pp x v pipeline stages, comma-separated (e.g. 3,5,5,3); empty = as even as possible; balance = fewer on the last stage (zbv: on rank 0, which holds the first and the last) by what its output head and loss cost in FLOPs. The first and last stages also hold the embedding and the loss."""
     microbatches: int = 0
     """Pipeline micro-batches per step: sets train.grad_accum (0 = use train.grad_accum)."""
     cp: int = 1

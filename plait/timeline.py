@@ -48,21 +48,25 @@ def replayed_bubble(spans, sched) -> float:
     return simulate(sched, dur).bubble_fraction
 
 
-def stage_seconds(spans, pp: int, v: int, m: int) -> list[float]:
-    """Compute seconds per micro-batch of each of the pp x v stages (stage = chunk x pp + rank)."""
+def stage_seconds(spans, pp: int, v: int, m: int, schedule: str = "1f1b") -> list[float]:
+    """Compute seconds per micro-batch of each of the pp x v stages (stage = chunk x pp + rank, or
+    ZB-V's V: `plait.parallel.schedules.stage_of`)."""
+    from plait.parallel.schedules import stage_of
+
     out = [0.0] * (pp * v)
     for r, a, b, _, _, c in spans:
-        out[c * pp + r] += (b - a) / m
+        out[stage_of(schedule, pp, r, c)] += (b - a) / m
     return out
 
 
-def split_advice(spans, pp: int, v: int, m: int, counts: list[int]) -> dict | None:
+def split_advice(spans, pp: int, v: int, m: int, counts: list[int], schedule: str = "1f1b") -> dict | None:
     """The measured stage times and, when a split of the same layers would shorten the slowest stage
-    by more than 2%, that split (`plait.parallel.stages.measured_split`) and the stage times it gives."""
+    by more than 2%, that split (`plait.parallel.stages.measured_split`) and the stage times it gives.
+    ZB-V's ranks each run two stages, so what its split evens out is their pairs: no advice there."""
     from plait.parallel.stages import measured_split
 
-    now = stage_seconds(spans, pp, v, m)
-    fit = measured_split(now, counts)
+    now = stage_seconds(spans, pp, v, m, schedule)
+    fit = measured_split(now, counts) if schedule != "zbv" else None
     out = {"stage_layers": ",".join(map(str, counts)), "stage_ms": [round(t * 1e3, 3) for t in now]}
     if fit is not None and fit[0] != counts and max(fit[1]) < 0.98 * max(now):
         out.update(suggested_stage_layers=",".join(map(str, fit[0])), suggested_stage_ms=[round(t * 1e3, 3) for t in fit[1]])
@@ -79,7 +83,7 @@ def report(spans, sched, counts: list[int]) -> dict:
     pp, v, m = sched.pp, sched.v, sched.microbatches
     return {"measured_bubble": bubble(spans, pp), "replayed_bubble": replayed_bubble(spans, sched),
             "simulated_bubble": simulate(sched).bubble_fraction, "textbook_bubble": textbook(sched.name, pp, m, v),
-            "split": split_advice(spans, pp, v, m, counts)}
+            "split": split_advice(spans, pp, v, m, counts, sched.name)}
 
 
 def host_share(actions_by_rank) -> list[float]:

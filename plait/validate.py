@@ -108,11 +108,11 @@ def validate_pipeline(cfg: Config) -> None:
                             f"{t.global_batch}, which makes {t.grad_accum} micro-batches a step here: give one of them")
         t.grad_accum = p.microbatches
     p.schedule = check_args(p.schedule, p.pp, t.grad_accum, p.v)
-    counts = resolve_counts(p.stage_layers, m, t.seq_len, p.pp * p.v)
+    counts = resolve_counts(p.stage_layers, m, t.seq_len, p.pp * p.v, p.schedule)
     if counts is None and m.n_layers % (p.pp * p.v) and p.v > 1:
         raise bad_value("parallel.v", p.v, f"pp x v = {p.pp * p.v} stages do not divide the {m.n_layers} layers "
                         "evenly; give --parallel.stage_layers (a count per stage) or another v")
-    if m.tie_embeddings and p.zero >= 2:
+    if m.tie_embeddings and p.zero >= 2 and p.schedule != "zbv":  # ZB-V holds both ends on rank 0
         raise bad_value("parallel.zero", p.zero, "with pp > 1 a tied embedding has two copies (first and last "
                         "stage) whose whole gradients are added before the data-parallel split; use --zero 0 "
                         "or 1, or model.tie_embeddings false")

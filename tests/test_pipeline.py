@@ -1,10 +1,10 @@
-"""Pipeline parallelism: every schedule (GPipe, 1F1B, interleaved 1F1B, ZB-H1) at 2 and 4 stages
-with 1, pp and 3 pp micro-batches, and a 3D layout (PP 2 x TP 2 x DP 2, ZeRO-1, 8 processes),
+"""Pipeline parallelism: every schedule (GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-V) at 2 and 4
+ranks with 1, pp and 3 pp micro-batches, and a 3D layout (PP 2 x TP 2 x DP 2, ZeRO-1, 8 processes),
 against the single-process run; point-to-point traffic to the byte against the formula and the
 planner; micro-batches in flight against the schedule's bound.
 
 The model has tied embeddings, so the first and last stages hold the two copies of the matrix and
-add their gradients. One spawn of 4 ranks runs the 2-stage pipelines two at a time (ranks {0,1} and
+add their gradients (ZB-V: both ends on rank 0, one matrix). One spawn of 4 ranks runs the 2-stage pipelines two at a time (ranks {0,1} and
 {2,3}) and the 4-stage ones on all four; one spawn of 8 runs the 3D layout.
 """
 
@@ -32,6 +32,8 @@ def _runs(pp: int) -> dict:
             out[f"pp{pp}-{sched}-m{m}"] = (pp, sched, m, 1)
     for m in (pp, 3 * pp):
         out[f"pp{pp}-interleaved-m{m}"] = (pp, "interleaved", m, 2)
+    for m in (1, pp, 3 * pp):
+        out[f"pp{pp}-zbv-m{m}"] = (pp, "zbv", m, 2)
     return out
 
 
@@ -76,7 +78,7 @@ def _body(dims, corpus, root):
         probe, facts = SavedBytes(), {}
         res = train(_config(corpus, name), comm, root / name, step_fn=probe.step,
                     par_hook=lambda par, facts=facts: facts.update(in_flight=par.runner.in_flight_peak,
-                                                                     rank=par.runner.rank))
+                                                                     rank=par.runner.rank, costs=par.runner.costs))
         res.update(facts, saved_peak=probe.peak)
         results.setdefault(name, res)
     return results
@@ -150,7 +152,7 @@ def test_micro_batches_in_flight_match_the_schedule(runs, pp):
             if name not in per_rank[rank]:  # of two 2-stage pipelines, ranks 0 and 1 ran the first
                 continue
             got = per_rank[rank][name]
-            want = in_flight(build_schedule(sched, pp, m, v), got["rank"])[0]
+            want = in_flight(build_schedule(sched, pp, m, v, got["costs"]), got["rank"])[0]  # ZB-V's costed order
             assert got["in_flight"] == want, (name, rank)
             if sched == "gpipe":
                 assert want == m
@@ -170,11 +172,13 @@ def test_micro_batches_in_flight_match_the_schedule(runs, pp):
             assert abs(once) <= 1e-6 * p1, (rank, points)
 
 
-@pytest.mark.parametrize("name", ["pp2-1f1b-m2", "pp4-1f1b-m4", "pp4-gpipe-m12", "pp4-interleaved-m4", "pp4-zb-m12"])
+@pytest.mark.parametrize("name", ["pp2-1f1b-m2", "pp4-1f1b-m4", "pp4-gpipe-m12", "pp4-interleaved-m4", "pp4-zb-m12",
+                                  "pp4-zbv-m12", "pp2-zbv-m6"])
 def test_p2p_traffic_to_the_byte(runs, name):
     """Each micro-batch crosses every stage boundary once forward (its activation) and once backward
-    (its gradient): 2 m (S - 1) activations of b s h fp32 a step over the pipeline; a middle rank
-    sends 2 m v of them, as the planner prices it."""
+    (its gradient): 2 m (S - 1) activations of b s h fp32 a step over the pipeline (ZB-V: S - 2, its
+    turn at the last rank stays on that rank); a middle rank sends 2 m v of them, as the planner
+    prices it."""
     from plait.config import build_config
     from plait.planner.costs import ModelDims
     from plait.planner.hardware import cluster
@@ -183,12 +187,14 @@ def test_p2p_traffic_to_the_byte(runs, name):
 
     pp, sched, m, v = RUNS[name]
     per_rank = runs[0]
-    ranks = range(pp) if pp == 4 else (0, 1)
+    ranks = [r for r in range(4) if name in per_rank[r]]  # of two 2-stage pipelines, the ranks that ran it
+    assert len(ranks) == pp
     A = MICRO * SEQ * PPM["dim"] * 4
     sends = [per_rank[r][name]["ledger"] for r in ranks]
+    crossings = pp * v - 1 - (sched == "zbv")
     for step in range(STEPS):
         total = sum(led[step]["pp"]["send"]["bytes"] for led in sends)
-        assert total == 2 * m * (pp * v - 1) * A
+        assert total == 2 * m * crossings * A
         received = sum(led[step]["pp"]["recv"]["bytes"] for led in sends)
         assert received == total
     if pp == 4:

@@ -83,6 +83,7 @@ def test_schedule_png(tmp_path, capsys):
     (["--nproc", "4", "--pp", "2", "--dp", "2", "--train.global_batch", "6"], "train.global_batch = 6: is not a multiple"),
     (["--nproc", "4", "--pp", "2", "--dp", "2", "--zero", "3"], "parallel.zero = 3: with pp > 1 a tied embedding"),
     (["--parallel.v", "2"], "parallel.v = 2: splits a pipeline: it needs --pp > 1"),
+    (["--nproc", "2", "--pp", "2", "--schedule", "zbv"], "--v = 1: ZB-V runs two model chunks per rank"),
 ])
 def test_bad_pipeline_input_is_one_line(corpus, tmp_path, capfd, extra, needle):
     assert main(_args(corpus, tmp_path / "r", extra=extra)) == 2
@@ -119,3 +120,21 @@ def test_sharded_gradients_under_zero_bubble_train_and_evaluate_as_one_process(c
     assert_same_cli_run(run, one, 3)
     val = [[r["val_loss"] for r in metrics_rows(f) if "val_loss" in r] for f in (run, one)]
     assert len(val[0]) == 1 and abs(val[0][0] - val[1][0]) <= 1e-5 * val[1][0], val
+
+
+def test_zb_v_with_tied_embeddings_under_zero_3_resumes_as_1f1b(corpus, tmp_path):
+    """ZB-V holds both ends of the model on rank 0, so a tied embedding is one matrix there and
+    ZeRO-3 may shard it (two copies on two stages could not be): 2 V-placed stages x 2 replicas with
+    ZeRO-3 train 2 steps and evaluate, the checkpoint resumes as 1F1B with ZeRO-1 for 2 more, and
+    losses, the validation loss and the final weights match one process."""
+    from dp_runs import assert_same_cli_run
+
+    one, run = tmp_path / "one", tmp_path / "run"
+    assert main(_args(corpus, one, steps=4, extra=["--train.grad_accum", "4", "--train.eval_every", "2"])) == 0
+    zbv = ["--nproc", "4", "--pp", "2", "--dp", "2", "--microbatches", "2", "--train.eval_every", "2"]
+    assert main(_args(corpus, run, steps=4, extra=[*zbv, "--zero", "3", "--schedule", "zbv", "--parallel.v", "2",
+                                                   "--train.max_steps_this_run", "2"])) == 0
+    assert main(_args(corpus, run, steps=4, extra=[*zbv, "--zero", "1", "--schedule", "1f1b", "--resume"])) == 0
+    assert_same_cli_run(run, one, 4)
+    val = [[r["val_loss"] for r in metrics_rows(f) if "val_loss" in r] for f in (run, one)]
+    assert len(val[0]) == 2 and all(abs(a - b) <= 1e-5 * b for a, b in zip(*val)), val

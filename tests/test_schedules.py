@@ -12,9 +12,9 @@ from plait.parallel.schedules import (Action, Schedule, ScheduleError, build_sch
 from plait.planner.simulate import render, simulate, unit_durations
 
 GRID = [(name, v, pp, m)
-        for name, vs in (("gpipe", (1,)), ("1f1b", (1,)), ("interleaved", (2, 3)), ("zb", (1,)))
+        for name, vs in (("gpipe", (1,)), ("1f1b", (1,)), ("interleaved", (2, 3)), ("zb", (1,)), ("zbv", (2,)))
         for v in vs for pp in (1, 2, 3, 4, 8) for m in (1, 2, 3, 4, 8, 16)
-        if not (name == "interleaved" and (pp < 2 or m % pp))]
+        if not (name == "interleaved" and (pp < 2 or m % pp)) and not (name == "zbv" and pp < 2)]
 
 
 @pytest.mark.parametrize("name,v,pp,m", GRID)
@@ -54,6 +54,68 @@ def test_zb_h1_bubble_is_a_third_of_1f1b(pp, m):
     idle_1f1b = pp * one.makespan_s - sum(one.busy_s)
     assert idle_zb / pp == pytest.approx(pp - 1)
     assert idle_1f1b / pp == pytest.approx(3 * (pp - 1))
+
+
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (4, 16), (4, 32), (8, 16), (8, 32)])
+def test_zb_v_places_a_v_and_idles_less_than_zb_h1(pp, m):
+    """ZB-V (Qi et al. 2023): rank r runs stages r and 2p-1-r, so rank 0 holds both ends of the
+    model; with T_F = T_B = T_W per chunk and m >= 2p it idles no more than ZB-H1 (at 4 and 8
+    ranks: less, and at most a third of 1F1B's bubble), holding at most 2p chunk-micro-batches
+    between F and W on any rank (pp whole micro-batches: 1F1B's first rank's activations)."""
+    s = build_schedule("zbv", pp, m, 2)
+    assert s.place(0) == (0, 0) and s.place(2 * pp - 1) == (0, 1) and s.place(pp) == (pp - 1, 1)
+    assert [s.stage(r, 1) for r in range(pp)] == list(range(2 * pp - 1, pp - 1, -1))
+    zbv, zb, one = (_bubble(*a) for a in (("zbv", pp, m, 2), ("zb", pp, m), ("1f1b", pp, m)))
+    assert zbv <= zb, (zbv, zb)
+    if pp >= 4:
+        assert zbv < zb and zbv <= (0.34 if pp == 8 else 0.22) * one, (zbv, zb, one)
+    for r in range(pp):
+        assert peak_activation_units("zbv", pp, m, 2, r, 1.0) <= 2 * pp
+    # the one boundary inside a rank (stage pp-1 -> pp on the last rank) carries no message
+    assert not any(a.peer == pp - 1 for a in s.ranks[pp - 1] if not a.is_compute)
+
+
+def test_zb_v_messages_go_out_at_the_moment_that_made_them():
+    """ZB-V's activations and gradients flow both ways between neighbours. Placed as 1F1B places
+    them (each receive just before its consumer, each send right after its producer), the order
+    found for uneven stages lets two neighbours each wait in a batch for a message the other posts
+    later: the checker finds the deadlock. The lists plait runs post each message at the moment of
+    the list-scheduling run that produced it, on both ranks, and pass - for any stage costs (random
+    ones here), keeping the 1F1B activation bound - and so does every link's order, which NCCL
+    matches by position."""
+    import random
+
+    from plait.parallel.schedules import _with_p2p
+
+    costs = ((0.5, 1, 0.5), (1, 0.5, 0.5), (1, 3, 1), (1, 1, 1))
+    good = build_schedule("zbv", 2, 3, 2, costs)
+    assert check(good) > 0
+    naive = dataclasses.replace(good, ranks=tuple(
+        tuple(_with_p2p([[a] for a in good.compute_actions(r)], r, 2, 2, "zbv")) for r in range(2)))
+    with pytest.raises(ScheduleError, match="deadlock"):
+        check(naive)
+    rng = random.Random(0)
+    for _ in range(40):
+        pp, m = rng.choice([2, 3, 4, 8]), rng.randint(1, 20)
+        costs = tuple((rng.choice([0.0, 0.5, 1, 2]), rng.choice([0.5, 1, 3, 8]), rng.choice([0.0, 0.5, 1]))
+                      for _ in range(2 * pp))
+        s = build_schedule("zbv", pp, m, 2, costs)
+        assert check(s) > 0, (pp, m, costs)
+        for r in range(pp):
+            assert peak_activation_units("zbv", pp, m, 2, r, 1.0, costs) <= 2 * pp
+    # rank 0's first activation sent after its second: rank 1 would read one as the other
+    acts = list(good.ranks[0])
+    i, j = [k for k, a in enumerate(acts) if a.kind == "SEND_F"][:2]
+    acts.insert(j, acts.pop(i))
+    with pytest.raises(ScheduleError, match="another order"):
+        check(_mutate(good, 0, acts))
+    # the last rank's turn from chunk 0 to chunk 1 is local: its F must come after the F it takes from
+    acts = list(good.ranks[1])
+    f0 = next(k for k, a in enumerate(acts) if a.kind == "F" and a.chunk == 0 and a.microbatch == 0)
+    f1 = next(k for k, a in enumerate(acts) if a.kind == "F" and a.chunk == 1 and a.microbatch == 0)
+    acts[f0], acts[f1] = acts[f1], acts[f0]
+    with pytest.raises(ScheduleError, match="before the F of stage 1"):
+        check(_mutate(good, 1, acts))
 
 
 def test_seed_bubble_tables():
@@ -110,7 +172,7 @@ def test_in_flight_micro_batches():
 
 
 def test_compute_order_matches_built_lists():
-    for name, v in (("1f1b", 1), ("interleaved", 2), ("zb", 1)):
+    for name, v in (("1f1b", 1), ("interleaved", 2), ("zb", 1), ("zbv", 2)):
         s = build_schedule(name, 4, 8, v)
         assert compute_order(name, 4, 8, v) == tuple(tuple(s.compute_actions(r)) for r in range(4))
 
@@ -150,11 +212,12 @@ def test_checker_catches_broken_lists():
 
 def test_bad_requests_are_one_line_user_errors():
     for args in (("foo", 4, 8, 1), ("1f1b", 0, 8, 1), ("1f1b", 4, -1, 1), ("interleaved", 4, 8, 1),
-                 ("interleaved", 4, 6, 2), ("interleaved", 1, 4, 2), ("1f1b", 4, 8, 2)):
+                 ("interleaved", 4, 6, 2), ("interleaved", 1, 4, 2), ("1f1b", 4, 8, 2), ("zbv", 4, 8, 1),
+                 ("zbv", 1, 8, 2)):
         with pytest.raises(UserError) as e:
             build_schedule(*args)
         assert "\n" not in str(e.value)
-    assert check_args("ZB-H1", 4, 8, 1) == "zb"
+    assert check_args("ZB-H1", 4, 8, 1) == "zb" and check_args("ZB-V", 4, 8, 2) == "zbv"
 
 
 def test_p2p_time_lengthens_the_pipeline():

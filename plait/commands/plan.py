@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from plait.parallel.schedules import SCHEDULES
+
 NAME = "plan"
 HELP = ("Predict memory per GPU, traffic per mesh dim, step time and MFU of a parallel layout, or "
         "search for the fastest layout that fits")
@@ -34,7 +36,7 @@ def add_arguments(p) -> None:
     for flag in ("tp", "pp", "dp", "cp", "dp-replicate", "v"):
         lay.add_argument(f"--{flag}", type=int)
     lay.add_argument("--zero", type=int, choices=(0, 1, 2, 3))
-    lay.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved", "zb"))
+    lay.add_argument("--schedule", choices=SCHEDULES)
     lay.add_argument("--recompute", choices=("none", "selective", "full"))
     lay.add_argument("--no-sp", action="store_true", help="tensor parallelism without sequence parallelism")
     lay.add_argument("--stage-layers", default="", metavar="SPLIT",

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 NAME = "schedule"
-HELP = "Draw a pipeline schedule (gpipe, 1f1b, interleaved, zb) as a timeline and simulate its bubble"
+HELP = "Draw a pipeline schedule (gpipe, 1f1b, interleaved, zb, zbv) as a timeline and simulate its bubble"
 
 
 def add_arguments(p) -> None:
     p.add_argument("--pp", type=int, default=4, help="pipeline ranks")
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per step")
-    p.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved or zb (ZB-H1)")
+    p.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved, zb (ZB-H1) or zbv (ZB-V)")
     p.add_argument("--v", type=int, default=None, help="model chunks per rank (interleaved; default 2)")
     p.add_argument("--f", type=float, default=1.0, help="forward cost of a rank's layers (time units)")
     p.add_argument("--b", type=float, default=None,
@@ -21,15 +21,15 @@ def add_arguments(p) -> None:
 
 def run(args, extra) -> int:
     from plait.errors import bad_value
-    from plait.parallel.schedules import build_schedule, check, check_args, in_flight
+    from plait.parallel.schedules import SPLIT_BACKWARD, build_schedule, check, check_args, in_flight
     from plait.planner.simulate import render, simulate, unit_durations
 
-    v = args.v if args.v is not None else (2 if str(args.schedule).lower() == "interleaved" else 1)
+    v = args.v if args.v is not None else (2 if str(args.schedule).lower() in ("interleaved", "zbv", "zb-v") else 1)
     name = check_args(args.schedule, args.pp, args.microbatches, v)
     for flag, val in (("--f", args.f), ("--b", args.b), ("--w", args.w)):
         if val is not None and not val > 0:
             raise bad_value(flag, val, "must be a positive time")
-    split = name == "zb"
+    split = name in SPLIT_BACKWARD
     b = args.b if args.b is not None else (args.f if split else 2 * args.f)
     w = (args.w if args.w is not None else args.f) if split else 0.0
     sched = build_schedule(name, args.pp, args.microbatches, v)

@@ -36,6 +36,7 @@ from plait.model import Transformer
 from plait.parallel.data_parallel import apply_data_parallel
 from plait.parallel.engine import Engine, Groups, TensorSplit
 from plait.parallel.runner import Runner
+from plait.parallel.schedules import SPLIT_BACKWARD
 
 
 @dataclass
@@ -112,7 +113,7 @@ def parallelize(cfg: Config, comm, device: torch.device, dtype: torch.dtype, com
 
         apply_fp8(model, t.fp8, device)
     store = None
-    if stage is not None and p.schedule == "zb":  # weight gradients deferred by the blocks' linears
+    if stage is not None and p.schedule in SPLIT_BACKWARD:  # weight gradients deferred by the blocks' linears
         from plait.parallel.wgrad import WeightGradStore
 
         store = WeightGradStore()
@@ -133,26 +134,36 @@ def parallelize(cfg: Config, comm, device: torch.device, dtype: torch.dtype, com
         # what crosses a stage boundary: this rank's tokens (1/cp of each sequence, 1/tp of them with SP)
         act_shape = (lambda b, s: (b * s // cp // tp, dim)) if sp else (lambda b, s: (b, s // cp, dim))
         runner = PipelineRunner(model, engine, comm, p.schedule, pp, p.v, comm.rank(groups.pp), stage["chunks"],
-                                autocast, act_shape, dtype, store, groups.pp)
+                                autocast, act_shape, dtype, store, groups.pp, stage["costs"])
     return Parallelized(model, engine, runner, data_rank, data_size)
 
 
 def _stage(cfg: Config, rank: int, pp: int) -> dict:
     """What pipeline rank `rank` builds: its layers (by global id), whether it holds the embedding
     (stage 0) and the head (the last stage), its chunks' layer keys, and the tied-copy bookkeeping."""
+    from plait.parallel.schedules import place
     from plait.parallel.stages import rank_chunks, resolve_counts, stage_layer_ids
 
     p, L = cfg.parallel, cfg.model.n_layers
-    per_stage = stage_layer_ids(L, pp * p.v, resolve_counts(p.stage_layers, cfg.model, cfg.train.seq_len, pp * p.v))
-    chunks = rank_chunks(pp, p.v, rank, per_stage)
-    first, last = rank == 0, rank == pp - 1
+    S = pp * p.v
+    per_stage = stage_layer_ids(L, S, resolve_counts(p.stage_layers, cfg.model, cfg.train.seq_len, S, p.schedule))
+    chunks = rank_chunks(pp, p.v, rank, per_stage, p.schedule)
+    first, last = rank == place(p.schedule, pp, p.v, 0)[0], rank == place(p.schedule, pp, p.v, S - 1)[0]
     tied: dict = {}
-    if cfg.model.tie_embeddings:  # two copies: stage 0's embedding, the last stage's output matrix
+    # two copies when the ends are on two ranks: stage 0's embedding, the last stage's output matrix
+    # (ZB-V puts both ends on rank 0, whose model ties them as one device's does)
+    if cfg.model.tie_embeddings and not (first and last):
         tied = {"tied": frozenset({"embed.weight"})} if first else {}
         if last:
             tied = {"tied": frozenset({"output.weight"}), "aliases": {"output.weight": "embed.weight"}}
+    costs = None
+    if p.schedule == "zbv":  # ZB-V's order is found with the stages' relative costs
+        from plait.parallel.stages import stage_work
+        from plait.planner.costs import ModelDims
+
+        costs = stage_work(ModelDims.from_config(cfg.model, cfg.train.seq_len), [len(ids) for ids in per_stage])
     return {"build": {"layer_ids": sorted(i for c in chunks for i in c), "first": first, "last": last},
-            "chunks": [[str(i) for i in c] for c in chunks], "tied": tied}
+            "chunks": [[str(i) for i in c] for c in chunks], "tied": tied, "costs": costs}
 
 
 def compile_loss(model: Transformer) -> None:

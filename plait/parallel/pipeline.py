@@ -36,14 +36,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from plait.parallel.schedules import COMPUTE, Schedule, build_schedule, check
+from plait.parallel.schedules import COMPUTE, Schedule, build_schedule, check, place, stage_of
 
 
 @functools.lru_cache(maxsize=64)
-def checked_schedule(name: str, pp: int, m: int, v: int) -> Schedule:
+def checked_schedule(name: str, pp: int, m: int, v: int, costs: tuple | None = None) -> Schedule:
     """The schedule's lists, proven well formed and deadlock-free (`schedules.check`) before any rank
     runs them: a wrongly ordered list raises here, on every rank alike, instead of hanging."""
-    sched = build_schedule(name, pp, m, v)
+    sched = build_schedule(name, pp, m, v, costs)
     check(sched)
     return sched
 
@@ -98,25 +98,35 @@ class Timeline:
 class PipelineRunner:
     """`step(micro_batches, lr)` for this pipeline rank's chunks and engine (see the module docstring).
 
-    chunks: per local chunk, the keys of its layers in `model.layers`; stage of chunk c = c*pp + rank.
+    chunks: per local chunk, the keys of its layers in `model.layers`; stage of chunk c: `stage_of`
+    (c * pp + rank; ZB-V's V: rank, then 2 pp - 1 - rank).
     act_shape(batch, seq) -> the shape of an activation crossing stages (SP: (B*T/tp, dim)).
+    costs: per stage, the relative (F, B, W) times ZB-V's order is found with (`stages.stage_work`;
+    every rank passes the same).
     """
 
     def __init__(self, model, engine, comm, schedule_name: str, pp: int, v: int, rank: int, chunks,
-                 autocast, act_shape, dtype, store=None, pp_dim: str = "pp"):
+                 autocast, act_shape, dtype, store=None, pp_dim: str = "pp", costs: tuple | None = None):
         self.model, self.engine, self.comm, self.autocast = model, engine, comm, autocast
         self.name, self.pp, self.v, self.rank, self.chunks = schedule_name, pp, v, rank, chunks
         self.S = pp * v
-        self.act_shape, self.dtype, self.store, self.pp_dim = act_shape, dtype, store, pp_dim
+        self.act_shape, self.dtype, self.store, self.pp_dim, self.costs = act_shape, dtype, store, pp_dim, costs
         self.timeline = Timeline()
         self.in_flight_peak = 0  # most micro-batch chunks held between F and B in a step (checked by tests)
         self._connected: set = set()  # activation shapes whose connections `_connect` has made
 
     def schedule(self, m: int) -> Schedule:
-        return checked_schedule(self.name, self.pp, m, self.v)
+        return checked_schedule(self.name, self.pp, m, self.v, self.costs)
 
     def stage(self, chunk: int) -> int:
-        return chunk * self.pp + self.rank
+        return stage_of(self.name, self.pp, self.rank, chunk)
+
+    def local_chunk(self, stage: int) -> int | None:
+        """This rank's chunk running `stage`, or None when another rank (or no rank) runs it."""
+        if not 0 <= stage < self.S:
+            return None
+        r, c = place(self.name, self.pp, self.v, stage)
+        return c if r == self.rank else None
 
     # ---- one optimizer step --------------------------------------------------------------------------
 
@@ -153,8 +163,11 @@ class PipelineRunner:
                 with self.autocast():
                     h = self.model.hidden(x if s == 0 else None, None if s == 0 else inputs[key], positions=pos,
                                           layers=self.chunks[a.chunk], seq_len=seq_l, docs=docs)
+                nxt = self.local_chunk(s + 1)
                 if s == self.S - 1:
                     targets[key] = (y, seq_l)  # the head and loss run in B
+                elif nxt is not None:  # the next stage is this rank's too (ZB-V's turn): no message
+                    inputs[(nxt, a.microbatch)] = h.detach().requires_grad_()
                 else:
                     to_send[("act", key)] = h.detach()  # an alias, not a copy
                 outputs[key] = h
@@ -177,7 +190,11 @@ class PipelineRunner:
                 else:
                     torch.autograd.backward(out, grad)
                 if s > 0:
-                    to_send[("grad", key)] = inputs.pop(key).grad
+                    prv = self.local_chunk(s - 1)
+                    if prv is not None:
+                        grads_in[(prv, a.microbatch)] = inputs.pop(key).grad
+                    else:
+                        to_send[("grad", key)] = inputs.pop(key).grad
                 held -= 1
             else:  # W: the weight gradients B deferred
                 self.engine.before_backward(first=i == first_grad, last=i == last_grad)
@@ -221,7 +238,7 @@ class PipelineRunner:
             return None
         ranks = [json.loads((folder / f"pipeline-rank{r}.json").read_text()) for r in range(self.pp)]
         spans = [(r["rank"], a[3], a[4], a[0], a[1], a[2]) for r in ranks for a in r["steps"][-1]["actions"]]
-        counts = [ranks[s % self.pp]["layers"][s // self.pp] for s in range(self.S)]
+        counts = [ranks[r]["layers"][c] for r, c in (place(self.name, self.pp, self.v, s) for s in range(self.S))]
         out = {"schedule": self.name, "pp": self.pp, "v": self.v, "microbatches": m,
                **tl.report(spans, self.schedule(m), counts), "step_s": max(r["steps"][-1]["step_s"] for r in ranks),
                "host_share": tl.host_share([r["steps"][-1]["actions"] for r in ranks])}
@@ -244,21 +261,21 @@ class PipelineRunner:
         seq, out, h = x.shape[1], None, None
         self._connect(self.act_shape(x.shape[0], seq), x.device)
         x, y, docs, pos, seq_l = self._local((x, y) if docs is None else (x, y, docs), seq)
-        nxt, prv = (self.rank + 1) % self.pp, (self.rank - 1) % self.pp
+        rank_of = [place(self.name, self.pp, self.v, s)[0] for s in range(self.S)]
         try:
             for s in range(self.S):
-                if s % self.pp != self.rank:
+                if rank_of[s] != self.rank:
                     continue
-                if s > 0:
+                if s > 0 and rank_of[s - 1] != self.rank:
                     h = torch.empty(self.act_shape(x.shape[0], seq), dtype=self.dtype, device=x.device)
-                    self.comm.send_recv(self.pp_dim, recvs=[(h, prv)])
+                    self.comm.send_recv(self.pp_dim, recvs=[(h, rank_of[s - 1])])
                 with self.autocast():
-                    h = self.model.hidden(x if s == 0 else None, h, positions=pos, layers=self.chunks[s // self.pp],
+                    h = self.model.hidden(x if s == 0 else None, h, positions=pos, layers=self.chunks[self.local_chunk(s)],
                                           seq_len=seq_l, docs=docs)
                     if s == self.S - 1:
                         out = self.model.head(h, y, seq_l).float()
-                if s < self.S - 1:
-                    self.comm.send_recv(self.pp_dim, sends=[(h, nxt)])
+                if s < self.S - 1 and rank_of[s + 1] != self.rank:
+                    self.comm.send_recv(self.pp_dim, sends=[(h, rank_of[s + 1])])
         finally:
             self.model.train(was)
         return out
@@ -275,7 +292,7 @@ class PipelineRunner:
         if shape in self._connected or self.pp == 1:
             return
         self._connected.add(shape)
-        loop = self.v > 1
+        loop = self.v > 1 and self.name != "zbv"  # ZB-V's chunks turn back at the last rank: no wrap-around
         nxt = (self.rank + 1) % self.pp if loop or self.rank < self.pp - 1 else None
         prv = (self.rank - 1) % self.pp if loop or self.rank > 0 else None
         peers = [p for p in (nxt, prv) if p is not None]

@@ -7,7 +7,9 @@ draws it. Nothing else in plait knows what "1F1B" means.
 Vocabulary
   stage        one of S = pp * v consecutive slices of the model's layers. Rank r holds the v chunks
                (virtual stages) r, r + pp, r + 2 pp, ... (Megatron's interleaving); chunk c of rank r
-               is stage c * pp + r.
+               is stage c * pp + r. ZB-V places its two chunks in a V instead (`stage_of`): chunk 0
+               of rank r is stage r, chunk 1 stage 2 pp - 1 - r, so rank 0 holds both the first and
+               the last stage and the last rank hands stage pp - 1's output to stage pp locally.
   F / B / W    forward; backward; weight-gradient. In a schedule with `split_backward` (ZB-H1) B
                computes only the input gradient and W the weight gradient; otherwise B does both and
                there is no W.
@@ -26,7 +28,8 @@ from dataclasses import dataclass
 
 from plait.errors import bad_value
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "zbv")
+SPLIT_BACKWARD = ("zb", "zbv")  # schedules whose B computes input gradients only, W the rest
 COMPUTE = ("F", "B", "W")
 COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 
@@ -69,10 +72,28 @@ class Schedule:
         return self.pp * self.v
 
     def stage(self, rank: int, chunk: int) -> int:
-        return chunk * self.pp + rank
+        return stage_of(self.name, self.pp, rank, chunk)
+
+    def place(self, stage: int) -> tuple[int, int]:
+        return place(self.name, self.pp, self.v, stage)
 
     def compute_actions(self, rank: int) -> list[Action]:
         return [a for a in self.ranks[rank] if a.is_compute]
+
+
+def stage_of(name: str, pp: int, rank: int, chunk: int) -> int:
+    """The stage that chunk `chunk` of pipeline rank `rank` runs: looped (chunk * pp + rank) for every
+    schedule but ZB-V, whose second chunk comes back up the ranks (2 pp - 1 - rank)."""
+    if name == "zbv" and chunk == 1:
+        return 2 * pp - 1 - rank
+    return chunk * pp + rank
+
+
+def place(name: str, pp: int, v: int, stage: int) -> tuple[int, int]:
+    """(rank, chunk) of `stage`: the inverse of `stage_of`."""
+    if name == "zbv" and stage >= pp:
+        return 2 * pp - 1 - stage, 1
+    return stage % pp, stage // pp
 
 
 # ---------------------------------------------------------------------------------------------
@@ -84,7 +105,7 @@ def check_args(name: str, pp: int, microbatches: int, v: int = 1) -> str:
 
     Every bad input is one UserError line naming the flag, the value and the fix."""
     name = str(name).lower()
-    aliases = {"zb-h1": "zb", "zbh1": "zb", "interleaved-1f1b": "interleaved", "fill-drain": "gpipe"}
+    aliases = {"zb-h1": "zb", "zbh1": "zb", "zb-v": "zbv", "interleaved-1f1b": "interleaved", "fill-drain": "gpipe"}
     name = aliases.get(name, name)
     if name not in SCHEDULES:
         raise bad_value("--schedule", name, f"choose one of {', '.join(SCHEDULES)}")
@@ -102,37 +123,56 @@ def check_args(name: str, pp: int, microbatches: int, v: int = 1) -> str:
             near = max(pp, round(microbatches / pp) * pp)
             raise bad_value("--microbatches", microbatches, f"the interleaved schedule runs micro-batches "
                             f"in groups of pp = {pp}: use a multiple of {pp} (e.g. {near})")
+    elif name == "zbv":
+        if v != 2:
+            raise bad_value("--v", v, "ZB-V runs two model chunks per rank, placed in a V: set v = 2")
+        if pp < 2:
+            raise bad_value("--pp", pp, "ZB-V needs pp >= 2 (with one rank there is no bubble to fill)")
     elif v != 1:
-        raise bad_value("--v", v, f"only the interleaved schedule has virtual stages; use v = 1 with {name} "
-                        f"or --schedule interleaved")
+        raise bad_value("--v", v, f"only the interleaved and zbv schedules have virtual stages; use v = 1 with "
+                        f"{name} or --schedule interleaved")
     return name
 
 
 @functools.lru_cache(maxsize=512)
-def _compute_slots(name: str, pp: int, m: int, v: int) -> tuple:
+def _compute_slots(name: str, pp: int, m: int, v: int, costs: tuple | None = None) -> tuple:
     """Per rank, the compute actions grouped into slots (see `_with_p2p`); cached, immutable."""
     if name == "interleaved":
         slots = _interleaved(pp, m, v)
+    elif name == "zbv":
+        from plait.parallel.schedule_zbv import zb_v_timed
+
+        slots = [[[a] for _, _, a in timed] for timed in zb_v_timed(pp, m, costs)]
     else:
         orders = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "zb": _zb_h1}[name](pp, m, v)
         slots = [[[a] for a in order] for order in orders]
     return tuple(tuple(tuple(slot) for slot in rank_slots) for rank_slots in slots)
 
 
-def build_schedule(name: str, pp: int, microbatches: int, v: int = 1) -> Schedule:
-    """Per-rank action lists of schedule `name` (compute plus the sends and receives)."""
+def build_schedule(name: str, pp: int, microbatches: int, v: int = 1, costs: tuple | None = None) -> Schedule:
+    """Per-rank action lists of schedule `name` (compute plus the sends and receives).
+
+    `costs` (ZB-V only; the others ignore it): per stage, the relative (F, B, W) times its order is
+    found with (`plait.parallel.schedule_zbv`); None = equal stages."""
     name = check_args(name, pp, microbatches, v)
-    slots = _compute_slots(name, pp, microbatches, v)
-    ranks = tuple(tuple(_with_p2p(rank_slots, r, pp, v)) for r, rank_slots in enumerate(slots))
-    return Schedule(name, pp, microbatches, v, name == "zb", ranks)
+    if name == "zbv":
+        from plait.parallel.schedule_zbv import zb_v_lists
+
+        ranks = tuple(tuple(acts) for acts in zb_v_lists(pp, microbatches, costs))
+    else:
+        slots = _compute_slots(name, pp, microbatches, v)
+        ranks = tuple(tuple(_with_p2p(rank_slots, r, pp, v, name)) for r, rank_slots in enumerate(slots))
+    return Schedule(name, pp, microbatches, v, name in SPLIT_BACKWARD, ranks)
 
 
 @functools.lru_cache(maxsize=512)
-def compute_order(name: str, pp: int, microbatches: int, v: int = 1) -> tuple[tuple[Action, ...], ...]:
+def compute_order(name: str, pp: int, microbatches: int, v: int = 1,
+                  costs: tuple | None = None) -> tuple[tuple[Action, ...], ...]:
     """Per rank, only the F/B/W actions in order: cheaper than `build_schedule` when the messages
     do not matter (memory estimates)."""
     name = check_args(name, pp, microbatches, v)
-    return tuple(tuple(a for slot in rank for a in slot) for rank in _compute_slots(name, pp, microbatches, v))
+    costs = costs if name == "zbv" else None
+    return tuple(tuple(a for slot in rank for a in slot) for rank in _compute_slots(name, pp, microbatches, v, costs))
 
 
 def _gpipe(pp: int, m: int, v: int) -> list[list[Action]]:
@@ -221,34 +261,37 @@ def _zb_h1(pp: int, m: int, v: int) -> list[list[Action]]:
     return orders
 
 
-def _with_p2p(slots: list[list[Action]], rank: int, pp: int, v: int) -> list[Action]:
+def _with_p2p(slots: list[list[Action]], rank: int, pp: int, v: int, name: str = "1f1b") -> list[Action]:
     """Between two slots (runs of compute with no message in between), one batch: the sends of the
-    slot before and the receives of the slot after.
+    slot before and the receives of the slot after. A handoff between two stages of the same rank
+    (ZB-V's turn at the last rank) is no message: the executor passes the tensor on.
 
     Every schedule but one makes each compute action its own slot. Interleaved 1F1B pairs each
     steady-state F with the B after it, as Megatron does: both outputs are sent, and both next
     inputs received, in one batch. Without the pairing, the wrap-around from the last rank to rank 0
     closes a cycle of ranks each waiting on the next (`check` finds it)."""
     last = pp * v - 1
-    nxt, prv = (rank + 1) % pp, (rank - 1) % pp
+
+    def peer(s: int) -> int:  # the rank of stage s, or -1 when it is this rank or no stage
+        r = place(name, pp, v, s)[0] if 0 <= s <= last else rank
+        return -1 if r == rank else r
+
     out: list[Action] = []
     sends: list[Action] = []
     for slot in slots:
         recvs = []
         for a in slot:
-            s = a.chunk * pp + rank
-            if a.kind == "F" and s > 0:
-                recvs.append(Action("RECV_F", a.microbatch, a.chunk, prv))
-            if a.kind == "B" and s < last:
-                recvs.append(Action("RECV_B", a.microbatch, a.chunk, nxt))
+            s = stage_of(name, pp, rank, a.chunk)
+            src = peer(s - 1) if a.kind == "F" else peer(s + 1) if a.kind == "B" else -1
+            if src >= 0:
+                recvs.append(Action("RECV_F" if a.kind == "F" else "RECV_B", a.microbatch, a.chunk, src))
         out += sends + recvs + list(slot)
         sends = []
         for a in slot:
-            s = a.chunk * pp + rank
-            if a.kind == "F" and s < last:
-                sends.append(Action("SEND_F", a.microbatch, a.chunk, nxt))
-            if a.kind == "B" and s > 0:
-                sends.append(Action("SEND_B", a.microbatch, a.chunk, prv))
+            s = stage_of(name, pp, rank, a.chunk)
+            dst = peer(s + 1) if a.kind == "F" else peer(s - 1) if a.kind == "B" else -1
+            if dst >= 0:
+                sends.append(Action("SEND_F" if a.kind == "F" else "SEND_B", a.microbatch, a.chunk, dst))
     return out + sends
 
 
@@ -303,8 +346,9 @@ def check(sched: Schedule) -> int:
                     raise ScheduleError(f"rank {r}: {a} before its {before}")
             else:
                 k = message_key(sched, r, a)
-                expected_peer = (r + 1) % sched.pp if a.kind in ("SEND_F", "RECV_B") else (r - 1) % sched.pp
-                if a.peer != expected_peer:
+                other = s + 1 if a.kind in ("SEND_F", "RECV_B") else s - 1
+                expected_peer = sched.place(other)[0] if 0 <= other < S else -1
+                if a.peer != expected_peer or a.peer == r:
                     raise ScheduleError(f"rank {r}: {a} talks to rank {a.peer}, expected {expected_peer}")
                 book = sends if a.kind.startswith("SEND") else recvs
                 if k in book:
@@ -312,24 +356,43 @@ def check(sched: Schedule) -> int:
                 book[k] = r
                 if a.kind.startswith("SEND") and (("F" if a.kind == "SEND_F" else "B"), a.microbatch, s) not in pos:
                     raise ScheduleError(f"rank {r}: {a} before the compute that produces it")
-        # every consumer has its receive earlier in the same list
+        # every consumer has its input earlier in the same list: a receive, or where the producing
+        # stage is on this rank too (ZB-V's turn), that stage's compute
         for i, a in enumerate(acts):
             if a.kind in ("F", "B"):
                 s = sched.stage(r, a.chunk)
+                src = s - 1 if a.kind == "F" else s + 1
+                if not 0 <= src < S:
+                    continue
+                if sched.place(src)[0] == r:
+                    if pos.get((a.kind, a.microbatch, src), i) >= i:
+                        raise ScheduleError(f"rank {r}: {a} before the {a.kind} of stage {src} it takes from")
+                    continue
                 need = ("RECV_F" if a.kind == "F" else "RECV_B")
-                if (a.kind == "F" and s > 0) or (a.kind == "B" and s < S - 1):
-                    if not any(b.kind == need and b.microbatch == a.microbatch and b.chunk == a.chunk
-                               for b in acts[:i]):
-                        raise ScheduleError(f"rank {r}: {a} has no {need} before it")
+                if not any(b.kind == need and b.microbatch == a.microbatch and b.chunk == a.chunk
+                           for b in acts[:i]):
+                    raise ScheduleError(f"rank {r}: {a} has no {need} before it")
     for kind in kinds:
         for mb in range(m):
             for s in range(S):
                 if (kind, mb, s) not in seen:
                     raise ScheduleError(f"{kind}{mb} of stage {s} is missing")
-                if seen[(kind, mb, s)] != s % sched.pp:
+                if seen[(kind, mb, s)] != sched.place(s)[0]:
                     raise ScheduleError(f"{kind}{mb} of stage {s} runs on the wrong rank")
     if set(sends) != set(recvs):
         raise ScheduleError(f"unpaired messages: {sorted(set(sends) ^ set(recvs))[:4]}")
+    # NCCL pairs a rank's sends to a peer with that peer's receives from it in the order posted,
+    # whatever they carry: both sides must list each link's messages in the same order
+    links: dict[tuple[int, int, bool], list] = {}
+    for r, acts in enumerate(sched.ranks):
+        for a in acts:
+            if not a.is_compute:
+                out = a.kind.startswith("SEND")
+                link = (r, a.peer) if out else (a.peer, r)
+                links.setdefault((*link, out), []).append(message_key(sched, r, a))
+    for (src, dst, out), keys in links.items():
+        if out and links.get((src, dst, False)) != keys:
+            raise ScheduleError(f"rank {src} sends to rank {dst} in another order than rank {dst} receives")
     return _rendezvous_rounds(sched)
 
 
@@ -406,9 +469,9 @@ def in_flight(sched: Schedule, rank: int) -> tuple[int, int]:
 
 
 def peak_activation_units(name: str, pp: int, microbatches: int, v: int, rank: int,
-                          w_fraction: float) -> float:
+                          w_fraction: float, costs: tuple | None = None) -> float:
     """Peak of (held F->B) + w_fraction * (waiting B->W), in chunk-micro-batches of activations.
 
     A waiting W keeps its layers' inputs and output gradients, `w_fraction` of a full set."""
-    acts = compute_order(name, pp, microbatches, v)[rank]
-    return _running_peaks(acts, check_args(name, pp, microbatches, v) == "zb", w_fraction)[2]
+    acts = compute_order(name, pp, microbatches, v, costs)[rank]
+    return _running_peaks(acts, check_args(name, pp, microbatches, v) in SPLIT_BACKWARD, w_fraction)[2]

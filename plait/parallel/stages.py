@@ -1,8 +1,9 @@
 """How a pipeline cuts the model into stages, by layer name. The planner prices the same split.
 
 S = pp x v stages of consecutive layers; stage s runs on pipeline rank s mod pp as its chunk
-s // pp (Megatron's interleaving: rank r holds stages r, r + pp, r + 2 pp, ...). Stage 0 also holds
-the embedding, stage S - 1 the final norm, the output projection and the loss. Layers keep their
+s // pp (Megatron's interleaving: rank r holds stages r, r + pp, r + 2 pp, ...), or for ZB-V on
+rank r = s and r = 2 pp - 1 - s (`plait.parallel.schedules.place`). Stage 0 also holds the
+embedding, stage S - 1 the final norm, the output projection and the loss. Layers keep their
 global names (`layers.17` on whichever rank holds it), so checkpoints do not depend on the split.
 """
 
@@ -54,13 +55,33 @@ def _balanced(layers: int, stages: int, ratio: float, first: float) -> tuple[int
     return tuple(best[layers][2])
 
 
-def flops_balanced(d, stages: int) -> list[int]:
+def v_balanced_counts(layers: int, pp: int, layer_cost: float, head_cost: float, first_cost: float = 0.0) -> list[int]:
+    """`balanced_counts` for ZB-V's placement: rank r runs stages r and 2 pp - 1 - r, so what must
+    be even is each rank's pair, rank 0's carrying the head and the embedding. Each rank's layers
+    are chosen by filling the least loaded rank first, then cut into its two stages as evenly as
+    possible (the first stage of a pair takes the extra). Every other rank keeps a layer in each
+    stage; rank 0's may hold none where the head alone outweighs the others' layers (1b: the head
+    weighs 4.3 layers), leaving stage 0 the embedding and the last stage the head."""
+    extra = (head_cost + first_cost) / layer_cost
+    per_rank = [0] + [2] * (pp - 1)
+    for _ in range(layers - 2 * (pp - 1)):
+        r = min(range(pp), key=lambda r: (per_rank[r] + (extra if r == 0 else 0.0), -r))
+        per_rank[r] += 1
+    counts = [0] * (2 * pp)
+    for r, n in enumerate(per_rank):
+        counts[r], counts[2 * pp - 1 - r] = (n + 1) // 2, n // 2
+    return counts
+
+
+def flops_balanced(d, stages: int, schedule: str = "1f1b") -> list[int]:
     """`balanced_counts` from plait's model arithmetic: a block's matmul and causal attention FLOPs
     against the output projection's (6 FLOPs per weight and token forward and backward for both, so
     forward FLOPs compare). `d` is the planner's ModelDims."""
     from plait.planner import costs
 
     layer = costs.layer_matmul_flops_per_token(d) + costs.attention_flops_per_token(d, causal=True)
+    if schedule == "zbv":
+        return v_balanced_counts(d.layers, stages // 2, layer, costs.head_flops_per_token(d))
     return balanced_counts(d.layers, stages, layer, costs.head_flops_per_token(d))
 
 
@@ -84,15 +105,32 @@ def measured_split(stage_s: list[float], counts: list[int]) -> tuple[list[int], 
     return best, [n * layer + (first if s == 0 else 0.0) + (head if s == S - 1 else 0.0) for s, n in enumerate(best)]
 
 
-def resolve_counts(text: str, cfg, seq: int, stages: int, field: str = "parallel.stage_layers") -> list[int] | None:
+def stage_work(d, counts: list[int] | tuple[int, ...]) -> tuple[tuple[float, float, float], ...]:
+    """Relative (F, B, W) time of each stage from plait's model arithmetic, in forwards of a layer:
+    a layer's F is its matmuls and causal attention, its B the matmuls' input gradients and the
+    attention's backward (twice its forward), its W the matmuls' weight gradients; the last
+    stage's B also runs the output head and loss, forward and both gradients (the executor's head
+    slot). What ZB-V's order is found with (`plait.parallel.schedule_zbv`); the executor and the
+    planner both build it from this, so they run and price the same lists."""
+    from plait.planner import costs
+
+    mm, att = costs.layer_matmul_flops_per_token(d), costs.attention_flops_per_token(d, causal=True)
+    f, b, w = 1.0, round((mm + 2 * att) / (mm + att), 3), round(mm / (mm + att), 3)
+    head = round(3 * costs.head_flops_per_token(d) / (mm + att), 3)
+    last = len(counts) - 1
+    return tuple((n * f, n * b + (head if s == last else 0.0), n * w) for s, n in enumerate(counts))
+
+
+def resolve_counts(text: str, cfg, seq: int, stages: int, schedule: str = "1f1b",
+                   field: str = "parallel.stage_layers") -> list[int] | None:
     """parallel.stage_layers for a ModelConfig `cfg` at sequence length `seq`: "" (None: as even as
-    possible), "balance" (`flops_balanced`) or explicit counts."""
+    possible), "balance" (`flops_balanced` for the schedule's placement) or explicit counts."""
     if str(text).strip() == "balance":
         from plait.planner.costs import ModelDims
 
         if stages > cfg.n_layers:
             raise bad_value(field, text, f"cannot give each of {stages} stages a layer of {cfg.n_layers}")
-        return flops_balanced(ModelDims.from_config(cfg, seq), stages)
+        return flops_balanced(ModelDims.from_config(cfg, seq), stages, schedule)
     return parse_counts(text, cfg.n_layers, stages, field)
 
 
@@ -124,7 +162,9 @@ def stage_layer_ids(layers: int, stages: int, counts: list[int] | None = None) -
     return out
 
 
-def rank_chunks(pp: int, v: int, rank: int, per_stage: list[list[int]]) -> list[list[int]]:
+def rank_chunks(pp: int, v: int, rank: int, per_stage: list[list[int]], schedule: str = "1f1b") -> list[list[int]]:
     """The layer ids of each chunk (virtual stage) pipeline rank `rank` holds: chunk c is stage
-    c * pp + rank."""
-    return [per_stage[c * pp + rank] for c in range(v)]
+    c * pp + rank (ZB-V: `plait.parallel.schedules.stage_of`)."""
+    from plait.parallel.schedules import stage_of
+
+    return [per_stage[stage_of(schedule, pp, rank, c)] for c in range(v)]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
-from plait.parallel.schedules import Action, build_schedule, peak_activation_units
+from plait.parallel.schedules import SPLIT_BACKWARD, Action, build_schedule, peak_activation_units, place, stage_of
 from plait.planner import costs, memory
 from plait.planner.costs import ModelDims
 from plait.planner.hardware import GIB, Cluster
@@ -85,31 +85,34 @@ class Prediction:
 
 
 @functools.lru_cache(maxsize=256)
-def schedule(name: str, pp: int, m: int, v: int):
-    """Schedules are immutable: build each shape once."""
-    return build_schedule(name, pp, m, v)
+def schedule(name: str, pp: int, m: int, v: int, costs: tuple | None = None):
+    """Schedules are immutable: build each shape once (`costs`: ZB-V's, `StageCosts.order_costs`)."""
+    return build_schedule(name, pp, m, v, costs)
 
 
 @functools.lru_cache(maxsize=8192)
-def _peak_units(name: str, pp: int, m: int, v: int, rank: int, wfrac: float) -> float:
-    return peak_activation_units(name, pp, m, v, rank, wfrac)
+def _peak_units(name: str, pp: int, m: int, v: int, rank: int, wfrac: float, costs: tuple | None = None) -> float:
+    return peak_activation_units(name, pp, m, v, rank, wfrac, costs)
 
 
-def estimate_makespan(name: str, pp: int, m: int, v: int, durs: tuple, p2p_s: float):
+def estimate_makespan(name: str, pp: int, m: int, v: int, durs: tuple, p2p_s: float, costs: tuple | None = None):
     """Closed-form makespan for screening many layouts (the search then simulates the best).
 
     The slowest rank works m times its per-micro-batch time T; fill and drain add the other ranks'
     share once: sum(T) - max(T) for 1F1B and GPipe ((p - 1) T when even), 1/v of that when
     interleaved, and for ZB-H1 only F + B - W per rank (W fills the rest)."""
     per_rank = [sum(sum(durs[r * v + c]) for c in range(v)) for r in range(pp)]
-    fills = [durs[r][0] + durs[r][1] - durs[r][2] for r in range(pp)] if name == "zb" else per_rank
-    fill = (sum(fills) - max(fills)) / (v if name == "interleaved" else 1)
+    if name in SPLIT_BACKWARD:  # W fills the rest
+        fills = [sum(durs[r * v + c][0] + durs[r * v + c][1] - durs[r * v + c][2] for c in range(v)) for r in range(pp)]
+    else:
+        fills = per_rank
+    fill = (sum(fills) - max(fills)) / (v if name in ("interleaved", "zbv") else 1)
     makespan = m * max(per_rank) + fill + 2 * (pp - 1) * p2p_s
     return makespan, 1 - sum(per_rank) * m / (pp * makespan), tuple(makespan for _ in range(pp))
 
 
 @functools.lru_cache(maxsize=4096)
-def simulate_makespan(name: str, pp: int, m: int, v: int, durs: tuple, p2p_s: float):
+def simulate_makespan(name: str, pp: int, m: int, v: int, durs: tuple, p2p_s: float, costs: tuple | None = None):
     """Simulate the schedule with per-(rank, chunk) durations: (makespan, bubble, end per rank)."""
     table = {(r, c): durs[r * v + c] for r in range(pp) for c in range(v)}
 
@@ -117,7 +120,7 @@ def simulate_makespan(name: str, pp: int, m: int, v: int, durs: tuple, p2p_s: fl
         f, b, w = table[(rank, a.chunk)]
         return {"F": f, "B": b, "W": w}[a.kind]
 
-    tl = simulate(schedule(name, pp, m, v), dur, p2p_s)
+    tl = simulate(schedule(name, pp, m, v, costs), dur, p2p_s)
     ends = [0.0] * pp
     for s in tl.spans:
         ends[s.rank] = max(ends[s.rank], s.end_s)
@@ -171,21 +174,21 @@ def _memory(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, sc: StageCos
     best: tuple[float, int, dict, dict] = (-1.0, 0, {}, {})
     for r in range(pp):
         st = memory.state_bytes(sc.rank_params[r], lay.zero, shard, prec, shard_is_master=True)  # plait's ZeRO-3
-        units = _peak_units(sched_name, pp, m, v, r, wfrac)
+        units = _peak_units(sched_name, pp, m, v, r, wfrac, sc.order_costs)
         grads, gathered = st.grads, 0.0
         if lay.zero == 3 and shard > 1:
             grads, gathered = _zero3_peak(sc.rank_params[r], sc.root_params[r], layer_w, st.grads, prec, pp, m)
         comp = {
             "parameters": st.params, "gradients": grads, "master_weights": st.master,
             "optimizer_states": st.optimizer,
-            "activations": units * max(sc.layers[ch * pp + r] for ch in range(v)) * per_layer,
+            "activations": units * max(sc.layers[stage_of(sched_name, pp, r, ch)] for ch in range(v)) * per_layer,
             "zero3_gather": gathered,
             "comm_buckets": 2 * BUCKET_BYTES if (lay.grad_group > 1 and lay.zero < 3) else 0.0,
             # full recomputation rebuilds one layer's complete activations inside its backward
             "recompute_buffer": memory.layer_activation_bytes(d, d.seq // cp, b, tp, sp, "none", e, lay.compile, cp, uly)
             if lay.recompute == "full" else 0.0,
             "cp_ring": 2 * sc.kv_chunk_bytes if cp > 1 else 0.0,  # the block in use + the one arriving
-            "loss_chunk": memory.loss_chunk_bytes(d, b * d.seq // cp, tp, lay.compile, e) if r == pp - 1 else 0.0,
+            "loss_chunk": memory.loss_chunk_bytes(d, b * d.seq // cp, tp, lay.compile, e) if r == place(sched_name, pp, v, pp * v - 1)[0] else 0.0,
             "reserved": c.reserved_gib * GIB,
         }
         total = sum(comp.values())
@@ -238,7 +241,7 @@ def _tp_ends(d: ModelDims, lay: Layout, prec: Precision, m: int) -> tuple[Collec
 def _traffic(d: ModelDims, lay: Layout, prec: Precision, sc: StageCosts, m: int) -> dict[str, DimTraffic]:
     """Per mesh dim, per step, what rank 0 of the pipeline sends (a middle stage for PP)."""
     out: dict[str, DimTraffic] = {}
-    nl = sum(sc.layers[ch * lay.pp] for ch in range(lay.v))  # layers on pipeline rank 0
+    nl = sum(sc.layers[stage_of(lay.schedule, lay.pp, 0, ch)] for ch in range(lay.v))  # layers on pipeline rank 0
     shard, g, p = lay.shard_group, prec.wire_grad_bytes, prec.param_bytes
     if lay.tp > 1:
         replay = sc.tp_replay if lay.recompute == "full" else ()  # what a recomputed forward runs again
@@ -290,7 +293,7 @@ def predict(d: ModelDims, lay: Layout, c: Cluster, global_batch: int,
     sched_name = lay.schedule if pp > 1 else "1f1b"
     sc = stage_costs(d, lay, c, prec)
     run = simulate_makespan if exact else estimate_makespan
-    makespan, bubble, ends = run(sched_name, pp, m, v, sc.durations, sc.p2p_s)
+    makespan, bubble, ends = run(sched_name, pp, m, v, sc.durations, sc.p2p_s, sc.order_costs)
 
     # the step ends when the last rank has synchronised its gradients and updated its weights
     # the optimizer's update streams its state once: measured on a calibrated cluster
@@ -312,7 +315,7 @@ def predict(d: ModelDims, lay: Layout, c: Cluster, global_batch: int,
     # time until the pipeline ends = bubble (fill, drain, imbalance), then the tail after the pipeline
     b_rank = max(range(pp), key=lambda r: sc.rank_busy_s(r, v))
     busy = sc.rank_busy_s(b_rank, v) * m
-    nl = sum(sc.layers[ch * pp + b_rank] for ch in range(v))
+    nl = sum(sc.layers[stage_of(lay.schedule, pp, b_rank, ch)] for ch in range(v))
     parts = {k: sc.layer[k] * nl * m for k in ("compute", "tp", "cp", "zero3")}
     parts["zero3"] += sc.root_zero3_s * m if b_rank == 0 else 0.0
     parts["compute"] += busy - sum(parts.values())  # the output head, the embedding's share
@@ -344,7 +347,7 @@ def _explain(d, lay, c, prec, gb, m, sc, mem_rank, sched_name, makespan, bubble,
     pp, v, cp, b, tp = lay.pp, lay.v, lay.cp, lay.micro_batch, lay.tp
     per_layer = memory.layer_activation_bytes(d, d.seq // cp, b, tp, lay.seq_parallel, lay.recompute,
                                               prec.act_bytes, lay.compile, cp, lay.cp_impl == "ulysses")
-    units = _peak_units(sched_name, pp, m, v, mem_rank, memory.wgrad_fraction(d))
+    units = _peak_units(sched_name, pp, m, v, mem_rank, memory.wgrad_fraction(d), sc.order_costs)
     ex = [
         ("parameters", f"N = {costs.param_count(d):,}; in matmuls N' = {costs.matmul_params(d):,}"),
         ("model FLOPs/token", f"6N' + 12LHQT = 6 x {costs.matmul_params(d):.4g} + 12 x {d.layers} x {d.heads} x "
@@ -356,7 +359,7 @@ def _explain(d, lay, c, prec, gb, m, sc, mem_rank, sched_name, makespan, bubble,
                               f" B/param x {sc.rank_params[mem_rank]:.4g} params on pipeline rank {mem_rank}"),
         ("activations", f"{d.arch} per layer (s = {d.seq // cp}, b = {b}, t = {tp}, sp = {lay.seq_parallel}, "
                         f"recompute = {lay.recompute}) = {per_layer / 2**20:.1f} MiB x "
-                        f"{max(sc.layers[ch * pp + mem_rank] for ch in range(v))} layers x {units:.3g} "
+                        f"{max(sc.layers[stage_of(sched_name, pp, mem_rank, ch)] for ch in range(v))} layers x {units:.3g} "
                         f"micro-batches in flight ({sched_name} schedule, rank {mem_rank})"),
         ("layer time", f"per micro-batch: math {sc.layer['compute'] * 1e3:.3f} ms + TP "
                        f"{sc.layer['tp'] * 1e3:.3f} ms + CP {sc.layer['cp'] * 1e3:.3f} ms + ZeRO-3 "

@@ -181,8 +181,8 @@ def load(folder: str | Path) -> list[Run]:
                 continue  # measured code that has changed since (the row says how)
             if path.name in FIRST_ROW_ONLY and not first:
                 continue
-            if row.get("nccl_max_ctas"):
-                continue  # NCCL's thread blocks capped for the whole run: not what the profile measured
+            if row.get("nccl_max_ctas") or row.get("overlap_ctas"):
+                continue  # NCCL's thread blocks capped (the whole run, or the overlapped buckets'): not what the profile measured
             if bench == "train_step":  # each row its own model and batch
                 config = {"preset": row["preset"], "seq": row["seq_len"],
                           "model": [f"n_layers={row['n_layers']}"] if "n_layers" in row else []}

@@ -36,7 +36,7 @@ class Space:
     v: tuple[int, ...] = (2, 4)
     micro_batch: tuple[int, ...] = (1, 2, 4, 8)
     recompute: tuple[str, ...] = ("none", "selective", "full")
-    schedule: tuple[str, ...] = ("1f1b", "interleaved", "zb")
+    schedule: tuple[str, ...] = ("1f1b", "interleaved", "zb", "zbv")
     sp: bool = True
     compile: bool = True
     cp_impl: tuple[str, ...] = ("ring", "ulysses")
@@ -87,9 +87,11 @@ def candidates(d: ModelDims, c: Cluster, global_batch: int, space: Space = Space
                             for rc in space.recompute:
                                 scheds = ("1f1b",) if pp == 1 else space.schedule
                                 for sched in scheds:
-                                    vs = space.v if sched == "interleaved" else (1,)
+                                    vs = space.v if sched == "interleaved" else (2,) if sched == "zbv" else (1,)
                                     for v in vs:
                                         if sched == "interleaved" and (m % pp or pp * v > d.layers):
+                                            continue
+                                        if sched == "zbv" and 2 * pp > d.layers:
                                             continue
                                         for split in space.stage_split if pp > 1 else ("",):
                                             for impl in space.cp_impl if cp > 1 else space.cp_impl[:1]:

@@ -21,6 +21,8 @@ from plait.planner.layout import Layout, stage_layers
 from plait.planner.memory import Precision
 from plait.planner.placement import nodes_spanned
 from plait.planner.traffic import Collective
+from plait.parallel.schedules import SPLIT_BACKWARD, place, stage_of
+from plait.parallel.stages import stage_work
 
 
 BUCKET_BYTES = 25 * (1 << 20)  # plait's default gradient bucket (parallel.bucket_mb)
@@ -57,6 +59,9 @@ class StageCosts:
     lockstep: float = 1.0
     """How much longer the job's GPUs take for their work than one alone, each waiting for the
     slowest at every collective (measured: `HardwareProfile.lockstep_slowdown`); in the durations."""
+    order_costs: tuple | None = None
+    """ZB-V: the stages' relative costs its order is found with, as the executor finds it
+    (`plait.parallel.stages.stage_work`); None for every other schedule."""
 
     def rank_busy_s(self, rank: int, v: int) -> float:
         return sum(sum(self.durations[rank * v + c]) for c in range(v))
@@ -82,12 +87,12 @@ def hide(parts: tuple[tuple[str, float], ...], window_s: float, c: Cluster) -> t
     return total * (1.0 - share), slowdown
 
 
-def split_layers(d: ModelDims, stages: int, split: str) -> list[int]:
+def split_layers(d: ModelDims, stages: int, split: str, schedule: str = "1f1b") -> list[int]:
     """Layers of each stage as the runtime splits them (plait/parallel/stages.py)."""
     from plait.parallel.stages import flops_balanced, parse_counts
 
     if split.strip() == "balance":
-        return flops_balanced(d, stages)
+        return flops_balanced(d, stages, schedule)
     return parse_counts(split, d.layers, stages, "--stage-layers") or stage_layers(d.layers, stages)
 
 
@@ -114,7 +119,8 @@ def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision) -> Stage
     tp, pp, v, cp, b = lay.tp, lay.pp, lay.v, lay.cp, lay.micro_batch
     sp, e = lay.seq_parallel, prec.act_bytes
     S = pp * v
-    layers = split_layers(d, S, lay.stage_split)
+    layers = split_layers(d, S, lay.stage_split, lay.schedule)
+    rank_of = [place(lay.schedule, pp, v, st)[0] for st in range(S)]
     tokens = b * d.seq // cp  # tokens of one micro-batch on one GPU
     sizes = lay.sizes()
     links = {}
@@ -122,15 +128,17 @@ def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision) -> Stage
         crosses = nodes_spanned(dims, sizes, c.gpus_per_node) > 1
         links[name] = (c.inter if crosses else c.intra, crosses)
 
-    # parameters per pipeline rank: layers; the embedding on rank 0; the head on the last rank,
-    # which also keeps its own copy of a tied embedding matrix when the two ends are different ranks
+    # parameters per pipeline rank: layers; the embedding on rank 0; the head on the last stage's
+    # rank, which also keeps its own copy of a tied embedding matrix when the two ends are different
+    # ranks (ZB-V holds both on rank 0: one matrix)
     block_t, embed_t, head_t = costs.tp_share(d, tp)  # per tensor-parallel rank
-    tied_copy = embed_t if (d.tie_embeddings and pp > 1) else 0
+    head_rank = rank_of[S - 1]
+    tied_copy = embed_t if (d.tie_embeddings and head_rank != 0) else 0
     rank_params, root_params, last_params = [], [], []
     for r in range(pp):
-        root = (embed_t if r == 0 else 0) + ((head_t + tied_copy) if r == pp - 1 else 0)
+        root = (embed_t if r == 0 else 0) + ((head_t + tied_copy) if r == head_rank else 0)
         root_params.append(root)
-        rank_params.append(sum(layers[ch * pp + r] for ch in range(v)) * block_t + root)
+        rank_params.append(sum(layers[stage_of(lay.schedule, pp, r, ch)] for ch in range(v)) * block_t + root)
         last_params.append(min(rank_params[-1], embed_t if r == 0 else BUCKET_BYTES / prec.wire_grad_bytes))
 
     lt = roofline.layer_times(d, tokens, c, tp)
@@ -205,11 +213,11 @@ def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision) -> Stage
     f1 = lt.forward_s + tp_s + cp_f + z3_f
     bi1 = lt.backward_input_s + tp_s + cp_b + z3_b + rc
     bw1 = lt.backward_weight_s
-    split = lay.schedule == "zb" and pp > 1
+    split = lay.schedule in SPLIT_BACKWARD and pp > 1
     durs = []
     for r in range(pp):
         for ch in range(v):
-            st = ch * pp + r
+            st = stage_of(lay.schedule, pp, r, ch)
             n, last = layers[st], st == S - 1
             # plait's fused loss (plait/loss.py) forms both of the head's gradients as it computes the
             # loss, so all three of the head's matmuls run where the loss does: in the last stage's B
@@ -232,4 +240,5 @@ def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision) -> Stage
              "tp": 2 * tp_s + replay_s, "cp": cp_f + cp_b, "zero3": z3_f + z3_b}
     parts = {k: x * slow for k, x in parts.items()}
     return StageCosts(tuple(layers), tuple(durs), parts, tuple(rank_params), tuple(root_params), tp_fwd, tp_replay, kv_chunk, msg,
-                      p2p_s, links, tuple(last_params), (root_f + root_b) * slow, slow)
+                      p2p_s, links, tuple(last_params), (root_f + root_b) * slow, slow,
+                      stage_work(d, layers) if lay.schedule == "zbv" and pp > 1 else None)
