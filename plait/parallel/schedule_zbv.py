@@ -12,11 +12,13 @@ backward has the longer way still to go), else a ready F, else its oldest pendin
 right after a B, when a ready F goes first (1F1B's alternation: a rank that drains several
 backwards in a row lets the pipeline behind it run dry). Among forwards, chunk 1 first (it
 finishes a micro-batch already inside the rank); a chunk-0 forward (a new micro-batch) only while
-the chunk-micro-batches the rank holds between F and W, plus one kept free for the chunk-1 forward
-of each micro-batch still on its way back, stay within 2 pp - the activations 1F1B's first rank
-holds (pp micro-batches of the whole model's share). Keeping that room is what stops a rank from
-filling up with new micro-batches while the ones it must finish cannot enter, which would
-deadlock.
+the activations the rank holds between F and W, plus room kept for the chunk-1 forward of it and of
+each micro-batch still on its way back, stay within pp micro-batches of the heaviest rank's
+chunks: the peak 1F1B has for the same split. A chunk-micro-batch counts its layers plus a tenth
+for its input tensor (equal stages: 2 pp chunk-micro-batches a rank). So a rank whose chunks are
+small, as rank 0's are when the head is heavy, admits more micro-batches, and none holds more than
+the fullest GPU would. Keeping the room is what stops a rank from filling up with new
+micro-batches while the ones it must finish cannot enter, which would deadlock.
 
 The costs only *find* the order; the order is valid for any actual times (`schedules.check` proves
 it). With equal stages on 4 ranks it idles 5.9% of the step at m = 8 (1F1B: 27.3%, ZB-H1: 11.1%).
@@ -36,7 +38,10 @@ from plait.parallel.schedules import Action, place, stage_of
 @functools.lru_cache(maxsize=128)
 def zb_v_timed(pp: int, m: int, costs: tuple | None = None) -> tuple[tuple[tuple[float, float, Action], ...], ...]:
     """Per rank, its actions as (start, end, action) of the list-scheduling run."""
-    S, cap = 2 * pp, 2 * pp
+    S = 2 * pp
+    # what a chunk-micro-batch between F and W holds, in layers' activations (+ its input tensor)
+    weight = [[(costs[stage_of("zbv", pp, r, c)][0] + 0.1) if costs else 1.0 for c in (0, 1)] for r in range(pp)]
+    cap = pp * max(map(sum, weight))  # pp micro-batches of the heaviest rank's: 1F1B's peak for this split
 
     def took(r: int, a: Action) -> float:  # zero-layer stages still take a moment: order stays causal
         return max(1e-9, costs[stage_of("zbv", pp, r, a.chunk)]["FBW".index(a.kind)] if costs else 1.0)
@@ -44,7 +49,7 @@ def zb_v_timed(pp: int, m: int, costs: tuple | None = None) -> tuple[tuple[tuple
     done: dict[tuple[str, int, int], float] = {}  # (kind, mb, stage) -> end
     nxt_f, nxt_b = [[0, 0] for _ in range(pp)], [[0, 0] for _ in range(pp)]
     pend: list[list[tuple[int, int]]] = [[] for _ in range(pp)]
-    live = [0] * pp  # chunk-micro-batches between F and W
+    live = [0.0] * pp  # activations between F and W, weighted
     free = [0.0] * pp
     orders: list[list[tuple[float, float, Action]]] = [[] for _ in range(pp)]
     t, left = 0.0, 3 * m * S
@@ -63,7 +68,9 @@ def zb_v_timed(pp: int, m: int, costs: tuple | None = None) -> tuple[tuple[tuple
     def cand_f(r):
         for c in (1, 0):
             mb, s = nxt_f[r][c], stage_of("zbv", pp, r, c)
-            room = c == 1 or live[r] + nxt_f[r][0] - nxt_f[r][1] + 2 <= cap  # this F and its chunk-1 F
+            # this F, and room kept for the chunk-1 F of it and of every micro-batch on its way back
+            w0, w1 = weight[r]
+            room = c == 1 or live[r] + (nxt_f[r][0] - nxt_f[r][1] + 1) * w1 + w0 <= cap + 1e-9
             if mb < m and room and (s == 0 or ready("F", mb, s - 1)):
                 return Action("F", mb, c)
 
@@ -79,12 +86,12 @@ def zb_v_timed(pp: int, m: int, costs: tuple | None = None) -> tuple[tuple[tuple
             last_kind[r] = act.kind
             if act.kind == "F":
                 nxt_f[r][act.chunk] += 1
-                live[r] += 1
+                live[r] += weight[r][act.chunk]
             elif act.kind == "B":
                 nxt_b[r][act.chunk] += 1
                 pend[r].append((act.microbatch, act.chunk))
             else:
-                live[r] -= 1
+                live[r] -= weight[r][act.chunk]
             end = t + took(r, act)
             orders[r].append((t, end, act))
             done[(act.kind, act.microbatch, stage_of("zbv", pp, r, act.chunk))] = end

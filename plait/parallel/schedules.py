@@ -443,19 +443,23 @@ def _rendezvous_rounds(sched: Schedule) -> int:
                                 f"deadlocks: {stuck}")
 
 
-def _running_peaks(acts, split: bool, w_fraction: float) -> tuple[int, int, float]:
+def _running_peaks(acts, split: bool, w_fraction: float, chunk_weights=None) -> tuple[int, int, float]:
+    """(peak held F->B, peak waiting B->W, peak of held + w_fraction * waiting), counts in
+    chunk-micro-batches; the last weighted by `chunk_weights[chunk]` when given."""
     fb = bw = peak_fb = peak_bw = 0
-    peak = 0.0
+    held = waiting = peak = 0.0
     for a in acts:
+        w = chunk_weights[a.chunk] if chunk_weights is not None else 1.0
         if a.kind == "F":
-            fb += 1
+            fb, held = fb + 1, held + w
         elif a.kind == "B":
-            fb -= 1
-            bw += 1 if split else 0
+            fb, held = fb - 1, held - w
+            if split:
+                bw, waiting = bw + 1, waiting + w
         else:
-            bw -= 1
+            bw, waiting = bw - 1, waiting - w
         peak_fb, peak_bw = max(peak_fb, fb), max(peak_bw, bw)
-        peak = max(peak, fb + w_fraction * bw)
+        peak = max(peak, held + w_fraction * waiting)
     return peak_fb, peak_bw, peak
 
 
@@ -469,9 +473,11 @@ def in_flight(sched: Schedule, rank: int) -> tuple[int, int]:
 
 
 def peak_activation_units(name: str, pp: int, microbatches: int, v: int, rank: int,
-                          w_fraction: float, costs: tuple | None = None) -> float:
-    """Peak of (held F->B) + w_fraction * (waiting B->W), in chunk-micro-batches of activations.
+                          w_fraction: float, costs: tuple | None = None, chunk_layers=None) -> float:
+    """Peak of (held F->B) + w_fraction * (waiting B->W), in chunk-micro-batches of activations,
+    or with `chunk_layers` (the rank's layers per chunk) in layer-micro-batches: ZB-V's chunks
+    differ in size and it admits micro-batches by what they hold.
 
     A waiting W keeps its layers' inputs and output gradients, `w_fraction` of a full set."""
     acts = compute_order(name, pp, microbatches, v, costs)[rank]
-    return _running_peaks(acts, check_args(name, pp, microbatches, v) in SPLIT_BACKWARD, w_fraction)[2]
+    return _running_peaks(acts, check_args(name, pp, microbatches, v) in SPLIT_BACKWARD, w_fraction, chunk_layers)[2]

@@ -91,8 +91,19 @@ def schedule(name: str, pp: int, m: int, v: int, costs: tuple | None = None):
 
 
 @functools.lru_cache(maxsize=8192)
-def _peak_units(name: str, pp: int, m: int, v: int, rank: int, wfrac: float, costs: tuple | None = None) -> float:
-    return peak_activation_units(name, pp, m, v, rank, wfrac, costs)
+def _peak_units(name: str, pp: int, m: int, v: int, rank: int, wfrac: float, costs: tuple | None = None,
+                chunk_layers: tuple | None = None) -> float:
+    return peak_activation_units(name, pp, m, v, rank, wfrac, costs, chunk_layers)
+
+
+def _held_layers(sched_name: str, pp: int, m: int, v: int, rank: int, wfrac: float, sc: StageCosts) -> tuple[float, float]:
+    """(micro-batches in flight, layers' activations held) at the rank's peak: in-flight chunks times
+    the rank's largest chunk, or for ZB-V, whose two chunks differ in size, each chunk by its own."""
+    layers = tuple(sc.layers[stage_of(sched_name, pp, rank, ch)] for ch in range(v))
+    units = _peak_units(sched_name, pp, m, v, rank, wfrac, sc.order_costs)
+    if sched_name == "zbv":
+        return units, _peak_units(sched_name, pp, m, v, rank, wfrac, sc.order_costs, layers)
+    return units, units * max(layers)
 
 
 def estimate_makespan(name: str, pp: int, m: int, v: int, durs: tuple, p2p_s: float, costs: tuple | None = None):
@@ -174,14 +185,14 @@ def _memory(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, sc: StageCos
     best: tuple[float, int, dict, dict] = (-1.0, 0, {}, {})
     for r in range(pp):
         st = memory.state_bytes(sc.rank_params[r], lay.zero, shard, prec, shard_is_master=True)  # plait's ZeRO-3
-        units = _peak_units(sched_name, pp, m, v, r, wfrac, sc.order_costs)
+        units, held = _held_layers(sched_name, pp, m, v, r, wfrac, sc)
         grads, gathered = st.grads, 0.0
         if lay.zero == 3 and shard > 1:
             grads, gathered = _zero3_peak(sc.rank_params[r], sc.root_params[r], layer_w, st.grads, prec, pp, m)
         comp = {
             "parameters": st.params, "gradients": grads, "master_weights": st.master,
             "optimizer_states": st.optimizer,
-            "activations": units * max(sc.layers[stage_of(sched_name, pp, r, ch)] for ch in range(v)) * per_layer,
+            "activations": held * per_layer,
             "zero3_gather": gathered,
             "comm_buckets": 2 * BUCKET_BYTES if (lay.grad_group > 1 and lay.zero < 3) else 0.0,
             # full recomputation rebuilds one layer's complete activations inside its backward
@@ -347,7 +358,7 @@ def _explain(d, lay, c, prec, gb, m, sc, mem_rank, sched_name, makespan, bubble,
     pp, v, cp, b, tp = lay.pp, lay.v, lay.cp, lay.micro_batch, lay.tp
     per_layer = memory.layer_activation_bytes(d, d.seq // cp, b, tp, lay.seq_parallel, lay.recompute,
                                               prec.act_bytes, lay.compile, cp, lay.cp_impl == "ulysses")
-    units = _peak_units(sched_name, pp, m, v, mem_rank, memory.wgrad_fraction(d), sc.order_costs)
+    units, held = _held_layers(sched_name, pp, m, v, mem_rank, memory.wgrad_fraction(d), sc)
     ex = [
         ("parameters", f"N = {costs.param_count(d):,}; in matmuls N' = {costs.matmul_params(d):,}"),
         ("model FLOPs/token", f"6N' + 12LHQT = 6 x {costs.matmul_params(d):.4g} + 12 x {d.layers} x {d.heads} x "
@@ -358,9 +369,10 @@ def _explain(d, lay, c, prec, gb, m, sc, mem_rank, sched_name, makespan, bubble,
                               f"N_d = {lay.shard_group} -> {memory.bytes_per_param(lay.zero, lay.shard_group, prec):.4g}"
                               f" B/param x {sc.rank_params[mem_rank]:.4g} params on pipeline rank {mem_rank}"),
         ("activations", f"{d.arch} per layer (s = {d.seq // cp}, b = {b}, t = {tp}, sp = {lay.seq_parallel}, "
-                        f"recompute = {lay.recompute}) = {per_layer / 2**20:.1f} MiB x "
-                        f"{max(sc.layers[stage_of(sched_name, pp, mem_rank, ch)] for ch in range(v))} layers x {units:.3g} "
-                        f"micro-batches in flight ({sched_name} schedule, rank {mem_rank})"),
+                        f"recompute = {lay.recompute}) = {per_layer / 2**20:.1f} MiB x {held:.3g} layers' worth: "
+                        f"{units:.3g} micro-batch chunks in flight of up to "
+                        f"{max(sc.layers[stage_of(sched_name, pp, mem_rank, ch)] for ch in range(v))} layers "
+                        f"({sched_name} schedule, rank {mem_rank})"),
         ("layer time", f"per micro-batch: math {sc.layer['compute'] * 1e3:.3f} ms + TP "
                        f"{sc.layer['tp'] * 1e3:.3f} ms + CP {sc.layer['cp'] * 1e3:.3f} ms + ZeRO-3 "
                        f"{sc.layer['zero3'] * 1e3:.3f} ms (F + B; " + (

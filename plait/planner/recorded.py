@@ -140,7 +140,7 @@ def _layout(bench: str, variant: str, row: dict, config: dict, n_gpus: int, comm
                 return None
         if sched == "zero3":
             return dict(dp=n_gpus, zero=3, micro_batch=mb), m * mb
-        return dict(pp=n_gpus, dp=1, zero=1, micro_batch=mb, schedule=sched, v=2 if sched == "interleaved" else 1,
+        return dict(pp=n_gpus, dp=1, zero=1, micro_batch=mb, schedule=sched, v=2 if sched in ("interleaved", "zbv") else 1,
                     stage_split=split), m * mb
     if bench == "context_parallel":  # ZeRO-3 over every GPU; N sequences per data-parallel rank
         cp, mb = row["cp"], config.get("micro_batch", 1)  # runs made before --micro-batch trained one
