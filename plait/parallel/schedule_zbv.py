@@ -22,10 +22,10 @@ micro-batches while the ones it must finish cannot enter, which would deadlock.
 
 The costs only *find* the order; the order is valid for any actual times (`schedules.check` proves
 it). With equal stages on 4 ranks it idles 5.9% of the step at m = 8 (1F1B: 27.3%, ZB-H1: 11.1%).
-Costs matter because the head makes the last stage several layers heavier than the others, and
-where stages are that uneven the 1F1B activation bound costs time: on 4 x H100 the planner prices
-8b's ZB-V step 11% under ZB-H1's at m = 4 and 4% under at m = 8, but 1b's 17% over at m = 32,
-where rank 0 (head and embedding) paces the pipeline and new micro-batches wait for room.
+Costs matter because the head makes the last stage several layers heavier than the others.
+Measured on 4 x H200 (bench/README.md): 1.07x (1b) and 1.11x (8b) ZB-H1's tokens/s at m = 4, even
+at m = 8, 0.96-0.97x at m = 32, where the activation bound holds new micro-batches back (with 1.5x
+the bound the planner prices 1b at m = 32 even with ZB-H1).
 """
 
 from __future__ import annotations
