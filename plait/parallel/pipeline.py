@@ -5,7 +5,9 @@ SEND_F / RECV_F / SEND_B / RECV_B actions. The executor walks it:
   - a run of consecutive sends and receives goes out as one batched non-blocking P2P call (its
     receive buffers allocated from the known activation shape) and is completed before the next
     compute action - exactly the rendezvous execution `schedules.check` proves deadlock-free;
-  - F runs a chunk's layers on the received activation (stage 0: on the tokens);
+  - F runs a chunk's layers on the received activation (stage 0: on the tokens; ZB-V's stage pp on
+    the last rank: on stage pp - 1's output, handed over on the rank without a message, as B hands
+    the gradient back);
   - B runs backward from the chunk's output with the received gradient and leaves the gradient of
     the chunk's input to be sent; in a zero-bubble schedule B computes input gradients only and W
     the deferred weight gradients (`plait.parallel.wgrad`). The last stage's B first runs the
@@ -25,7 +27,7 @@ once the send completed when nothing of autograd reads it.
 Statistics: the last stage's loss is the only loss; the engine's step sums squared norms over every
 stage (its statistics all-reduce spans the job). Tied embeddings: stage 0's embedding and the last
 stage's output matrix are two copies; the engine adds their gradients over the `pp_ends` group and
-both take the same update.
+both take the same update (ZB-V holds both stages on rank 0: one matrix, nothing to add).
 """
 
 from __future__ import annotations
