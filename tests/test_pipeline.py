@@ -1,5 +1,5 @@
 """Pipeline parallelism: every schedule (GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-V) at 2 and 4
-ranks with 1, pp and 3 pp micro-batches, and a 3D layout (PP 2 x TP 2 x DP 2, ZeRO-1, 8 processes),
+ranks with 1, pp and 3 pp micro-batches, and 3D layouts (PP 2 x TP 2 (+SP) x DP 2, ZeRO-1, 8 processes: 1F1B, ZB-H1, ZB-V),
 against the single-process run; point-to-point traffic to the byte against the formula and the
 planner; micro-batches in flight against the schedule's bound.
 
@@ -224,7 +224,7 @@ def test_a_wrongly_ordered_schedule_is_refused_before_it_runs(monkeypatch):
 
 
 # PP 2 x TP 2 (+SP) x DP 2 with ZeRO-1 on 8 processes: name -> (schedule, micro-batches)
-THREE_D = {"3d-1f1b": ("1f1b", 2), "3d-zb": ("zb", 4)}
+THREE_D = {"3d-1f1b": ("1f1b", 2), "3d-zb": ("zb", 4), "3d-zbv": ("zbv", 4)}
 
 
 def _body_3d(dims, corpus, root):
@@ -233,7 +233,8 @@ def _body_3d(dims, corpus, root):
     comm = Comm(dims, Ledger())
     out = {}
     for name, (sched, m) in THREE_D.items():
-        cfg = config(corpus, grad_accum=m, model=PPM, steps=STEPS, pp=2, tp=2, sp="on", zero=1, schedule=sched)
+        cfg = config(corpus, grad_accum=m, model=PPM, steps=STEPS, pp=2, tp=2, sp="on", zero=1, schedule=sched,
+                     v=2 if sched == "zbv" else 1)
         cfg.train.lr, cfg.train.min_lr = LR, LR / 10
         out[name] = train(cfg, comm, root / name)
     return out
