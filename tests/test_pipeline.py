@@ -1,6 +1,6 @@
 """Pipeline parallelism: every schedule (GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-V) at 2 and 4
-ranks with 1, pp and 3 pp micro-batches, and 3D layouts (PP 2 x TP 2 (+SP) x DP 2, ZeRO-1, 8 processes: 1F1B, ZB-H1, ZB-V),
-against the single-process run; point-to-point traffic to the byte against the formula and the
+ranks with 1, pp and 3 pp micro-batches, and 3D layouts (PP 2 x TP 2 (+SP) x DP 2, ZeRO-1, 8
+processes: 1F1B, ZB-H1, ZB-V), against the single-process run; point-to-point traffic to the byte against the formula and the
 planner; micro-batches in flight against the schedule's bound.
 
 The model has tied embeddings, so the first and last stages hold the two copies of the matrix and
