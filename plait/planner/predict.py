@@ -386,9 +386,10 @@ def _explain(d, lay, c, prec, gb, m, sc, mem_rank, sched_name, makespan, bubble,
                                "the measured spread times the expected maximum of that many") + ")"
                            if sc.lockstep != 1.0 else "")),
         ("pipeline", f"{sched_name} pp = {pp}, m = {m}, v = {v}: makespan {makespan * 1e3:.2f} ms, bubble "
-                     f"{bubble:.2%} of all ranks' time as simulated (these stages and P2P times); the "
-                     f"textbook (p-1)/(v m + p-1) for even stages and free P2P would be "
-                     f"{(pp - 1) / (v * m + pp - 1):.2%}"),
+                     f"{bubble:.2%} of all ranks' time as simulated (these stages and P2P times); " + (
+                         f"the textbook (p-1)/(v m + p-1) for even stages and free P2P would be "
+                         f"{(pp - 1) / (v * m + pp - 1):.2%}" if sched_name not in SPLIT_BACKWARD else
+                         "a zero-bubble schedule has no closed form: W fills what the stages leave")),
         ("step time", f"makespan + exposed gradient sync {dp_exposed * 1e3:.2f} ms + optimizer "
                       f"{opt_s * 1e3:.2f} ms = {step * 1e3:.2f} ms"),
         ("MFU", f"{model_flops:.4g} FLOP / ({step:.4g} s x {c.n_gpus} GPUs x {c.peak_flops:.4g} FLOP/s) "
