@@ -289,3 +289,27 @@ def test_the_head_in_the_last_stages_backward_slot_speeds_gpipe_and_nothing_else
             assert before >= gain * now, (sched, before, now)
         else:
             assert before == pytest.approx(now, rel=1e-3), (sched, before, now)
+
+
+def test_zb_v_puts_both_ends_and_one_tied_matrix_on_rank_0():
+    """ZB-V's V: rank 0 holds the embedding and the head, so a tied matrix is held once there, where
+    a looped schedule keeps a second copy on its last rank; the fused loss's chunk is priced on rank
+    0; the balanced split evens out ranks' pairs of stages with rank 0's carrying the head; and the
+    planner's activations follow each chunk's own layers."""
+    from plait.planner.memory import precision
+    from plait.planner.stage_costs import split_layers, stage_costs
+
+    cfg = ModelConfig(**PRESETS["1b"])
+    d = ModelDims.from_config(cfg, seq=2048)
+    assert d.tie_embeddings
+    c, prec = cluster("h100", 1, 4), precision("mixed")
+    _, embed, head = costs.tp_share(d, 1)
+    one = stage_costs(d, Layout(pp=4, dp_shard=1, zero=1, micro_batch=2, schedule="1f1b"), c, prec)
+    zbv = stage_costs(d, Layout(pp=4, dp_shard=1, zero=1, micro_batch=2, schedule="zbv", v=2), c, prec)
+    assert one.root_params == (embed, 0, 0, head + embed)  # the last rank's own copy of the tied matrix
+    assert zbv.root_params == (embed + head, 0, 0, 0)
+    counts = split_layers(d, 8, "balance", "zbv")
+    assert sum(counts) == d.layers and counts[0] + counts[-1] < min(counts[r] + counts[7 - r] for r in (1, 2, 3))
+    p = predict(d, Layout(pp=4, dp_shard=1, zero=1, micro_batch=2, schedule="zbv", v=2, stage_split="balance"), c, 16)
+    loss_on = p.memory_rank == 0
+    assert (p.memory_bytes["loss_chunk"] > 0) == loss_on
