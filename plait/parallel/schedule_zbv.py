@@ -35,43 +35,42 @@ import functools
 from plait.parallel.schedules import Action, place, stage_of
 
 
-@functools.lru_cache(maxsize=128)
+@functools.lru_cache(maxsize=512)
 def zb_v_timed(pp: int, m: int, costs: tuple | None = None) -> tuple[tuple[tuple[float, float, Action], ...], ...]:
     """Per rank, its actions as (start, end, action) of the list-scheduling run."""
     S = 2 * pp
+    stage = [[stage_of("zbv", pp, r, c) for c in (0, 1)] for r in range(pp)]
     # what a chunk-micro-batch between F and W holds, in layers' activations (+ its input tensor)
-    weight = [[(costs[stage_of("zbv", pp, r, c)][0] + 0.1) if costs else 1.0 for c in (0, 1)] for r in range(pp)]
+    weight = [[(costs[stage[r][c]][0] + 0.1) if costs else 1.0 for c in (0, 1)] for r in range(pp)]
     cap = pp * max(map(sum, weight))  # pp micro-batches of the heaviest rank's: 1F1B's peak for this split
+    # zero-layer stages still take a moment, so the order stays causal
+    took = [[{k: max(1e-9, costs[stage[r][c]]["FBW".index(k)] if costs else 1.0) for k in "FBW"} for c in (0, 1)]
+            for r in range(pp)]
 
-    def took(r: int, a: Action) -> float:  # zero-layer stages still take a moment: order stays causal
-        return max(1e-9, costs[stage_of("zbv", pp, r, a.chunk)]["FBW".index(a.kind)] if costs else 1.0)
-
-    done: dict[tuple[str, int, int], float] = {}  # (kind, mb, stage) -> end
+    f_end: dict[tuple[int, int], float] = {}  # (mb, stage) -> when its F ends
+    b_end: dict[tuple[int, int], float] = {}  # ... its B
+    never = float("inf")
     nxt_f, nxt_b = [[0, 0] for _ in range(pp)], [[0, 0] for _ in range(pp)]
     pend: list[list[tuple[int, int]]] = [[] for _ in range(pp)]
     live = [0.0] * pp  # activations between F and W, weighted
     free = [0.0] * pp
     orders: list[list[tuple[float, float, Action]]] = [[] for _ in range(pp)]
     t, left = 0.0, 3 * m * S
-
-    def ready(kind: str, mb: int, s: int) -> bool:
-        return done.get((kind, mb, s), t + 1.0) <= t
-
     last_kind = [""] * pp
 
     def cand_b(r):
         for c in (1, 0):
-            mb, s = nxt_b[r][c], stage_of("zbv", pp, r, c)
-            if mb < m and ready("F", mb, s) and (s == S - 1 or ready("B", mb, s + 1)):
+            mb, s = nxt_b[r][c], stage[r][c]
+            if mb < m and f_end.get((mb, s), never) <= t and (s == S - 1 or b_end.get((mb, s + 1), never) <= t):
                 return Action("B", mb, c)
 
     def cand_f(r):
+        w0, w1 = weight[r]
         for c in (1, 0):
-            mb, s = nxt_f[r][c], stage_of("zbv", pp, r, c)
+            mb, s = nxt_f[r][c], stage[r][c]
             # this F, and room kept for the chunk-1 F of it and of every micro-batch on its way back
-            w0, w1 = weight[r]
             room = c == 1 or live[r] + (nxt_f[r][0] - nxt_f[r][1] + 1) * w1 + w0 <= cap + 1e-9
-            if mb < m and room and (s == 0 or ready("F", mb, s - 1)):
+            if mb < m and room and (s == 0 or f_end.get((mb, s - 1), never) <= t):
                 return Action("F", mb, c)
 
     while left:
@@ -92,12 +91,14 @@ def zb_v_timed(pp: int, m: int, costs: tuple | None = None) -> tuple[tuple[tuple
                 pend[r].append((act.microbatch, act.chunk))
             else:
                 live[r] -= weight[r][act.chunk]
-            end = t + took(r, act)
+            end = t + took[r][act.chunk][act.kind]
             orders[r].append((t, end, act))
-            done[(act.kind, act.microbatch, stage_of("zbv", pp, r, act.chunk))] = end
+            if act.kind != "W":
+                (f_end if act.kind == "F" else b_end)[(act.microbatch, stage[r][act.chunk])] = end
             free[r] = end
             left -= 1
-        later = [x for x in free if x > t] + [x for x in done.values() if x > t]
+        # the next event: a rank coming free (every action still running ends as its rank does)
+        later = [x for x in free if x > t]
         if left and not later:
             raise AssertionError(f"ZB-V list scheduling stalled at pp={pp} m={m}")  # a bug, never input
         t = min(later) if later else t
