@@ -1,24 +1,28 @@
-"""ZeRO-3: the gather / prefetch / free schedule, bf16 compute from fp32 masters with fp32 or bf16
-gradient reduction, and the same run under torch's FSDP2 (`fully_shard`). One spawn of 4 ranks: the
-pair {0,1} runs plait, the pair {2,3} runs FSDP2, side by side."""
+"""ZeRO-3: the gather / prefetch / free schedule (tied, and untied with its output matrix as the head
+unit), bf16 compute from fp32 masters with fp32 or bf16 gradient reduction, an untied model against
+the single-process run, and the same run under torch's FSDP2 (`fully_shard`). One spawn of 4 ranks:
+the pair {0,1} runs the schedules and precisions, the pair {2,3} FSDP2 and the untied runs."""
 
 from __future__ import annotations
 
 import pytest
 from dist import run_dist
-from dp_runs import MICRO, STEPS, UNEVEN, Groups, config, rel, train, train_torch_peer
+from dp_runs import (MICRO, STEPS, UNEVEN, Groups, assert_equivalent, backwards_reversed, config, rel, train,
+                     train_torch_peer)
 
 DEEP = dict(UNEVEN, n_layers=5)  # enough blocks that "at most two gathered" means something
+UNTIED = dict(UNEVEN, tie_embeddings=False)
 
 
-def _schedule(corpus, comm) -> dict:
-    """One step of ZeRO-3 on a 5-block model with the event trace on."""
+def _schedule(corpus, comm, model_cfg) -> dict:
+    """One step of ZeRO-3 on a 5-block model with the event trace on; then a forward without
+    gradients (evaluation)."""
     import torch
 
     from plait.data import TokenData
     from plait.parallel.build import parallelize
 
-    cfg = config(corpus, zero=3, model=DEEP)
+    cfg = config(corpus, zero=3, model=model_cfg)
     par = parallelize(cfg, comm, torch.device("cpu"), torch.float32, compile=False)
     model, engine = par.model, par.engine
     x, y = TokenData(cfg.data.path).batch(0, 0, micro_batch=MICRO, grad_accum=1, dp_rank=par.data_rank,
@@ -30,13 +34,32 @@ def _schedule(corpus, comm) -> dict:
     engine.before_backward(first=True, last=True)
     loss.backward()
     engine.step(1e-3, loss.detach())
+    step = list(g.trace)
+    g.trace = []
+    with torch.no_grad():
+        model(x, y)
     units = engine.layout.units
-    block_bytes = max(u.padded for u in units[:-1]) * 4
-    return {"forward": forward, "all": g.trace, "root": engine.root, "blocks": len(units) - 1,
-            "peak": g.peak_gathered_bytes, "bound": units[-1].padded * 4 + 2 * block_bytes,
+    largest = max(u.padded for u in units[:-1]) * 4  # a block (or the head)
+    return {"forward": forward, "all": step, "eval": list(g.trace), "root": engine.root, "head": engine.head,
+            "blocks": len(engine.blocks), "units": [[s.name for s in u.slots] for u in units],
+            "peak": g.peak_gathered_bytes, "bound": units[-1].padded * 4 + 2 * largest,
             "all_blocks": sum(u.padded for u in units) * 4,
             "params_bytes_at_rest": sum(p.untyped_storage().nbytes() for p in model.parameters()),
             "grads_at_rest": sum(p.grad is not None for p in model.parameters())}
+
+
+def _untied(corpus, comm, root) -> dict:
+    """The untied model (a head unit) for 20 steps, and with 3 micro-batches whose backwards run
+    after every forward, in reverse order: the head is gathered and freed by each forward, and
+    backward never needs it back."""
+    out = {}
+    for name, accum, step_fn in (("z3", 1, None), ("z3-rev", 3, backwards_reversed)):
+        facts = {}
+        res = train(config(corpus, zero=3, grad_accum=accum, model=UNTIED), comm, root / name, step_fn=step_fn,
+                    engine_hook=lambda e: facts.update(padded=e.layout.padded_numel, root=e.layout.units[-1].padded,
+                                                       head=e.layout.units[e.head].padded))
+        out[name] = {**res, "facts": facts}
+    return out
 
 
 def _precision(corpus, comm) -> dict:
@@ -71,41 +94,86 @@ def _fsdp2(corpus, group) -> dict:
     return train_torch_peer(model, cfg, group)
 
 
-def _body(dims, corpus):
+def _body(dims, corpus, root):
     groups = Groups()
+    comm = groups.comm("pair")
     if dims.rank < 2:
-        comm = groups.comm("pair")
-        return {"schedule": _schedule(corpus, comm), "precision": _precision(corpus, comm)}
-    return {"fsdp2": _fsdp2(corpus, groups.pair[1])}
+        return {"schedule": _schedule(corpus, comm, DEEP), "untied_schedule": _schedule(corpus, comm, dict(DEEP, tie_embeddings=False)),
+                "precision": _precision(corpus, comm)}
+    return {"fsdp2": _fsdp2(corpus, groups.pair[1]), "untied": _untied(corpus, comm, root)}
 
 
 @pytest.fixture(scope="module")
-def runs(corpus):
-    per_rank = run_dist(_body, 4, corpus, timeout=300)
+def runs(corpus, tmp_path_factory):
+    from plait.parallel.sharded_state import full_weights
+
+    root = tmp_path_factory.mktemp("fsdp")
+    per_rank = run_dist(_body, 4, corpus, root, timeout=300)
     ref = train(config(corpus, micro_batch=2 * MICRO))
     ref_bf16 = train(config(corpus, micro_batch=2 * MICRO, dtype="bf16", steps=5))
-    return per_rank[0], per_rank[2], ref, ref_bf16
+    untied = {}
+    for name, accum in (("z3", 1), ("z3-rev", 3)):
+        untied[name] = train(config(corpus, micro_batch=2 * MICRO, grad_accum=accum, model=UNTIED), None, root / f"ref-{name}")
+        untied[name]["weights"] = full_weights(root / f"ref-{name}")
+    return per_rank[0], per_rank[2], ref, ref_bf16, untied, root
 
 
-def test_blocks_are_prefetched_used_and_freed(runs):
-    s = runs[0]["schedule"]
-    fwd, root, L = s["forward"], s["root"], s["blocks"]
+def _first(events, what, i):
+    return events.index((what, i))
 
-    def first(events, what, i):
-        return events.index((what, i))
 
+def _assert_blocks_prefetched_used_and_freed(s):
+    fwd, root, head, L = s["forward"], s["root"], s["head"], s["blocks"]
     assert fwd[:2] == [("gather", root), ("ready", root)]  # the root unit first, then block 0 prefetched
     for i in range(L - 1):  # block i+1's gather is issued before block i's compute ends (its free)
-        assert first(fwd, "gather", i + 1) < first(fwd, "free", i)
-    assert [e for e in fwd if e[0] == "free"] == [("free", i) for i in range(L)]  # every block freed after forward
+        assert _first(fwd, "gather", i + 1) < _first(fwd, "free", i)
+    ends = [("free", head)] if head is not None else []
+    assert [e for e in fwd if e[0] == "free"] == [("free", i) for i in range(L)] + ends  # all freed after forward
     back = s["all"][len(fwd):]
     for i in range(L - 1, 0, -1):  # backward: gathered again, block i-1 prefetched while block i runs
-        assert first(back, "gather", i) < first(back, "gather", i - 1) < first(back, "free", i)
+        assert _first(back, "gather", i) < _first(back, "gather", i - 1) < _first(back, "free", i)
     assert [e for e in back if e[0] == "reduce"][-1] == ("reduce", root)  # the root last ...
     assert back[-1] == ("free", root)  # ... then it is freed too
     assert sum(e == ("gather", i) for e in s["all"] for i in range(L)) == 2 * L  # each block twice a step
-    assert s["peak"] <= s["bound"] < s["all_blocks"]  # never more than the root and two blocks
+    assert s["peak"] <= s["bound"] < s["all_blocks"]  # never more than the root and two blocks (or block + head)
     assert s["params_bytes_at_rest"] == 0 and s["grads_at_rest"] == 0  # between steps: shards only
+
+
+def test_blocks_are_prefetched_used_and_freed(runs):
+    for kind in ("schedule", "untied_schedule"):
+        _assert_blocks_prefetched_used_and_freed(runs[0][kind])
+
+
+def test_a_tied_model_has_no_head_unit_and_an_untied_one_has_its_output_matrix_as_one(runs):
+    tied, untied = runs[0]["schedule"], runs[0]["untied_schedule"]
+    L = tied["blocks"]
+    assert tied["head"] is None and len(tied["units"]) == L + 1
+    assert tied["units"][-1][0] == "embed.weight" and "output.weight" not in sum(tied["units"], [])  # one matrix
+    assert untied["head"] == L and len(untied["units"]) == L + 2  # blocks, head, root
+    assert untied["units"][L] == ["output.weight"]
+    root = untied["units"][-1]
+    assert root[0] == "embed.weight" and "output.weight" not in root  # matrices first: decay stays a prefix
+    assert all(n.endswith("norm.weight") for n in root[1:]) and len(root) == 1 + 2 * L + 1
+
+
+def test_the_head_is_prefetched_during_the_last_block_freed_with_the_forward_and_reduced_first(runs):
+    """Forward: the last block's pre-hook starts gathering the head, which is waited for just before
+    the loss reads it and freed as the model's forward returns. Backward never gathers it again, and
+    its gradient (formed by the fused loss in forward) is the first reduce-scatter, so it runs
+    beside the whole backward. Evaluation (no gradients) frees head and root at the end."""
+    s = runs[0]["untied_schedule"]
+    fwd, head, root, L = s["forward"], s["head"], s["root"], s["blocks"]
+    assert _first(fwd, "ready", L - 1) < _first(fwd, "gather", head) < _first(fwd, "free", L - 1)  # prefetched
+    assert _first(fwd, "free", L - 1) < _first(fwd, "ready", head)  # waited for after the last block
+    assert fwd[-1] == ("free", head)  # freed as the forward ends
+    assert [e for e in fwd if e[1] == head] == [("gather", head), ("ready", head), ("free", head)]
+    back = s["all"][len(fwd):]
+    assert ("gather", head) not in back  # backward never reads the output matrix
+    assert [e for e in back if e[0] == "reduce"] == [("reduce", i) for i in [head, *range(L - 1, -1, -1), root]]
+    assert _first(back, "reduce", head) < _first(back, "ready", L - 1)  # before the last block's backward runs
+    ev = s["eval"]
+    assert _first(ev, "ready", L - 1) < _first(ev, "gather", head) < _first(ev, "free", L - 1)
+    assert sorted(ev[-2:]) == [("free", head), ("free", root)]  # nothing stays gathered after evaluation
 
 
 def test_bf16_compute_from_fp32_masters_with_fp32_or_bf16_reduction(runs):
@@ -120,6 +188,19 @@ def test_bf16_compute_from_fp32_masters_with_fp32_or_bf16_reduction(runs):
         shard = r["ledger"]["dp_shard"]
         assert shard["reduce_scatter"]["bytes"] == bytes_per * r["padded_n"]  # P in bytes of the reduced dtype
         assert shard["all_gather"]["bytes"] == 2 * (2 * r["padded_n"] - r["root_n"])  # params travel in bf16
+
+
+def test_an_untied_model_trains_as_one_process(runs):
+    """The head unit changes nothing a step computes: losses, grad norms and final weights match the
+    single-process run, with one micro-batch and with three whose backwards run in reverse order.
+    Traffic: the head is gathered once a micro-batch, like the root (3P less both second gathers)."""
+    got, refs, root = runs[1]["untied"], runs[4], runs[5]
+    for name, ref in refs.items():
+        assert_equivalent(f"untied {name}", got[name], ref, root / name, ref["weights"])
+    f = got["z3"]["facts"]
+    for s in got["z3"]["ledger"]:
+        assert s["dp_shard"]["all_gather"]["bytes"] == 4 * (2 * f["padded"] - f["root"] - f["head"])
+        assert s["dp_shard"]["reduce_scatter"]["bytes"] == 4 * f["padded"]
 
 
 def test_same_losses_as_torch_fsdp2(runs):

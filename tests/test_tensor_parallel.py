@@ -36,7 +36,7 @@ RUNS = {
     "tp2-dp2-z0": ("tp-dp", 2, "off", 0, "none", 1, "tied"),
     "tp2-dp2-z1": ("tp-dp", 2, "on", 1, "none", 1, "tied"),
     "tp2-dp2-z2": ("tp-dp", 2, "on", 2, "none", 2, "tied"),
-    "tp2-dp2-z3": ("tp-dp", 2, "on", 3, "selective", 1, "tied"),
+    "tp2-dp2-z3": ("tp-dp", 2, "on", 3, "selective", 1, "untied"),  # ZeRO-3's head unit: the vocabulary-split output
 }
 SCHEDULE = [("tp2", "tp2-sp"), ("tp2-sel", "tp2-sp-sel"), ("tp2-full", "tp2-sp-full"), ("tp2-sp-untied", "tp2-sp-accum"),
             "tp4", "tp4-sp", "tp4-sp-sel", "tp4-full", "tp2-dp2-z0", "tp2-dp2-z1", "tp2-dp2-z2", "tp2-dp2-z3"]

@@ -1,9 +1,17 @@
 """ZeRO-3 / FSDP: parameters sharded too, gathered one transformer block at a time.
 
-Units: each transformer block's matrices is a unit; the root unit is everything else - embedding,
-output, final norm and every block's norm gains (a few thousand numbers per block). Putting the
-gains in the root makes every block unit decay-only and the root the last unit of the owned space,
-so weight decay stays a prefix of it (`plait.parallel.shard_space`).
+Units: each transformer block's matrices is a unit; an output matrix of its own (untied from the
+embedding) is the head unit, after the last block; the root unit is everything else - embedding
+(or a tied output), final norm and every block's norm gains (a few thousand numbers per block).
+Putting the gains in the root makes every block unit and the head unit decay-only and the root the
+last unit of the owned space, so weight decay stays a prefix of it (`plait.parallel.shard_space`).
+The head is apart from the root because their transfers are needed at different moments: the
+output matrix is read only by the loss, at the end of the forward, and gets its gradient first in
+the backward; the embedding is read first and gets its gradient last. As one unit they were gathered
+before the first block and reduced after the last backward block, both with no compute beside
+them; apart, the head's gather hides under the last block's forward and its reduce-scatter under
+the whole backward, which halves those exposed transfers for an untied model (Llama 3 8B in bf16:
+the gather and the reduce-scatter at each micro-batch's ends move 1 GB each instead of 2 GB).
 
 Each rank keeps only its chunk of every unit, in fp32, and the two Adam moments of it: the chunk is
 the optimizer's master weight (FSDP2's design). A bf16 run casts a unit's chunk to bf16 as it is
@@ -18,19 +26,24 @@ identities whose backward marks where a block's backward starts and ends):
   forward   finish the previous backward's reductions (frees their buffers before activations
             build up); root: gather (it stays until its gradients are reduced: the norms are used by every
             block, and a block runs right after); block i: wait for its gather, start gathering
-            block i+1 (prefetch, so the transfer hides under block i's compute), run, free.
-  backward  start: start gathering the last block.
+            block i+1 - after the last block, the head (prefetch, so the transfer hides under block
+            i's compute), run, free. The final norm waits for the head; when the model's forward
+            returns, the head is freed: the fused loss has formed its gradient, backward never reads it.
+  backward  start: start gathering the last block. The head's gradient arrives first (the fused
+            loss's backward only scales it): packed and reduce-scattered at once, beside the rest.
             block i: wait for its gather, bind a gradient buffer, start gathering block i-1, run;
             when backward has left the block, free its parameters; when all its gradients have
             accumulated, reduce-scatter them into a new gradient chunk (async), drop the buffer.
-            The root's gradients are left to autograd (the output's arrives first, the embedding's
-            last: a buffer bound at the start would sit empty through the activation peak); they
-            are packed into one buffer and reduce-scattered last, then the root is freed.
+            The root's gradients are left to autograd (the embedding's comes last: a buffer bound at
+            the start would sit empty through the activation peak); they are packed into one buffer
+            and reduce-scattered last, then the root is freed.
   step      the optimizer updates the owned chunks and drops the gradient chunks; nothing is
             gathered until the next forward.
-Traffic per step: all-gather 2 P_blocks + P_root, reduce-scatter P, i.e. 3P(N-1)/N less the root's
-second gather, which is never needed: nothing in backward reads the embedding or output matrix (the
-fused loss keeps its weight gradient from forward; an embedding's backward needs only the indices).
+Traffic per step: all-gather 2 P_blocks + P_head + P_root, reduce-scatter P, i.e. 3P(N-1)/N less the
+head's and root's second gathers, which are never needed: nothing in backward reads the embedding or
+output matrix (the fused loss keeps its weight gradient from forward; an embedding's backward needs
+only the indices). Exposed at the step's ends: the root's gather and reduce-scatter (and the first
+and last blocks'), no longer the output matrix's.
 
 The block is compiled on its own (`forward` only), so these hooks run eagerly around it. The
 gathering itself (states, buffers, all-gathers) is `plait.parallel.gather.Gathers`; this module is
@@ -65,15 +78,30 @@ class _OnBackward(torch.autograd.Function):
         return g, None, None
 
 
+def own_head(model) -> torch.nn.Parameter | None:
+    """The output matrix when it is not the embedding matrix (untied, or a pipeline's last stage
+    holding its own copy): the head unit. None for a tied model and a stage without the head."""
+    out = getattr(model, "output", None)
+    embed = getattr(model, "embed", None)
+    if out is None or (embed is not None and out.weight is embed.weight):
+        return None
+    return out.weight
+
+
 def units_of(model) -> list[list[tuple[str, torch.nn.Parameter]]]:
-    """One unit per transformer block (its matrices), then the root unit: everything else, its
-    matrices first (weight decay stays a prefix of the owned space)."""
-    units, in_block = [], set()
+    """One unit per transformer block (its matrices), then the head unit when the model has an
+    output matrix of its own (`own_head`), then the root unit: everything else, its matrices first
+    (weight decay stays a prefix of the owned space)."""
+    units, taken = [], set()
     for key, block in model.layers.items():
         mats = [(f"layers.{key}.{name}", p) for name, p in block.named_parameters() if p.ndim >= 2]
         units.append(mats)
-        in_block.update(id(p) for _, p in mats)
-    rest = [(name, p) for name, p in model.named_parameters() if id(p) not in in_block]
+        taken.update(id(p) for _, p in mats)
+    head = own_head(model)
+    if head is not None:
+        units.append([("output.weight", head)])
+        taken.add(id(head))
+    rest = [(name, p) for name, p in model.named_parameters() if id(p) not in taken]
     units.append([e for e in rest if e[1].ndim >= 2] + [e for e in rest if e[1].ndim < 2])
     return units
 
@@ -95,6 +123,8 @@ class Zero3(Sharded):
         layout = ShardLayout(units, n, r)
         self.layout, self.reduce_dtype = layout, reduce_dtype
         self.root = len(layout.units) - 1
+        # the head unit sits between the last block and the root (None: tied, or no output here)
+        self.head = len(self.blocks) if own_head(model) is not None else None
         p0 = units[-1][0][1]
         self.dtype, self.device = p0.dtype, p0.device
         # this rank's chunk of every unit, fp32 (the masters): the only parameter memory kept between uses
@@ -109,8 +139,9 @@ class Zero3(Sharded):
         super().__init__(model, opt, comm, groups, pieces=layout.pieces, split=split)
         self._shard_setup(comm, groups)
         self.grads: list = [None] * len(layout.units)
-        # reduce-scatter order = the order backward completes units: last block first, root last
-        order = list(range(self.root - 1, -1, -1)) + [self.root]
+        # reduce-scatter order = the order backward completes units: the head first (the fused
+        # loss's gradient, there as backward begins), then the last block ... the first, root last
+        order = self._reduce_order()
         owners = {id(p): [order.index(u.index)] for u in layout.units for p in u.params}
         self.ready = Ready([len(layout.units[k].params) for k in order], owners, lambda j: self._reduce(order[j]))
         self.inflight = InFlight()
@@ -118,7 +149,13 @@ class Zero3(Sharded):
         for i, block in enumerate(self.blocks):
             self.hooks += [block.register_forward_pre_hook(functools.partial(self._block_pre, i)),
                            block.register_forward_hook(functools.partial(self._block_post, i))]
+        if self.head is not None:  # the final norm runs just before the loss reads the output matrix
+            self.hooks.append(model.norm.register_forward_pre_hook(self._head_pre))
         self.hooks += [p.register_post_accumulate_grad_hook(self._arrived) for u in layout.units for p in u.params]
+
+    def _reduce_order(self) -> list[int]:
+        blocks = list(range(len(self.blocks) - 1, -1, -1))
+        return ([self.head] if self.head is not None else []) + blocks + [self.root]
 
     def _arrived(self, p) -> None:
         if self.sync:
@@ -128,24 +165,34 @@ class Zero3(Sharded):
 
     def _model_pre(self, module, args):
         # the previous backward's last reductions (the root's packed gradient among them, a full
-        # copy of its embedding and output) would otherwise stay queued, and their buffers held,
-        # through this forward's activation peak. Waiting costs nothing: on NCCL it only orders the
-        # stream, and the root's all-gather issued next on the same group queues behind them anyway
+        # copy of its embedding) would otherwise stay queued, and their buffers held, through this
+        # forward's activation peak. Waiting costs nothing: on NCCL it only orders the stream, and
+        # the root's all-gather issued next on the same group queues behind them anyway
         self.inflight.wait_all()
         self.gather.wait(self.root)
         self.gather.gather(0)
 
     def _model_post(self, module, args, out):
-        if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
+        backward = torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad
+        if backward:
             out.register_hook(self._backward_begins)
         else:
             self.gather.free(self.root)
+        # the fused loss (a scalar) formed the output matrix's gradient in forward: backward never
+        # reads the head, so it goes now, before the backward's activation peak. Logits that will be
+        # differentiated need it in backward: it goes once its gradient is reduced then.
+        if self.head is not None and not self.keep and not (backward and out.ndim > 0):
+            self.gather.free(self.head)
 
     def _block_pre(self, i, module, args):
         self.gather.wait(i)
-        self.gather.gather(i + 1 if i + 1 < self.root else -1)  # prefetch: hides under block i's compute
+        # prefetch, hidden under block i's compute: the next block; after the last, the head unit
+        self.gather.gather(i + 1 if i + 1 < self.root else -1)
         if torch.is_grad_enabled() and args[0].requires_grad:
             return (_OnBackward.apply(args[0], self._left_block, i),) + tuple(args[1:])
+
+    def _head_pre(self, module, args):
+        self.gather.wait(self.head)
 
     def _block_post(self, i, module, args, out):
         if not self.keep:
@@ -162,8 +209,8 @@ class Zero3(Sharded):
         if not first:  # every backward is reduced: finish the previous one's buckets, count afresh
             self.ready.flush()
             self.ready.reset()
-        # The root (norm gains, output) is released once its gradients are reduced; a backward that
-        # follows another without a forward in between needs it back.
+        # The root (norm gains) is released once its gradients are reduced; a backward that follows
+        # another without a forward in between needs it back. The head is not read in backward.
         self.gather.wait(self.root)
 
     def begin_step(self):
@@ -178,7 +225,7 @@ class Zero3(Sharded):
             self.sync_params()  # frees the gathered units; the next step gathers them again
 
     def _backward_begins(self, grad):
-        self.gather.gather(self.root - 1)
+        self.gather.gather(len(self.blocks) - 1)
 
     def _entering_block(self, i: int) -> None:
         self.gather.wait(i)
@@ -202,8 +249,12 @@ class Zero3(Sharded):
 
     def _packed_grads(self, i: int) -> torch.Tensor:
         """Unit i's gradients as one padded buffer in the reduce dtype: its bound buffer, or (the
-        root, or a unit no gradient reached) one packed from whatever .grad autograd left."""
+        root, the head, or a unit no gradient reached) one packed from whatever .grad autograd left.
+        A unit of one parameter needing no padding (the head, usually) is its .grad as it is: no
+        copy of the output matrix's gradient at the start of backward, when activations peak."""
         u, buf = self.layout.units[i], self.grads[i]
+        if buf is None and len(u.params) == 1 and u.padded == u.numel and u.params[0].grad is not None:
+            buf = u.params[0].grad.reshape(-1)
         if buf is None:
             buf = torch.zeros(u.padded, dtype=self.reduce_dtype, device=self.device)
             for s, p in zip(u.slots, u.params):
@@ -226,8 +277,8 @@ class Zero3(Sharded):
             h = self.comm.reduce_scatter(src, shard, op="avg", out=part, async_op=True)
             self.inflight.add(h, lambda out=out, part=part: out.add_(part), keep=(src,))
         self.gather._log("reduce", i)
-        if i == self.root and not self.keep:
-            self.gather.free(self.root)
+        if i in (self.root, self.head) and not self.keep:  # the head: already freed unless logits needed it
+            self.gather.free(i)
         self.inflight.wait_all(keep_last=2)
 
     # ---- the step ----------------------------------------------------------------------------------
