@@ -216,10 +216,13 @@ def test_balanced_stages_lighten_the_last_stage_by_its_head():
 
 
 def test_zero3_root_unit_and_fused_loss_passes_are_priced():
-    """ZeRO-3 without a pipeline gathers the root unit (embedding, output, norms) and the first
-    block as each micro-batch's forward begins, the last block as its backward begins, and
-    reduce-scatters the first block and the root last, nothing to hide any of them behind: each
-    micro-batch adds exactly those transfers to the step, attributed to ZeRO-3.
+    """ZeRO-3 without a pipeline gathers the root unit (embedding, norms) and the first block as
+    each micro-batch's forward begins, the last block as its backward begins, and reduce-scatters
+    the first block and the root last, nothing to hide any of them behind: each micro-batch adds
+    exactly those transfers to the step, attributed to ZeRO-3. An untied output matrix is a unit
+    of its own, gathered beside the last layer's forward and reduce-scattered beside the backward:
+    here (no profile, 32 layers) hidden entirely, so 8B's exposed root transfers halve. Runs
+    recorded while it was in the root (`zero3_whole_root`) are priced with it there.
     And the last stage's F carries the fused loss's memory-bound passes: the output matrix's fp32
     weight-gradient buffer costs time per micro-batch, independent of the tokens."""
     from plait.planner import roofline
@@ -237,9 +240,28 @@ def test_zero3_root_unit_and_fused_loss_passes_are_priced():
     def moved(op, params, per):
         return Collective(op, params * per, 4, 1, "").time_s(link)
 
-    want = (moved("all_gather", root, prec.param_bytes) + moved("reduce_scatter", root, prec.wire_grad_bytes)
-            + 2 * moved("all_gather", block, prec.param_bytes) + moved("reduce_scatter", block, prec.wire_grad_bytes))
+    blocks = 2 * moved("all_gather", block, prec.param_bytes) + moved("reduce_scatter", block, prec.wire_grad_bytes)
+
+    def ends(params):
+        return moved("all_gather", params, prec.param_bytes) + moved("reduce_scatter", params, prec.wire_grad_bytes)
+
+    head = costs.output_share(d, 1)
+    assert head == d.vocab * d.hidden and root == costs.embedding_params(d) + costs.head_params(d)
+    want = ends(root - head) + blocks
     assert sc.root_zero3_s == pytest.approx(want) and want > 0
+    whole = stage_costs(d, dataclasses.replace(lay, zero3_whole_root=True), c, prec)
+    assert whole.root_zero3_s == pytest.approx(ends(root) + blocks)
+    assert 1.95 < (whole.root_zero3_s - blocks) / (want - blocks) < 2.0  # embedding = output (+ latencies, a norm)
+    tied = dataclasses.replace(d, tie_embeddings=True)  # nothing to split: the same either way
+    assert stage_costs(tied, lay, c, prec).root_zero3_s == pytest.approx(
+        stage_costs(tied, dataclasses.replace(lay, zero3_whole_root=True), c, prec).root_zero3_s)
+    # beside a link the layers' transfers already fill, the head's reduce-scatter is exposed too: only
+    # part of its gather, beside the last layer's forward, still hides
+    slow = dataclasses.replace(c, intra=dataclasses.replace(c.intra, gbps=c.intra.gbps / 50))
+    s_split = stage_costs(d, lay, slow, prec).root_zero3_s
+    s_whole = stage_costs(d, dataclasses.replace(lay, zero3_whole_root=True), slow, prec).root_zero3_s
+    head_ag = Collective("all_gather", head * prec.param_bytes, 4, 1, "").time_s(slow.intra)
+    assert 0 < s_whole - s_split < 0.5 * head_ag
     one, eight = predict(d, lay, c, 4), predict(d, lay, c, 32)  # 1 and 8 micro-batches a GPU
     assert eight.time_s["zero3"] - 8 * sc.layer["zero3"] * d.layers == pytest.approx(8 * want)
     assert one.time_s["zero3"] - sc.layer["zero3"] * d.layers == pytest.approx(want)

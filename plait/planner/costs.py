@@ -108,6 +108,16 @@ def tp_share(d: ModelDims, tp: int) -> tuple[float, float, float]:
     return block, float(vocab_rows * h), h + (0.0 if d.tie_embeddings else float(vocab_rows * h))
 
 
+def output_share(d: ModelDims, tp: int) -> float:
+    """The output matrix's parameters on one tensor-parallel rank when it is untied (0 tied): the
+    head's share (`tp_share`) less the final norm's."""
+    if d.tie_embeddings:
+        return 0.0
+    if d.arch == "llama" and tp > 1:
+        return float(-(-d.vocab // tp) * d.hidden)  # the vocabulary padded to a multiple of tp
+    return d.vocab * d.hidden / tp
+
+
 def param_count(d: ModelDims) -> int:
     """Every parameter of the model, each counted once (a tied matrix once)."""
     return d.layers * layer_params(d) + embedding_params(d) + head_params(d)

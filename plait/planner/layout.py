@@ -48,6 +48,10 @@ class Layout:
     head_in_forward: bool = False
     """The last pipeline stage ran its output head and fused loss in its forward slot, as plait did
     before it moved them to the backward slot (recorded runs: `plait.planner.recorded`)."""
+    zero3_whole_root: bool = False
+    """ZeRO-3 without a pipeline gathered an untied output matrix with the embedding, in one root
+    unit at the forward's start, and reduce-scattered it after the backward, as plait did before the
+    output matrix became a unit of its own (recorded runs: `plait.planner.recorded`)."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp_replicate", "dp_shard", "cp", "v", "micro_batch"):

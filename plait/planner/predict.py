@@ -215,7 +215,8 @@ def _zero3_peak(params: float, root: float, block: float, grad_shard: float, pre
     """(gradient bytes, gathered parameter bytes) of plait's ZeRO-3 at a rank's activation peak, the
     end of the last forward (plait/parallel/fsdp.py). Alone, gradient chunks exist only once a
     backward has reduced into them (so from the second micro-batch on), and at the peak only the
-    root unit (embedding, output, norm gains) is gathered: every block was freed after its forward.
+    root unit (embedding, norm gains) and the head unit (an untied output matrix, freed when the
+    forward returns) are gathered, `root` together: every block was freed after its forward.
     As a pipeline stage (`keep`) every unit stays gathered through the step and gradients accumulate
     in full per-unit buffers, bound by the first backward."""
     if pp > 1:

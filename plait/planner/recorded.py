@@ -48,6 +48,19 @@ HEAD_IN_FORWARD = {"pp-h100-2gpu.json", "pp-h100-4gpu-1b.json", "pp-h100-4gpu-1b
                    "pp-h100-4gpu-1b-peers.json", "pp-h100-4gpu-1b-zb-compiled.json", "pp-h100-4gpu-1b-zb-host.json",
                    "pp-h100-4gpu-8b-m8.json", "pp-h200-4gpu.json", "pp-h200-4gpu-1b.json",
                    "pp-h200-4gpu-1b-zb-compiled.json", "pp-h200-4gpu-8b-zb-compiled.json"}
+# ZeRO-3 runs without a pipeline (shard group > 1) made while an untied output matrix was in the
+# root unit with the embedding (plait/parallel/fsdp.py has made it a unit of its own since): both
+# gathered before the first block and reduce-scattered after the backward, exposed. Priced that way.
+ZERO3_WHOLE_ROOT = {
+    "cp-h100-2gpu-after-close.json", "cp-h100-2gpu-before-ring-ops.json", "cp-h100-2gpu.json",
+    "cp-h100-4gpu-s32k-mb1-before.json", "cp-h100-4gpu-s32k-mb1.json", "cp-h100-4gpu-s32k-mb4-before.json",
+    "cp-h100-4gpu-s32k-mb4.json", "cp-h200-2gpu-s32k.json", "cp-h200-4gpu-s32k-mb1.json", "cp-h200-4gpu-s32k-mb4.json",
+    "cp-h200-4gpu.json", "dp-8b-h100-4gpu-before-zero3-memory.json", "dp-8b-h100-4gpu-profiled.json",
+    "dp-8b-h100-4gpu-s8192-selective.json", "dp-8b-h100-4gpu.json", "dp-8b-h200-2gpu-zero3.json", "dp-8b-h200-2gpu.json",
+    "dp-h100-2gpu.json", "dp-h100-4gpu-before-zero3-memory.json", "dp-h100-4gpu-fsdp2-fused.json", "dp-h100-4gpu.json",
+    "dp-h200-2gpu-1b-mb2-profiled.json", "dp-h200-2gpu.json", "dp-h200-4gpu-profiled.json",
+    "layouts-h200-4gpu-8b-s2048.json", "pp-h100-2gpu.json", "pp-h100-4gpu-1b.json", "pp-h200-4gpu.json",
+    "tp-h100-4gpu.json"}
 HOST_BOUND = 1.0  # host_share at which a rank's GPU starts to wait on its CPU
 
 
@@ -193,6 +206,8 @@ def load(folder: str | Path) -> list[Run]:
             head_slot = config.get("head_slot", "forward" if path.name in HEAD_IN_FORWARD else "backward")
             if bench == "pipeline" and lay.get("pp", 1) > 1 and head_slot == "forward":
                 lay = {**lay, "head_in_forward": True}
+            if path.name in ZERO3_WHOLE_ROOT and lay.get("zero") == 3:
+                lay = {**lay, "zero3_whole_root": True}
             used = n if variant_spans_all(lay) else 1
             seq = row.get("seq", config.get("seq"))  # a sweep over sequence lengths records it per row
             key = f"{path.name}:{row['variant']}" + (f"@{seq}" if "seq" in row else "")

@@ -7,7 +7,9 @@ Overlap rules (why some communication adds to a stage and some does not):
   CP's ring passes K/V blocks while the attention of the block already held runs: only what
     exceeds the attention compute is exposed.
   ZeRO-3 prefetches the next layer's parameters during this layer: only what exceeds the layer's
-    compute is exposed (gather forward; gather + reduce-scatter backward).
+    compute is exposed (gather forward; gather + reduce-scatter backward). An untied output matrix
+    (its own unit) is gathered during the last layer's forward and reduce-scattered beside the
+    backward; the root unit's transfers at the micro-batch's ends have nothing beside them.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ class StageCosts:
     rank_params: tuple[float, ...]
     """Parameters held by each pipeline rank (after TP)."""
     root_params: tuple[float, ...]
-    """Of those, what is not in a block (ZeRO-3's root unit): embedding, output, norms."""
+    """Of those, what is not in a block (ZeRO-3's root unit, and its head unit when the output is
+    untied): embedding, output, norms."""
     tp_forward: tuple[Collective, ...]
     """TP collectives of one layer's forward."""
     tp_replay: tuple[Collective, ...]
@@ -55,7 +58,7 @@ class StageCosts:
     rank 0, one gradient bucket elsewhere. Their reduction cannot hide behind the backward."""
     root_zero3_s: float = 0.0
     """ZeRO-3's transfers exposed at a micro-batch's ends (the root unit's and the first and last
-    blocks' gathers and reduce-scatters), on rank 0, without a pipeline."""
+    blocks' gathers and reduce-scatters; what the head unit's leave), on rank 0, without a pipeline."""
     lockstep: float = 1.0
     """How much longer the job's GPUs take for their work than one alone, each waiting for the
     slowest at every collective (measured: `HardwareProfile.lockstep_slowdown`); in the durations."""
@@ -72,6 +75,11 @@ def overlap_cost(c: Cluster, op: str) -> float:
     return c.profile.overlap_slowdown(op) if c.profile is not None else 0.0
 
 
+def _stretch(c: Cluster, op: str) -> float:
+    """How many times slower `op` runs beside compute than alone (measured; 1 without a profile)."""
+    return c.profile.overlap_stretch(op) if c.profile is not None else 1.0
+
+
 def hide(parts: tuple[tuple[str, float], ...], window_s: float, c: Cluster) -> tuple[float, float]:
     """Collectives (op, seconds alone) issued beside `window_s` seconds of compute: (seconds left to
     run after the compute, extra compute seconds). Beside compute a collective runs its measured
@@ -80,11 +88,17 @@ def hide(parts: tuple[tuple[str, float], ...], window_s: float, c: Cluster) -> t
     total = sum(t for _, t in parts)
     if total <= 0.0:
         return 0.0, 0.0
-    stretch = {op: c.profile.overlap_stretch(op) if c.profile is not None else 1.0 for op, _ in parts}
+    stretch = {op: _stretch(c, op) for op, _ in parts}
     beside_s = sum(t * stretch[op] for op, t in parts)  # how long all of it would run beside compute
     share = min(1.0, window_s / beside_s)  # of each collective, what runs while the compute does
     slowdown = sum(overlap_cost(c, op) * t * stretch[op] for op, t in parts) * share
     return total * (1.0 - share), slowdown
+
+
+def room_left(parts: tuple[tuple[str, float], ...], window_s: float, c: Cluster) -> float:
+    """Seconds of a `window_s` compute window during which the link is free once `parts` (as in
+    `hide`) have run beside it: what another collective issued beside the same compute can use."""
+    return max(0.0, window_s - sum(t * _stretch(c, op) for op, t in parts))
 
 
 def split_layers(d: ModelDims, stages: int, split: str, schedule: str = "1f1b") -> list[int]:
@@ -113,6 +127,29 @@ def ulysses_all_to_alls(d: ModelDims, lay: Layout, e: float) -> tuple[Collective
 
 GROUPS = {"tp": ("tp",), "cp": ("cp",), "pp": ("pp",), "shard": ("dp_shard", "cp"),
           "grad": ("dp_replicate", "dp_shard", "cp"), "replicate": ("dp_replicate",)}
+
+
+def _zero3_ends(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, link: Link, root: float, n_layers: int,
+                lt: roofline.LayerTimes, block_ag: float, block_rs: float) -> tuple[float, float]:
+    """Seconds ZeRO-3 without a pipeline adds to a micro-batch's forward and backward beyond its
+    layers': the root unit's (`root` parameters, the head's among them) and the first and last
+    blocks' transfers, exposed; an untied output matrix's, a unit of its own, beside compute: its
+    gather is prefetched by the last layer, the only forward layer with no block transfer beside
+    it, and its gradient is the backward's first, reduce-scattered beside what the layers' own
+    transfers leave free of the link. Runs recorded while it was in the root (`zero3_whole_root`)
+    gathered and reduced it with the root."""
+    head = 0.0 if lay.zero3_whole_root else costs.output_share(d, lay.tp)
+
+    def moved(op: str, params: float, per: float) -> float:
+        return Collective(op, params * per, lay.shard_group, 1, "").time_s(link)
+
+    f = moved("all_gather", root - head, prec.param_bytes) + block_ag
+    b = block_ag + block_rs + moved("reduce_scatter", root - head, prec.wire_grad_bytes)
+    if head:
+        f += sum(hide((("all_gather", moved("all_gather", head, prec.param_bytes)),), lt.forward_s, c))
+        room = n_layers * room_left((("all_gather", block_ag), ("reduce_scatter", block_rs)), lt.backward_s, c)
+        b += sum(hide((("reduce_scatter", moved("reduce_scatter", head, prec.wire_grad_bytes)),), room, c))
+    return f, b
 
 
 def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision) -> StageCosts:
@@ -188,15 +225,12 @@ def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision) -> Stage
         z3_b = sum(hide((("all_gather", ag), ("reduce_scatter", rs)), lt.backward_s, c))
     # ZeRO-3 without a pipeline, at the ends of each micro-batch where no compute runs beside the
     # transfer (plait/parallel/fsdp.py): the forward begins by gathering the root unit (embedding,
-    # output, norms) and then the first block; the backward begins by gathering the last block (the
-    # fused loss left nothing to do before it); it ends with the first block's and the root's
+    # norms) and then the first block; the backward begins by gathering the last block (the fused
+    # loss left nothing to do before it); it ends with the first block's and the root's
     # reduce-scatters, which the next forward waits for. All exposed, once per micro-batch.
     root_f = root_b = 0.0
     if lay.zero == 3 and shard > 1 and pp == 1:
-        link = links["shard"][0]
-        root_ag = Collective("all_gather", root_params[0] * prec.param_bytes, shard, 1, "").time_s(link)
-        root_rs = Collective("reduce_scatter", root_params[0] * prec.wire_grad_bytes, shard, 1, "").time_s(link)
-        root_f, root_b = root_ag + ag, ag + rs + root_rs
+        root_f, root_b = _zero3_ends(d, lay, c, prec, links["shard"][0], root_params[0], layers[0], lt, ag, rs)
 
     # recomputation runs inside the backward: full = the forward again (with the TP collectives it
     # replays); selective = GPT's attention core (Korthikanti et al.), or for plait's Llama, whose
