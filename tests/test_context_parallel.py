@@ -16,9 +16,8 @@ from plait.parallel.sharded_state import full_weights
 CPM = {"preset": "custom", "vocab_size": 259, "dim": 48, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
        "ffn_dim": 96, "max_seq_len": 64}
 SEQ, STEPS = 32, 20
-# (heads, kv heads): plain, grouped-query, one shared KV head, an odd head count; and two that
-# Ulysses attends in two pipelined head groups (at cp 2 both; at cp 4 the first)
-HEADS = [(4, 4), (4, 2), (6, 1), (3, 3), (8, 8), (8, 4)]
+# (heads, kv heads): plain, grouped-query, one shared KV head, an odd head count
+HEADS = [(4, 4), (4, 2), (6, 1), (3, 3)]
 
 
 def _ring_vs_full(comm, cp_size: int, impl: str = "ring") -> dict:
@@ -98,48 +97,6 @@ def _ring_bytes(comm) -> tuple[int, int, tuple[float, float]]:
     return fwd.n, bwd.n, bookkeeping_bytes(q.numel(), k.numel(), comm.size("cp"), 2)
 
 
-def _ulysses_order(comm) -> dict:
-    """The order of Ulysses' exchanges and attention calls in one forward and backward at cp 2 with
-    two head groups: (event, tensor numel) per step, events "send", "arrived", "attend"."""
-    import plait.parallel.block_attention as blk
-    from plait.parallel.context import ContextParallel
-    from plait.parallel.ulysses import head_groups
-
-    cp, log = ContextParallel(comm, "cp", "ulysses"), []
-    raw, fwd, bwd = comm.all_to_all, blk.forward, blk.backward
-
-    class Logged:
-        def __init__(self, pending):
-            self.pending = pending
-
-        def wait(self):
-            out = self.pending.wait()
-            log.append(("arrived", out.numel()))
-            return out
-
-    def all_to_all(t, dim, out=None, async_op=False):
-        log.append(("send", t.numel()))
-        got = raw(t, dim, out=out, async_op=async_op)
-        return Logged(got) if async_op else got
-
-    def attend(real):
-        def call(*a, **kw):
-            log.append(("attend", a[1].numel()))
-            return real(*a, **kw)
-        return call
-
-    comm.all_to_all, blk.forward, blk.backward = all_to_all, attend(fwd), attend(bwd)
-    try:
-        q, k, v = (torch.randn(1, 8, SEQ // 2, 8, requires_grad=True) for _ in range(3))
-        out = cp.attend(q, k, v)
-        forward = list(log)
-        out.sum().backward()
-    finally:
-        del comm.all_to_all
-        blk.forward, blk.backward = fwd, bwd
-    return {"groups": head_groups(8, 8, 2), "forward": [e for e, _ in forward], "backward": [e for e, _ in log[len(forward):]]}
-
-
 KV1 = {**CPM, "n_kv_heads": 1}  # Ulysses at cp 2 repeats the one key/value head for both ranks
 
 
@@ -173,7 +130,6 @@ def _body(dims, corpus, root, docs_corpus):
     pair, world = (Comm(None, Ledger(), groups={"cp": g}) for g in (groups.pair[r // 2], dist.group.WORLD))
     out = {impl: {2: _ring_vs_full(pair, 2, impl), 4: _ring_vs_full(world, 4, impl)} for impl in ("ring", "ulysses")}
     out["ring_bytes"] = {2: _ring_bytes(pair), 4: _ring_bytes(world)}
-    out["ulysses_order"] = _ulysses_order(pair)
     if r < 2:
         out["activations"] = _activations(corpus, Comm(None, Ledger(), groups=_groups(groups, "pair", r)))
     for name, (layout, kw) in RUNS.items():
@@ -184,11 +140,8 @@ def _body(dims, corpus, root, docs_corpus):
     return out
 
 
-MHA = {**CPM, "n_kv_heads": 4}  # Ulysses at cp 2 attends it in two pipelined head groups
-
-
-def _cfg(corpus, docs: bool = False, model=CPM, **kw):
-    cfg = config(corpus, model=model, steps=STEPS, **kw)
+def _cfg(corpus, docs: bool = False, **kw):
+    cfg = config(corpus, model=CPM, steps=STEPS, **kw)
     cfg.data.document_mask = docs
     return cfg
 
@@ -220,8 +173,6 @@ RUNS = {"cp2": ("pair", dict(cp=2)), "cp4": ("world", dict(cp=4)), "cp2-tp2": ("
         "cp2-selective": ("pair", dict(cp=2, recompute="selective")),
         # Ulysses: at TP 2 each rank's one key/value head is repeated for the two cp ranks
         "cp2-ulysses": ("pair", dict(cp=2, cp_impl="ulysses")),
-        # two key/value heads a rank: its heads attended in two groups, exchanges overlapping
-        "cp2-ulysses-groups": ("pair", dict(cp=2, cp_impl="ulysses", model=MHA)),
         # ... and keeps Ulysses' exchanged q, k, v and output: backward runs no all-to-all again
         "cp2-ulysses-selective": ("pair", dict(cp=2, cp_impl="ulysses", recompute="selective")),
         "cp2-tp2-ulysses": ("cp-tp", dict(cp=2, tp=2, cp_impl="ulysses")),
@@ -252,7 +203,6 @@ def runs(corpus, docs_corpus, tmp_path_factory):
     per_rank = run_dist(_body, 4, corpus, root, docs_corpus, timeout=600)
     refs = {dp: train(config(corpus, micro_batch=MICRO * dp, model=CPM, steps=STEPS), None, root / f"ref-{dp}")
             for dp in (1, 2)}
-    refs["mha"] = train(_cfg(corpus, model=MHA), None, root / "ref-mha")
     refs["docs"] = train(_cfg(docs_corpus, True), None, root / "ref-docs")
     refs["docs-unmasked"] = train(_cfg(docs_corpus, False), None, root / "ref-docs-unmasked")
     return per_rank, refs, root
@@ -267,18 +217,6 @@ def test_ring_attention_equals_full_causal_attention(runs, cp, impl):
         for (h, kv, dtype), worst in got.items():
             bound = 1e-10 if dtype.startswith("torch.float64") else 1e-5  # fp64: the algebra itself
             assert worst <= bound, (impl, cp, rank, h, kv, dtype, worst)
-
-
-def test_ulysses_exchanges_overlap_the_neighbouring_groups_attention(runs):
-    """Two head groups: both groups' q/k/v leave before the first is attended, and the first group's
-    output leaves before the second is attended (so its exchange runs beside that attention); the
-    backward mirrors it with the output gradients and dq/dk/dv."""
-    for rank in (0, 1):
-        got = runs[0][rank]["ulysses_order"]
-        assert got["groups"] == 2
-        pipelined = ["send", "send", "arrived", "attend", "send", "arrived", "attend", "send", "arrived", "arrived"]
-        assert got["forward"] == pipelined, got["forward"]
-        assert got["backward"] == pipelined, got["backward"]
 
 
 def test_activation_bytes_equal_the_formula(runs):
@@ -345,10 +283,9 @@ def test_batched_ring_calls_cover_exactly_the_chunk_pairs():
 def test_matches_the_single_process_run(runs, name):
     per_rank, refs, root = runs
     dp = 2 if name == "cp2-z3-dp2" else 1
-    key = "docs" if name in DOCS else "mha" if name == "cp2-ulysses-groups" else dp
-    ref = refs[key]
+    ref = refs["docs" if name in DOCS else dp]
     got = per_rank[0][name]
-    assert_equivalent(name, got, ref, root / name, full_weights(root / f"ref-{key}"))
+    assert_equivalent(name, got, ref, root / name, full_weights(root / ("ref-docs" if name in DOCS else f"ref-{dp}")))
     assert ref["losses"][-1] < ref["losses"][0] - 0.5
 
 

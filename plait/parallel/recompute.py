@@ -51,15 +51,12 @@ def _collectives() -> tuple[set, set]:
 def _context() -> frozenset:
     """Context parallelism's communicating ops, kept so that backward does not communicate again:
     ring attention's registered op (plait/parallel/context.py), like an attention kernel, and
-    Ulysses' (plait/parallel/ulysses.py: the exchanged q, k, v, attention's output and log-sum-exp;
-    its masked form's all-to-alls): recomputing them would repeat the forward's exchanges in every
-    layer's backward."""
+    Ulysses' all-to-alls (plait/parallel/ulysses.py: the exchanged q, k, v and output; recomputing
+    them would repeat the four forward all-to-alls in every layer's backward)."""
     import plait.comm  # noqa: F401  (registers plait::all_to_all)
     import plait.parallel.context  # noqa: F401  (registers plait::ring_attention)
-    import plait.parallel.ulysses  # noqa: F401  (registers plait::ulysses_attention)
 
-    ops = torch.ops.plait
-    return frozenset({ops.ring_attention.default, ops.ulysses_attention.default, ops.all_to_all.default})
+    return frozenset({torch.ops.plait.ring_attention.default, torch.ops.plait.all_to_all.default})
 
 
 class _BranchPolicy:

@@ -49,9 +49,6 @@ class Layout:
     """The last pipeline stage ran its output head and fused loss in its forward slot, as plait did
     before it moved them to the backward slot (recorded runs: `plait.planner.recorded`)."""
     zero3_whole_root: bool = False
-    ulysses_whole: bool = False
-    """Ulysses exchanged each layer's q/k/v and output whole, one all-to-all each way with nothing
-    beside it, as plait did before it pipelined head groups (recorded runs: `plait.planner.recorded`)."""
     """ZeRO-3 without a pipeline gathered an untied output matrix with the embedding, in one root
     unit at the forward's start, and reduce-scattered it after the backward, as plait did before the
     output matrix became a unit of its own (recorded runs: `plait.planner.recorded`)."""

@@ -61,12 +61,6 @@ ZERO3_WHOLE_ROOT = {
     "dp-h200-2gpu-1b-mb2-profiled.json", "dp-h200-2gpu.json", "dp-h200-4gpu-profiled.json",
     "layouts-h200-4gpu-8b-s2048.json", "pp-h100-2gpu.json", "pp-h100-4gpu-1b.json", "pp-h200-4gpu.json",
     "tp-h100-4gpu.json"}
-# Ulysses runs made before it attended heads in pipelined groups (plait/parallel/ulysses.py): each
-# layer's exchanges ran whole, none beside attention.
-ULYSSES_WHOLE = {"cp-h100-2gpu-after-close.json", "cp-h100-2gpu-before-ring-ops.json", "cp-h100-2gpu.json",
-                 "cp-h100-4gpu-s32k-mb1-before.json", "cp-h100-4gpu-s32k-mb1.json", "cp-h100-4gpu-s32k-mb4-before.json",
-                 "cp-h100-4gpu-s32k-mb4.json", "cp-h200-2gpu-s32k.json", "cp-h200-4gpu-s32k-mb1.json",
-                 "cp-h200-4gpu-s32k-mb4.json", "cp-h200-4gpu.json"}
 HOST_BOUND = 1.0  # host_share at which a rank's GPU starts to wait on its CPU
 
 
@@ -214,8 +208,6 @@ def load(folder: str | Path) -> list[Run]:
                 lay = {**lay, "head_in_forward": True}
             if path.name in ZERO3_WHOLE_ROOT and lay.get("zero") == 3:
                 lay = {**lay, "zero3_whole_root": True}
-            if path.name in ULYSSES_WHOLE and lay.get("cp_impl") == "ulysses":
-                lay = {**lay, "ulysses_whole": True}
             used = n if variant_spans_all(lay) else 1
             seq = row.get("seq", config.get("seq"))  # a sweep over sequence lengths records it per row
             key = f"{path.name}:{row['variant']}" + (f"@{seq}" if "seq" in row else "")

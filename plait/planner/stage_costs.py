@@ -200,17 +200,8 @@ def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision) -> Stage
 
     kv_chunk = 2 * tokens * d.kv_dim / tp * e
     cp_a2a = ulysses_all_to_alls(d, lay, e) if cp > 1 and lay.cp_impl == "ulysses" else ()
-    if cp_a2a:
-        # head groups pipelined (plait/parallel/ulysses.py): the first group's q/k/v and the last
-        # group's output are exposed; the other groups' exchanges run beside a neighbour's attention
-        # (backward: its attention backward, 2.5 forwards). One group: nothing hides them.
-        from plait.parallel.ulysses import head_groups
-
-        groups = 1 if lay.ulysses_whole else head_groups(d.heads // tp, max(1, d.kv_heads // tp), cp)
-        one = sum(Collective(x.op, x.size_bytes / groups, x.n, x.count, x.what).time_s(links["cp"][0]) for x in cp_a2a)
-        rest, beside = (groups - 1) * one, (groups - 1) / groups * lt.attention_forward_s
-        cp_f = one + sum(hide((("all_to_all", rest),), beside, c))
-        cp_b = one + sum(hide((("all_to_all", rest),), 2.5 * beside, c))
+    if cp_a2a:  # the all-to-alls sit between the projections and attention: nothing hides them
+        cp_f = cp_b = sum(x.time_s(links["cp"][0]) for x in cp_a2a)
     else:
         cp_s = Collective("send_recv", kv_chunk, cp, cp - 1, "").time_s(links["cp"][0]) if cp > 1 else 0.0
         cp_f = sum(hide((("send_recv", cp_s),), lt.attention_forward_s, c))
