@@ -272,3 +272,31 @@ def test_a_profile_with_a_stretch_below_one_is_refused(tmp_path):
     (tmp_path / "s.json").write_text(json.dumps(raw))
     with pytest.raises(UserError, match="overlap_stretch"):
         load(tmp_path / "s.json")
+
+
+def test_a_step_pays_the_measured_host_gap_once(tmp_path, capsys):
+    """The idle a plait step leaves its GPU (`step_gap_s`, plait/benchmarks/step_gaps.py) is added
+    once a step, whatever the layout and micro-batch count, as its own part ("host"); it survives a
+    save and load; a bad value is one line; `--only gaps` on a CPU writes none (nothing there waits
+    for the host) and keeps the rest of the profile."""
+    d = _dims()
+    for lay, gb, n in ((Layout(), 1, 1), (Layout(dp_shard=4, zero=3), 16, 4), (Layout(pp=2, dp_shard=2), 8, 4)):
+        c = cluster("h100", 1, n)
+        base = predict(d, lay, apply_profile(c, _profile()), gb)
+        gap = predict(d, lay, apply_profile(c, _profile(step_gap_s=0.004)), gb)
+        assert gap.step_time_s == pytest.approx(base.step_time_s + 0.004, rel=1e-12)
+        assert gap.time_s["host"] == 0.004 and base.time_s["host"] == 0.0
+        assert sum(gap.time_s.values()) == pytest.approx(gap.step_time_s)
+    assert "host gaps 4.00 ms" in dict(gap.explain)["step time"]
+    save(_profile(step_gap_s=0.004), tmp_path / "g.json")
+    assert load(tmp_path / "g.json").step_gap_s == 0.004
+    raw = json.loads((tmp_path / "g.json").read_text())
+    (tmp_path / "bad.json").write_text(json.dumps(dict(raw, step_gap_s=-1)))
+    with pytest.raises(UserError, match=r"step_gap_s = -1, expected seconds in \[0, 1\)") as e:
+        load(tmp_path / "bad.json")
+    assert "\n" not in str(e.value)
+    out = tmp_path / "cpu.json"
+    save(_profile(card="cpu", gpu=None, peak_tflops=0.2, step_gap_s=0.004), out)
+    assert main(["bench", "calibrate", "--only", "gaps", "--device", "cpu", "--nproc", "1", "--out", str(out)]) == 0
+    p = load(out)
+    assert p.step_gap_s == 0.0 and "gaps" in p.source and p.linear == _profile().linear

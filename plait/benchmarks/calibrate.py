@@ -15,8 +15,10 @@ Measured, each the median of timed repetitions after a warm-up (CUDA events on a
               (plait/benchmarks/overlap.py)
   lockstep    how much longer groups of 2, 4, ... GPUs that meet at every collective take for the
               same work than one GPU alone (plait/benchmarks/lockstep.py)
+  gaps        how long plait's own training step leaves the GPU idle, per step: the host's share
+              (plait/benchmarks/step_gaps.py)
 
-`--only lockstep|collectives|overlap --out FILE` measures that part alone and writes it into an
+`--only lockstep|collectives|overlap|gaps --out FILE` measures that part alone and writes it into an
 existing profile, keeping the rest.
 A few minutes on one GPU node; `--quick` measures a tiny model's shapes (what the tests run on CPU).
 """
@@ -50,7 +52,8 @@ def add_arguments(p) -> None:
 
     p.add_argument("--only", choices=ONLY, default=None,
                    help="measure only this part and write it into the existing profile at --out (the rest kept): "
-                        "lockstep, collectives (every op over 2, 4, ... GPUs) or overlap (its slowdown and stretch)")
+                        "lockstep, collectives (every op over 2, 4, ... GPUs), overlap (its slowdown and stretch) "
+                        "or gaps (the idle a training step leaves, one GPU)")
     p.add_argument("--quick", action="store_true", help="a tiny model's shapes only (for a CPU check of the tool)")
     p.add_argument("--out", default=None, help="profile path (default bench/results/hardware-<card>.json)")
 
@@ -118,9 +121,10 @@ def run(args) -> int:
     print("# overlap: " + (", ".join(f"{k} +{100 * v:.1f}% (itself x{stretch[k]:.2f})" for k, v in overlap.items())
                            or "not measured (one GPU)"), flush=True)
 
-    from plait.benchmarks.recalibrate import lockstep as measure_lockstep
+    from plait.benchmarks.recalibrate import lockstep as measure_lockstep, step_gap
 
     lockstep = measure_lockstep(device, nproc)
+    gap = step_gap(device)
 
     card = torch.cuda.get_device_name(dev) if cuda else "cpu"
     gpu = _catalog_key(card) if cuda else None
@@ -131,7 +135,7 @@ def run(args) -> int:
         peak_tflops=None if gpu else best,
         hbm_gib=torch.cuda.get_device_properties(dev).total_memory / 2**30 if cuda else None,
         linear=tuple(linear), attention=tuple(attention), pointwise_gbps=pointwise, optimizer_gbps=optimizer,
-        collectives=tuple(collectives), overlap=overlap, stretch=stretch, lockstep=lockstep,
+        collectives=tuple(collectives), overlap=overlap, stretch=stretch, lockstep=lockstep, step_gap_s=gap,
         source={"torch": torch.__version__, "nccl": _nccl(), "date": time.strftime("%Y-%m-%d"),
                 "command": "plait " + " ".join(sys.argv[1:]),
                 "seconds": round(time.time() - t0, 1),

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from plait.benchmarks.calibrate import _collectives, _nccl
 
-ONLY = ("lockstep", "collectives", "overlap")  # the parts that need a group of GPUs
+ONLY = ("lockstep", "collectives", "overlap", "gaps")  # gaps: one GPU; the others need a group of GPUs
 
 
 def lockstep(device: str, nproc: int) -> dict:
@@ -20,6 +20,21 @@ def lockstep(device: str, nproc: int) -> dict:
     print("# lockstep: " + (", ".join(f"{n} GPUs +{100 * s:.2f}%" for n, s in got["groups"].items())
                             + f" (spread {100 * got['sigma']:.2f}%)" if got else "not measured (one GPU)"), flush=True)
     return got
+
+
+def step_gap(device: str) -> float:
+    """Seconds a training step leaves the GPU idle (plait/benchmarks/step_gaps.py); 0 on a CPU."""
+    import torch
+
+    from plait.benchmarks import step_gaps
+
+    if device != "cuda":
+        return 0.0
+    got = step_gaps.measure(torch.device("cuda"))
+    print(f"# step gaps: {1e3 * got['seconds']:.2f} ms a step idle ({got['model']}, micro-batch {got['micro_batch']}, "
+          f"seq {got['seq']}; longest: " + ", ".join(f"{g[0]:.2f} ms before {g[2][:40]}" for g in got["gaps"][:2]) + ")",
+          flush=True)
+    return got["seconds"]
 
 
 def only(args, device: str, nproc: int, t0: float) -> int:
@@ -38,9 +53,11 @@ def only(args, device: str, nproc: int, t0: float) -> int:
     card = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
     if old.card != card:
         raise bad_value("--out", args.out, f"it was measured on {old.card}, this machine has {card}")
-    if nproc < 2:
+    if nproc < 2 and args.only != "gaps":
         raise bad_value("--nproc", nproc, f"{args.only} needs two or more GPUs")
-    if args.only == "lockstep":
+    if args.only == "gaps":
+        fields = {"step_gap_s": step_gap(device)}
+    elif args.only == "lockstep":
         fields = {"lockstep": lockstep(device, nproc)}
     elif args.only == "collectives":
         fields = {"collectives": tuple(_collectives(device, nproc, args.max_bytes or ("1G" if device == "cuda" else "4M")))}

@@ -31,7 +31,7 @@ from plait.planner.traffic import Collective, DimTraffic
 
 MEMORY_PARTS = ("parameters", "gradients", "master_weights", "optimizer_states", "activations",
                 "zero3_gather", "comm_buckets", "recompute_buffer", "cp_ring", "loss_chunk", "reserved")
-TIME_PARTS = ("compute", "tp", "cp", "zero3", "bubble", "dp_sync", "optimizer")
+TIME_PARTS = ("compute", "tp", "cp", "zero3", "bubble", "dp_sync", "optimizer", "host")
 
 
 @dataclass(frozen=True)
@@ -332,8 +332,12 @@ def predict(d: ModelDims, lay: Layout, c: Cluster, global_batch: int,
     parts["zero3"] += sc.root_zero3_s * m if b_rank == 0 else 0.0
     parts["compute"] += busy - sum(parts.values())  # the output head, the embedding's share
     tail = max(0.0, step - makespan)
+    # what the host leaves idle once a step (its syncs at the step's ends, its launches): measured
+    # on this card's plait step by `plait bench calibrate` (plait/benchmarks/step_gaps.py)
+    gap = c.profile.step_gap_s if c.profile is not None else 0.0
+    step += gap
     time_s = {**parts, "bubble": max(0.0, makespan - busy), "dp_sync": tail - min(opt_s, tail),
-              "optimizer": min(opt_s, tail)}
+              "optimizer": min(opt_s, tail), "host": gap}
 
     mem_rank, mem, state = _memory(d, lay, c, prec, sc, sched_name, m)
     traffic = _traffic(d, lay, prec, sc, m)
@@ -392,7 +396,8 @@ def _explain(d, lay, c, prec, gb, m, sc, mem_rank, sched_name, makespan, bubble,
                          f"{(pp - 1) / (v * m + pp - 1):.2%}" if sched_name not in SPLIT_BACKWARD else
                          "a zero-bubble schedule has no closed form: W fills what the stages leave")),
         ("step time", f"makespan + exposed gradient sync {dp_exposed * 1e3:.2f} ms + optimizer "
-                      f"{opt_s * 1e3:.2f} ms = {step * 1e3:.2f} ms"),
+                      f"{opt_s * 1e3:.2f} ms + host gaps {(c.profile.step_gap_s if c.profile else 0.0) * 1e3:.2f} ms"
+                      f" = {step * 1e3:.2f} ms"),
         ("MFU", f"{model_flops:.4g} FLOP / ({step:.4g} s x {c.n_gpus} GPUs x {c.peak_flops:.4g} FLOP/s) "
                 f"= {mfu:.2%}"),
     ]

@@ -70,6 +70,9 @@ class HardwareProfile:
     """{collective op: its duration beside compute over its duration alone (>= 1)}"""
     lockstep: dict = field(default_factory=dict, compare=False, hash=False)
     """{"groups": {group size: slowdown}, "sigma": relative spread} (plait/benchmarks/lockstep.py)"""
+    step_gap_s: float = 0.0
+    """GPU idle per training step that the host leaves (step-boundary syncs, launches): measured on
+    plait's one-GPU step (plait/benchmarks/step_gaps.py); 0 for profiles made before it."""
     source: dict = field(default_factory=dict, compare=False, hash=False)
     """How it was measured: torch and NCCL versions, date, command."""
 
@@ -201,7 +204,7 @@ def to_dict(p: HardwareProfile) -> dict:
             "source": p.source,
             "linear": [list(x) for x in p.linear], "attention": [list(x) for x in p.attention],
             "collectives": [list(x) for x in p.collectives], "overlap": dict(p.overlap),
-            "overlap_stretch": dict(p.stretch), "lockstep": dict(p.lockstep)}
+            "overlap_stretch": dict(p.stretch), "lockstep": dict(p.lockstep), "step_gap_s": p.step_gap_s}
 
 
 def save(p: HardwareProfile, path: str | Path) -> None:
@@ -253,6 +256,11 @@ def load(path: str | Path) -> HardwareProfile:
             isinstance(v, (int, float)) and not isinstance(v, bool) and 1 <= v < 100 for v in stretch.values()):
         raise UserError(f"{where}: overlap_stretch = {stretch!r}, expected {{op: factor >= 1}}; "
                         f"re-run `plait bench calibrate`")
+    gap = raw.get("step_gap_s", 0.0)
+    if isinstance(gap, bool) or not isinstance(gap, (int, float)) or not 0 <= gap < 1:
+        raise UserError(f"{where}: step_gap_s = {gap!r}, expected seconds in [0, 1); re-run "
+                        f"`plait bench calibrate --only gaps`")
+    gap = float(gap)
     lockstep = raw.get("lockstep") or {}
     groups = lockstep.get("groups", {}) if isinstance(lockstep, dict) else None
     if not isinstance(groups, dict) or not all(
@@ -269,7 +277,7 @@ def load(path: str | Path) -> HardwareProfile:
                            stretch={str(k): float(v) for k, v in stretch.items()},
                            lockstep={"groups": {str(k): float(v) for k, v in groups.items()},
                                      "sigma": float(lockstep.get("sigma", 0.0))} if lockstep else {},
-                           source=raw.get("source") or {})
+                           step_gap_s=gap, source=raw.get("source") or {})
 
 
 def apply_profile(c, prof: HardwareProfile, path: str = "the profile"):

@@ -94,7 +94,8 @@ def title(d: ModelDims, c: Cluster, global_batch: int, precision: str) -> str:
 
 
 # how the step-time parts read in text (the JSON keeps the short keys)
-PART_NAMES = {"bubble": "idle in the pipeline", "dp_sync": "exposed dp sync", "zero3": "zero3 gathers"}
+PART_NAMES = {"bubble": "idle in the pipeline", "dp_sync": "exposed dp sync", "zero3": "zero3 gathers",
+              "host": "host gaps"}
 
 
 def breakdown_text(p: Prediction, explain: bool = False) -> str:
