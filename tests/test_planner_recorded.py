@@ -104,18 +104,21 @@ def test_measured_lockstep_brings_the_h200_runs_on_several_gpus_closer():
     assert all(a.predicted_step_s == b.predicted_step_s for a, b in zip(with_it, without) if a.run.n_gpus == 1)
 
 
-def test_one_gpu_steps_on_the_h100_are_priced_within_4pct_each():
+def test_one_gpu_steps_on_the_h100_are_priced_within_6pct_each():
     """What the profile alone decides: a step on one GPU has no communication, so its time is the
-    calibrated kernels'. The H100 profile times them behind load, at the clock (about 1.4 GHz at the
-    700 W cap) that the card holds under a training step: every one-GPU H100 run is then within 4%,
-    within 2% on average. Timed behind an idle wait instead, the card boosts to 1.98 GHz and every
-    such run came out 8-11% fast; the data sheet's defaults are up to 12% off."""
+    calibrated kernels' plus the idle its host leaves. The H100 profile times the kernels behind
+    load, at the clock (about 1.4 GHz at the 700 W cap) that the card holds under a training step,
+    and measured the host's gaps on plait's own step (6.9 ms on 1b at 2 x 2048 tokens): every
+    one-GPU H100 run is then within 6%, within 2% on average. The gaps differ from host to host
+    (4.5-6.9 ms profiled on that step across H100 hosts, 24 ms on a one-GPU machine with a fourth of
+    the cores), up to 2.5% of an 80-110 ms step. Timed behind an idle wait instead, the card boosts
+    to 1.98 GHz and every such run came out 8-11% fast; the data sheet's defaults are up to 12% off."""
     from plait.planner.profile import load as load_profile
 
     runs = [r for r in recorded.load(RESULTS) if r.gpu == "h100" and r.n_gpus == 1]
     assert len(runs) >= 5, [r.source for r in runs]
     errors = [abs(c.step_error) for c in recorded.check(runs, {"h100": load_profile(RESULTS / "hardware-h100.json")})]
-    assert max(errors) < 0.04 and statistics.mean(errors) < 0.02, errors
+    assert max(errors) < 0.06 and statistics.mean(errors) < 0.02, errors
 
 
 @pytest.mark.parametrize("name", ["layouts-h200-4gpu-8b-s2048.json", "layouts-h200-4gpu-8b-8L-s32768.json"])
