@@ -300,3 +300,14 @@ def test_a_step_pays_the_measured_host_gap_once(tmp_path, capsys):
     assert main(["bench", "calibrate", "--only", "gaps", "--device", "cpu", "--nproc", "1", "--out", str(out)]) == 0
     p = load(out)
     assert p.step_gap_s == 0.0 and "gaps" in p.source and p.linear == _profile().linear
+
+
+def test_step_gaps_runs_plaits_own_step():
+    """`plait bench calibrate`'s gap measurement builds and runs plait's one-GPU step end to end; on
+    a CPU it profiles nothing (the host runs the kernels: no GPU waits) and reports 0 seconds."""
+    import torch
+
+    from plait.benchmarks import step_gaps
+
+    got = step_gaps.measure(torch.device("cpu"), preset="tiny", micro_batch=1, seq=64, warmup=1, steps=1)
+    assert got["seconds"] == 0.0 and got["gaps"] == [] and (got["model"], got["micro_batch"], got["seq"]) == ("tiny", 1, 64)
