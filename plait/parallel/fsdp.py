@@ -253,10 +253,11 @@ class Zero3(Sharded):
         self.grads[i] = buf
 
     def _packed_grads(self, i: int) -> torch.Tensor:
-        """Unit i's gradients as one padded buffer in the reduce dtype: its bound buffer, or (the
-        root, the head, or a unit no gradient reached) one packed from whatever .grad autograd left.
-        A unit of one parameter needing no padding (the head, usually) is its .grad as it is: no
-        copy of the output matrix's gradient at the start of backward, when activations peak."""
+        """Unit i's gradients as one padded buffer in the reduce dtype: a pipeline stage's bound
+        buffer, else one packed from the .grad tensors autograd made (zeros for a parameter no
+        gradient reached). A unit of one parameter needing no padding (the head, usually) is its
+        .grad as it is: no copy of the output matrix's gradient at the start of backward, when
+        activations peak."""
         u, buf = self.layout.units[i], self.grads[i]
         if buf is None and len(u.params) == 1 and u.padded == u.numel and u.params[0].grad is not None:
             buf = u.params[0].grad.reshape(-1)
@@ -267,8 +268,11 @@ class Zero3(Sharded):
             if all(g is not None and g.dtype == buf.dtype for g in grads):
                 torch.cat([g.reshape(-1) for g in grads], out=buf[:u.numel])  # one copy kernel
             else:
-                for s, g in zip(u.slots, grads):
-                    u.view(buf, s).zero_() if g is None else u.view(buf, s).copy_(g)
+                for s, g in zip(u.slots, grads):  # casting, or filling a slot no gradient reached
+                    if g is None:
+                        u.view(buf, s).zero_()
+                    else:
+                        u.view(buf, s).copy_(g)
         return buf if buf.dtype == self.reduce_dtype else buf.to(self.reduce_dtype)
 
     def _reduce(self, i: int) -> None:
