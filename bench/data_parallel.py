@@ -6,7 +6,8 @@ Same model code (plait's Transformer with its fused loss), same batch (seeded ra
 different slice per rank), same run: each variant runs in its own set of G worker processes, from a
 fresh model and with the same compile treatment, so the figures (memory included) compare directly.
 plait on one GPU runs first in a process of its own and gives the weak-scaling efficiency: tokens/s/GPU at G
-GPUs over tokens/s on one (same micro-batch per GPU).
+GPUs over tokens/s on one (same micro-batch per GPU). `--accum N` runs N micro-batches per GPU a
+step (gradient accumulation) in every variant.
 
   plait-1gpu    plait's single-device step: bf16 parameters, fp32 masters, compiled blocks, fused AdamW
   plait-ddp     plait.parallel DDP: bucketed all-reduce from backward hooks, bf16 gradients
@@ -16,7 +17,7 @@ GPUs over tokens/s on one (same micro-batch per GPU).
   torch-ddp     DistributedDataParallel: fp32 parameters, bf16 autocast, fp32 gradient all-reduce,
                 fused AdamW (the standard recipe; its gradients are twice plait's bytes)
   fsdp2         fully_shard per block and root, MixedPrecisionPolicy(bf16 params, bf16 reduce), fp32
-                sharded parameters as masters, AdamW (foreach)
+                sharded parameters as masters, fused AdamW (as plait and torchtitan)
 Every variant clips at 1.0 and logs its loss each step (one host sync), as the trainer does.
 
 Writes bench/results/dp-<card>-<G>gpu.json (card, torch and NCCL versions, date, config, one row per
@@ -96,8 +97,8 @@ def _plait_step(a, variant, device, comm):
     par = parallelize(cfg, comm, device, dtype, compile=a.compile)
     x, y = _batch(a, cfg.model.vocab_size, par.data_rank, device)
 
-    def step():
-        return par.runner.step([(x, y)], 1e-4)[0]
+    def step():  # `accum` micro-batches a step: the engine reduces as its stage does (ZeRO-2/3 each one)
+        return par.runner.step([(x, y)] * a.accum, 1e-4)[0]
 
     return step, (par.model, par.engine)
 
@@ -132,10 +133,12 @@ def _torch_step(a, variant, device, dims):
         wrapped, opt = model, _adamw(model, fused=cuda)  # fused on GPU, as plait and torchtitan
     x, y = _batch(a, mcfg.vocab_size, dist.get_rank(), device)
 
-    def step():
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-            loss = wrapped(x, y)
-        loss.backward()
+    def step():  # `accum` micro-batches; DDP and FSDP2 reduce at every backward by default
+        for _ in range(a.accum):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+                loss = wrapped(x, y) / a.accum
+            loss.backward()
+        loss = loss * a.accum
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -174,7 +177,7 @@ def _measure(a, variant, step, device, ledger=None, tokens_per_gpu_step: float |
             ledger.step()
     med = statistics.median(times)
     after = _allocator_counts(device)
-    tok_s = (tokens_per_gpu_step or a.micro_batch * a.seq) / med
+    tok_s = (tokens_per_gpu_step or a.micro_batch * a.seq * getattr(a, "accum", 1)) / med
     peak = peak_flops(device, torch.bfloat16) if cuda else None
     row = {"variant": variant, "step_s_median": med, "step_s_min": min(times), "tokens_per_s_per_gpu": tok_s,
            "mfu": tok_s * flops_per_token(_model_cfg(a), a.seq) / peak if peak else None,
@@ -349,6 +352,8 @@ def main(argv=None) -> int:
                     help="override a model field of the preset (repeatable), e.g. --model n_layers=4")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--micro-batch", type=int, default=8, help="sequences per GPU per step")
+    ap.add_argument("--accum", type=int, default=1,
+                    help="micro-batches per GPU per step (gradient accumulation; each GPU sees micro-batch x accum)")
     ap.add_argument("--steps", type=int, default=10, help="timed steps per variant (median reported)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile happens here)")
     ap.add_argument("--bucket-mb", type=float, default=25.0)
@@ -368,6 +373,8 @@ def main(argv=None) -> int:
     ap.add_argument("--child-single", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     a.variants = [v for v in a.variants.split(",") if v]
+    if a.accum < 1:
+        ap.error(f"--accum {a.accum}: give the micro-batches per GPU per step, 1 or more")
     bad = [kv for kv in a.model if "=" not in kv]
     if bad:
         ap.error(f"--model {bad[0]!r}: write KEY=VALUE, e.g. --model n_layers=4")
@@ -390,7 +397,7 @@ def main(argv=None) -> int:
     out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"dp-{card_slug(card)}-{a.gpus}gpu.json"
     result = {"benchmark": "data_parallel", "card": card, "gpus": a.gpus, "torch": torch.__version__, "nccl": nccl,
               "date": time.strftime("%Y-%m-%d"), "config": {"preset": a.preset, "model": a.model, "seq": a.seq, "micro_batch": a.micro_batch,
-              "steps": a.steps, "warmup": a.warmup, "bucket_mb": a.bucket_mb, "overlap_ctas": a.overlap_ctas,
+              "accum": a.accum, "steps": a.steps, "warmup": a.warmup, "bucket_mb": a.bucket_mb, "overlap_ctas": a.overlap_ctas,
               "compile": a.compile, "recompute": a.recompute,
               "nccl_env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}}, "rows": []}
     t0 = time.perf_counter()
