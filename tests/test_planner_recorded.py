@@ -175,3 +175,24 @@ def test_a_host_bound_run_is_shown_but_left_out_of_the_step_statistics():
     worst = [ln for ln in text.splitlines() if ln.startswith("worst |error|")][0]
     assert f"{abs(checks[1].step_error):.1%}" in worst
     assert not replace(zb, host_share=0.9).host_bound
+
+
+def test_a_data_parallel_run_with_accumulation_is_priced_at_its_global_batch(tmp_path):
+    """`bench/data_parallel.py --accum N` runs N micro-batches a GPU a step: the planner must price
+    G x micro-batch x N sequences, N micro-batches a GPU, not one."""
+    import json
+
+    def runs(accum: int, folder: Path) -> dict:
+        folder.mkdir()
+        rows = [{"variant": v, "step_s_median": 0.5, "peak_mem_gb": 20.0} for v in ("plait-1gpu", "plait-zero3")]
+        config = {"preset": "1b", "seq": 2048, "micro_batch": 2, **({"accum": accum} if accum > 1 else {})}
+        (folder / "dp.json").write_text(json.dumps({"benchmark": "data_parallel", "card": "NVIDIA H100 80GB HBM3",
+                                                    "gpus": 4, "config": config, "rows": rows}))
+        return {r.source.split(":")[1]: r for r in recorded.load(folder)}
+
+    one, three = runs(1, tmp_path / "a"), runs(3, tmp_path / "b")
+    assert one["plait-1gpu"].global_batch == 2 and three["plait-1gpu"].global_batch == 6
+    assert one["plait-zero3"].global_batch == 8 and three["plait-zero3"].global_batch == 24
+    assert three["plait-zero3"].layout["micro_batch"] == 2 and three["plait-zero3"].layout["dp"] == 4
+    t1, t3 = (recorded.check([r["plait-zero3"]])[0].predicted_step_s for r in (one, three))
+    assert 2.5 < t3 / t1 < 3.0  # three micro-batches' work; the update and the step's ends once
