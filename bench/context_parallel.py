@@ -8,6 +8,7 @@ On G GPUs (default: every visible one), with ZeRO-3 and `--recompute` (default s
   plait-cp1          no context parallelism: G data-parallel ranks, each its own sequence
   plait-cpG-ring     one sequence split over the G ranks, K/V blocks passed around the ring
   plait-cpG-ulysses  the same split, heads exchanged for sequence by all-to-all
+  plait-cpN-...      CP over N of the G ranks (N divides G), G / N data-parallel groups
   torch-cpG          FSDP2 (bf16 compute, fused AdamW, compiled blocks when the peer compiles)
                      with torch.distributed.tensor.experimental.context_parallel's ring attention
                      over the same G ranks (tokens, targets and the RoPE tables sharded by its
@@ -47,13 +48,18 @@ def _batch(a, vocab, rank, device):
     return rows[:, :-1].to(device).contiguous(), rows[:, 1:].to(device).contiguous()
 
 
+def _cp_of(variant: str) -> int:
+    """The CP degree a variant names: plait-cp1, plait-cp<N>-ring|ulysses, torch-cp<N>."""
+    return int(variant.split("-")[1][2:])
+
+
 def _plait(a, variant, comm, device):
     import torch
 
     from plait.config import build_config
     from plait.parallel.build import parallelize
 
-    cp = 1 if variant == "plait-cp1" else a.gpus
+    cp = _cp_of(variant)
     cfg = build_config({"model": _model_section(a),
                         "train": {"lr": 1e-4, "warmup_steps": 0, "micro_batch": a.micro_batch, "recompute": a.recompute},
                         "parallel": {"zero": 3, "cp": cp, "cp_impl": variant.split("-")[-1] if cp > 1 else "ring"}})
@@ -115,7 +121,7 @@ def worker(a, variant) -> list[dict]:
     from plait.config import ParallelConfig
     from plait.launch import init_distributed
 
-    cp = 1 if variant == "plait-cp1" else a.gpus
+    cp = _cp_of(variant)
     dims = init_distributed(ParallelConfig(nproc=a.gpus, cp=cp, zero=3, timeout_s=900), a.device)
     device = dims.device
     rows = []
@@ -213,6 +219,14 @@ def main(argv=None) -> int:
     a.seqs = sorted(int(s) for s in a.seqs.split(",") if s)
     a.seq = max(a.seqs)
     variants = [v.replace("cpG", f"cp{a.gpus}") for v in a.variants.split(",") if v]
+    for v in variants:
+        ok = v == "plait-cp1" or (v.split("-")[0] in ("plait", "torch") and v.split("-")[1][:2] == "cp"
+                                  and v.split("-")[1][2:].isdigit())
+        if not ok or (v.startswith("plait-cp") and v != "plait-cp1" and v.split("-")[-1] not in ("ring", "ulysses")):
+            ap.error(f"--variants {v!r}: write plait-cp1, plait-cpN-ring, plait-cpN-ulysses or torch-cpG")
+        cp = _cp_of(v)
+        if a.gpus % cp or (v.startswith("torch") and cp != a.gpus):
+            ap.error(f"--variants {v!r}: CP {cp} must divide the {a.gpus} GPUs (torch's peer spans all of them: torch-cpG)")
     card = torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu"
     name = f"cp-{card_slug(card)}-{a.gpus}gpu" + (f"-{a.tag}" if a.tag else "")
     out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"{name}.json"
