@@ -303,7 +303,7 @@ def predict(d: ModelDims, lay: Layout, c: Cluster, global_batch: int,
     m = check_layout(d, lay, c, global_batch)
     pp, v = lay.pp, lay.v
     sched_name = lay.schedule if pp > 1 else "1f1b"
-    sc = stage_costs(d, lay, c, prec)
+    sc = stage_costs(d, lay, c, prec, m)
     run = simulate_makespan if exact else estimate_makespan
     makespan, bubble, ends = run(sched_name, pp, m, v, sc.durations, sc.p2p_s, sc.order_costs)
 

@@ -10,6 +10,8 @@ Overlap rules (why some communication adds to a stage and some does not):
     compute is exposed (gather forward; gather + reduce-scatter backward). An untied output matrix
     (its own unit) is gathered during the last layer's forward and reduce-scattered beside the
     backward; the root unit's transfers at the micro-batch's ends have nothing beside them.
+    ZeRO-3's own passes over the weights (the cast before each gather, the gradients' pack, the
+    chunk's add) run on the compute stream: they add in full, and the transfers hide behind them.
 """
 
 from __future__ import annotations
@@ -130,7 +132,7 @@ GROUPS = {"tp": ("tp",), "cp": ("cp",), "pp": ("pp",), "shard": ("dp_shard", "cp
 
 
 def _zero3_ends(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, link: Link, root: float, n_layers: int,
-                lt: roofline.LayerTimes, block_ag: float, block_rs: float) -> tuple[float, float]:
+                lt: roofline.LayerTimes, block_ag: float, block_rs: float, m: int) -> tuple[float, float]:
     """Seconds ZeRO-3 without a pipeline adds to a micro-batch's forward and backward beyond its
     layers': the root unit's (`root` parameters, the head's among them) and the first and last
     blocks' transfers, exposed; an untied output matrix's, a unit of its own, beside compute: its
@@ -145,6 +147,12 @@ def _zero3_ends(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, link: Li
 
     f = moved("all_gather", root - head, prec.param_bytes) + block_ag
     b = block_ag + block_rs + moved("reduce_scatter", root - head, prec.wire_grad_bytes)
+    # their passes (zero3_passes): the root is gathered once a micro-batch and kept through its
+    # backward; the head's gradient is reduced as autograd made it, without a pack
+    r_cast, r_pack, r_add = zero3_passes(root - head, lay.shard_group, prec, m)
+    h_cast, _, h_add = zero3_passes(head, lay.shard_group, prec, m)
+    f += roofline.kernel_time_s(0.0, r_cast + h_cast, c)
+    b += roofline.kernel_time_s(0.0, r_pack + r_add + h_add, c)
     if head:
         f += sum(hide((("all_gather", moved("all_gather", head, prec.param_bytes)),), lt.forward_s, c))
         room = n_layers * room_left((("all_gather", block_ag), ("reduce_scatter", block_rs)), lt.backward_s, c)
@@ -152,7 +160,20 @@ def _zero3_ends(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, link: Li
     return f, b
 
 
-def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision) -> StageCosts:
+def zero3_passes(params: float, shard: int, prec: Precision, m: int) -> tuple[float, float, float]:
+    """HBM bytes plait's ZeRO-3 moves on the compute stream for a unit of `params` parameters
+    (plait/parallel/gather.py, fsdp.py), per micro-batch of the `m` a GPU runs a step: (cast, pack,
+    add). cast: each gather first casts this rank's fp32 master chunk to the wire's 16 bits (read 4,
+    write 2 a parameter of the chunk). pack: backward copies the unit's gradients into the
+    reduce-scatter's buffer (read and write each). add: from the step's second micro-batch on, the
+    reduced chunk is added into the step's (read two, write one), averaged over the m."""
+    chunk = params / shard
+    return (chunk * (prec.master_bytes + prec.param_bytes), 2 * params * prec.wire_grad_bytes,
+            3 * chunk * prec.wire_grad_bytes * (m - 1) / m)
+
+
+def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, m: int = 1) -> StageCosts:
+    """`m`: micro-batches a GPU runs a step (what ZeRO-3's per-micro-batch passes average over)."""
     tp, pp, v, cp, b = lay.tp, lay.pp, lay.v, lay.cp, lay.micro_batch
     sp, e = lay.seq_parallel, prec.act_bytes
     S = pp * v
@@ -221,8 +242,12 @@ def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision) -> Stage
         ag = Collective("all_gather", block_t * prec.param_bytes, shard, 1, "").time_s(link)
         rs = Collective("reduce_scatter", block_t * prec.wire_grad_bytes, shard, 1, "").time_s(link)
         # what does not hide, plus what hiding costs the compute beside it
-        z3_f = sum(hide((("all_gather", ag),), lt.forward_s, c))
-        z3_b = sum(hide((("all_gather", ag), ("reduce_scatter", rs)), lt.backward_s, c))
+        # the passes run on the compute stream: they add to it, and the transfers hide behind them too
+        # (a pipeline stage keeps its units gathered over the step: no passes per micro-batch)
+        cast, pack, add = zero3_passes(block_t, shard, prec, m) if pp == 1 else (0.0, 0.0, 0.0)
+        pf, pb = roofline.kernel_time_s(0.0, cast, c), roofline.kernel_time_s(0.0, cast + pack + add, c)
+        z3_f = pf + sum(hide((("all_gather", ag),), lt.forward_s + pf, c))
+        z3_b = pb + sum(hide((("all_gather", ag), ("reduce_scatter", rs)), lt.backward_s + pb, c))
     # ZeRO-3 without a pipeline, at the ends of each micro-batch where no compute runs beside the
     # transfer (plait/parallel/fsdp.py): the forward begins by gathering the root unit (embedding,
     # norms) and then the first block; the backward begins by gathering the last block (the fused
@@ -230,7 +255,7 @@ def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision) -> Stage
     # reduce-scatters, which the next forward waits for. All exposed, once per micro-batch.
     root_f = root_b = 0.0
     if lay.zero == 3 and shard > 1 and pp == 1:
-        root_f, root_b = _zero3_ends(d, lay, c, prec, links["shard"][0], root_params[0], layers[0], lt, ag, rs)
+        root_f, root_b = _zero3_ends(d, lay, c, prec, links["shard"][0], root_params[0], layers[0], lt, ag, rs, m)
 
     # recomputation runs inside the backward: full = the forward again (with the TP collectives it
     # replays); selective = GPT's attention core (Korthikanti et al.), or for plait's Llama, whose
