@@ -15,8 +15,9 @@ Two scalings:
   right, all operands e4m3 and scales rounded down to powers of two (exact to apply). An outlier
   token or channel then costs precision only in its own row.
 
-The bf16 originals are what backward saves (no more activation memory than bf16: on an H100 the
-compiled 1b step peaked 15% lower), each quantized again along the axis its backward GEMM contracts. The embedding, norms, attention, output head and loss
+Tensorwise saves the FP8 x and W its forward made and backward's GEMMs reuse them (a tensor's
+scale is the same whatever axis a GEMM contracts); rowwise saves the bf16 originals, each quantized
+again along the axis its backward GEMM contracts. The embedding, norms, attention, output head and loss
 stay bf16, the optimizer's master weights fp32. Under torch.compile the casts fuse with the
 transposes each GEMM needs (the right operand column-major) into one pass per operand.
 """
@@ -83,18 +84,43 @@ def aligned(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 class _FP8Linear(torch.autograd.Function):
+    """Tensorwise: x and W are quantized once, in the forward, and backward's GEMMs reuse them. A
+    tensor's scale does not depend on the axis a GEMM contracts, so these are exactly the FP8
+    tensors backward would make again (the same bits); saved in FP8 they also take half the bytes of
+    the bf16 x. Rowwise scales run along the contraction, which differs between the forward and
+    the backward GEMMs: it saves the bf16 originals and quantizes each again."""
+
     @staticmethod
     def forward(ctx, x, weight, rowwise):
         x = x.to(weight.dtype)
-        ctx.save_for_backward(x, weight)
         ctx.rowwise = rowwise
-        return forward_gemm(x, weight, rowwise)
+        if rowwise:
+            ctx.save_for_backward(x, weight)
+            return forward_gemm(x, weight, rowwise)
+        qx, sx = quantize(x.reshape(-1, x.shape[-1]), E4M3, None)
+        qw, sw = quantize(weight, E4M3, None)
+        y = torch._scaled_mm(qx, qw.t(), scale_a=sx, scale_b=sw, out_dtype=x.dtype, use_fast_accum=True)
+        ctx.save_for_backward(qx, sx, qw, sw)
+        ctx.dtypes = x.dtype, weight.dtype
+        return y.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        dx = input_grad_gemm(dy, weight, ctx.rowwise, x.dtype) if ctx.needs_input_grad[0] else None
-        dw = weight_grad_gemm(dy, x, ctx.rowwise, weight.dtype) if ctx.needs_input_grad[1] else None
+        if ctx.rowwise:
+            x, weight = ctx.saved_tensors
+            dx = input_grad_gemm(dy, weight, True, x.dtype) if ctx.needs_input_grad[0] else None
+            dw = weight_grad_gemm(dy, x, True, weight.dtype) if ctx.needs_input_grad[1] else None
+            return dx, dw, None
+        qx, sx, qw, sw = ctx.saved_tensors
+        x_dtype, w_dtype = ctx.dtypes
+        qdy, sdy = quantize(dy.reshape(-1, dy.shape[-1]).to(w_dtype), E5M2, None)  # once for both GEMMs
+        dx = dw = None
+        if ctx.needs_input_grad[0]:  # dy @ W: W column-major on the right
+            dx = torch._scaled_mm(qdy, qw.t().contiguous().t(), scale_a=sdy, scale_b=sw, out_dtype=x_dtype,
+                                  use_fast_accum=False).view(*dy.shape[:-1], qw.shape[1])
+        if ctx.needs_input_grad[1]:  # dy^T @ x: dy^T row-major on the left, x column-major on the right
+            dw = torch._scaled_mm(qdy.t().contiguous(), qx.t().contiguous().t(), scale_a=sdy, scale_b=sx,
+                                  out_dtype=w_dtype, use_fast_accum=False)
         return dx, dw, None
 
 

@@ -302,3 +302,33 @@ def test_a_replicated_kv_head_defers_its_fp8_weight_gradient():
     store.run(0)
     g = attn.wk.weight.grad
     assert g[16:32].abs().sum() > 0 and g[:16].abs().sum() == 0 and g[32:].abs().sum() == 0
+
+
+def test_tensorwise_backward_reuses_the_forwards_fp8_operands():
+    """Tensorwise scales do not depend on the axis a GEMM contracts: backward reuses the FP8 x and W
+    its forward made (saved in FP8, half the bytes of bf16) and quantizes only dy, once for both
+    GEMMs - one amax where quantizing again would take four. Rowwise quantizes all three again."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from plait.fp8 import _FP8Linear
+
+    class Amax(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.amax.default:
+                Amax.n += 1
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    for rowwise, want in ((False, 1), (True, 4)):
+        x = torch.randn(2, 16, 64, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(48, 64, dtype=torch.bfloat16, requires_grad=True)
+        y = _FP8Linear.apply(x, w, rowwise)
+        if not rowwise:
+            saved = y.grad_fn.saved_tensors
+            assert {t.dtype for t in saved if t.dim() == 2} == {torch.float8_e4m3fn}
+        Amax.n = 0
+        with Amax():
+            y.backward(torch.randn_like(y))
+        assert Amax.n == want, (rowwise, Amax.n)
