@@ -209,6 +209,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--tag", default="")
     ap.add_argument("--out")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds a variant's processes may take before they are stopped")
     a = ap.parse_args(argv)
 
     import torch
@@ -237,7 +238,7 @@ def main(argv=None) -> int:
               "config": {"preset": a.preset, "model": a.model, "seqs": a.seqs, "micro_batch": a.micro_batch,
                          "recompute": a.recompute,
                          "steps": a.steps, "warmup": a.warmup, "compile": a.compile}, "rows": []}
-    return run_variants(worker, a, variants, result, out, lambda v: {"seq": 0}, _table, timeout_s=1800)
+    return run_variants(worker, a, variants, result, out, lambda v: {"seq": 0}, _table, timeout_s=a.timeout)
 
 
 if __name__ == "__main__":
