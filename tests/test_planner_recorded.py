@@ -135,7 +135,7 @@ def test_zero3_steps_are_priced_with_their_passes_over_the_weights():
             and r.layout.get("cp", 1) == 1 and r.n_gpus > 1]
     assert len(runs) >= 20, [r.source for r in runs]
     assert any(r.global_batch > r.n_gpus * r.layout["micro_batch"] for r in runs)  # several micro-batches a GPU
-    errors = [abs(c.step_error) for c in recorded.check(runs, hw)]
+    errors = [abs(c.step_error) for c in recorded.priced(recorded.check(runs, hw))]
     assert max(errors) < 0.075 and statistics.mean(errors) < 0.03, sorted(errors)
 
 
@@ -173,6 +173,19 @@ def test_the_planner_predicts_each_pipelines_measured_bubble_for_the_split_that_
     assert len(fed) >= 20 and {c.run.layout["schedule"] for c in fed} == {"gpipe", "1f1b", "interleaved", "zb", "zbv"}
     gap = statistics.mean(abs(c.predicted_bubble - c.run.bubble) for c in fed)
     assert gap < 0.02, recorded.bubble_table(checks)
+
+
+def test_an_untimed_row_is_priced_for_memory_and_left_out_of_the_step_statistics():
+    """A run made to find the longest sequence that fits times its first length right after one
+    warm-up step (compile, autotuning): the row says so (`untimed`), the table marks it, its memory
+    counts and its step time does not."""
+    runs = {r.source: r for r in recorded.load(RESULTS)}
+    cold, warm = (runs[f"cp-h100-2gpu-longest.json:plait-cp1@{s}"] for s in (49152, 65536))
+    assert cold.untimed and not warm.untimed
+    checks = recorded.check([cold, warm])
+    assert [c.run for c in recorded.priced(checks)] == [warm]
+    text = recorded.table(checks)
+    assert "untimed" in text and "1 untimed run" in text
 
 
 def test_a_host_bound_run_is_shown_but_left_out_of_the_step_statistics():

@@ -86,6 +86,10 @@ class Run:
     """A pipeline's measured bubble (idle share of every rank's step, from its action timeline)."""
     host_share: float | None = None
     """A pipeline's busiest host: seconds issuing its actions over the GPU's seconds running them."""
+    untimed: str = ""
+    """Why the row's step time is not a steady-state measurement (a run made to find what fits, its
+    first length timed right after one warm-up step), else empty: its memory is priced, its time
+    shown and left out of the step statistics."""
 
     @property
     def host_bound(self) -> bool:
@@ -221,7 +225,7 @@ def load(folder: str | Path) -> list[Run]:
             runs.setdefault(key, []).append(Run(
                 key, card_key(card), used, config["preset"], _model_overrides(config), seq, gb, lay,
                 row["step_s_median"], row.get("peak_mem_gb_max_rank", row["peak_mem_gb"]), row.get("measured_bubble"),
-                max(row["host_share"]) if row.get("host_share") else None))
+                max(row["host_share"]) if row.get("host_share") else None, row.get("untimed", "")))
     return [_merge(rs) for rs in runs.values()]
 
 
@@ -300,8 +304,9 @@ def _old_loss_extra(d, lay) -> float:
 
 
 def priced(checks: list[Check]) -> list[Check]:
-    """The checks whose step time the planner answers for: not those whose GPUs waited on the host."""
-    return [c for c in checks if not c.run.host_bound]
+    """The checks whose step time the planner answers for: not those whose GPUs waited on the host,
+    nor rows that did not time a steady step."""
+    return [c for c in checks if not c.run.host_bound and not c.run.untimed]
 
 
 def table(checks: list[Check]) -> str:
@@ -309,7 +314,7 @@ def table(checks: list[Check]) -> str:
     error is shown, marked, and left out of the step statistics (its memory error counts)."""
     lines = [f"{'run':<58} {'step ms pred/meas':>19} {'err':>7} {'peak GB pred/meas':>19} {'err':>7}"]
     for c in checks:
-        mark = f"  host-bound ({c.run.host_share:.2f})" if c.run.host_bound else ""
+        mark = f"  host-bound ({c.run.host_share:.2f})" if c.run.host_bound else ("  untimed" if c.run.untimed else "")
         lines.append(f"{c.run.source:<58} {c.predicted_step_s * 1e3:>8.1f} / {c.run.step_s * 1e3:<8.1f} "
                      f"{c.step_error:>+7.1%} {c.predicted_peak_gb:>8.2f} / {c.run.peak_gb:<8.2f} {c.memory_error:>+7.1%}{mark}")
     if checks:
@@ -317,9 +322,12 @@ def table(checks: list[Check]) -> str:
         lines.append(f"{'mean |error|':<58} {'':>19} {statistics.mean(se):>7.1%} {'':>19} {statistics.mean(me):>7.1%}")
         lines.append(f"{'worst |error|':<58} {'':>19} {max(se):>7.1%} {'':>19} {max(me):>7.1%}")
         left = len(checks) - len(priced(checks))
-        if left:
-            lines.append(f"step statistics leave out {left} host-bound run(s): a rank's host took longer to issue "
+        bound = sum(c.run.host_bound for c in checks)
+        if bound:
+            lines.append(f"step statistics leave out {bound} host-bound run(s): a rank's host took longer to issue "
                          f"its work than its GPU to run it, a CPU cost the planner does not model")
+        if left > bound:
+            lines.append(f"and {left - bound} untimed run(s): made to find what fits, no steady step timed (the row says why)")
     return "\n".join(lines)
 
 
