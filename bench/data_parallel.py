@@ -133,11 +133,16 @@ def _torch_step(a, variant, device, dims):
         wrapped, opt = model, _adamw(model, fused=cuda)  # fused on GPU, as plait and torchtitan
     x, y = _batch(a, mcfg.vocab_size, dist.get_rank(), device)
 
-    def step():  # `accum` micro-batches; DDP and FSDP2 reduce at every backward by default
-        for _ in range(a.accum):
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-                loss = wrapped(x, y) / a.accum
-            loss.backward()
+    import contextlib
+
+    def step():  # `accum` micro-batches: DDP reduces only the last (no_sync before it, its own recipe);
+        # FSDP2 reduce-scatters every one, as torchtitan leaves it (skipping would keep whole gradients)
+        for i in range(a.accum):
+            quiet = wrapped.no_sync() if variant == "torch-ddp" and i < a.accum - 1 else contextlib.nullcontext()
+            with quiet:
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+                    loss = wrapped(x, y) / a.accum
+                loss.backward()
         loss = loss * a.accum
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
