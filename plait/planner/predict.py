@@ -4,7 +4,7 @@ run can be compared with it (predicted vs measured peak memory and step time).
 
 How a step is timed
   1. Each pipeline stage's F, B (and W for zb) per micro-batch: `stage_costs` (roofline math plus
-     the TP, CP and ZeRO-3 communication that does not hide).
+     the TP, CP and ZeRO-3 communication that does not hide, and ZeRO-3's own casts and packs).
   2. The schedule's action lists -- the lists the executor runs -- are simulated with those
      durations and the pipeline link's point-to-point time: makespan and bubble.
   3. Gradient synchronisation as the engines run it (`_sync_s`): DDP's all-reduce and ZeRO-2's
@@ -380,7 +380,8 @@ def _explain(d, lay, c, prec, gb, m, sc, mem_rank, sched_name, makespan, bubble,
                         f"({sched_name} schedule, rank {mem_rank})"),
         ("layer time", f"per micro-batch: math {sc.layer['compute'] * 1e3:.3f} ms + TP "
                        f"{sc.layer['tp'] * 1e3:.3f} ms + CP {sc.layer['cp'] * 1e3:.3f} ms + ZeRO-3 "
-                       f"{sc.layer['zero3'] * 1e3:.3f} ms (F + B; " + (
+                       f"{sc.layer['zero3'] * 1e3:.3f} ms (F + B; ZeRO-3: its transfers' exposed part and cost to the compute beside "
+                       f"them, and its casts and gradient packs; " + (
                            f"matmuls and attention as measured on {c.profile.card}, memory-bound kernels at "
                            f"{c.profile.pointwise_gbps:.0f} GB/s)" if c.profile is not None else
                            f"roofline: peak {c.peak_flops / 1e12:.0f} TFLOP/s x {c.matmul_efficiency:g}, HBM "
