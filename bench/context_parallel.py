@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -48,9 +49,24 @@ def _batch(a, vocab, rank, device):
     return rows[:, :-1].to(device).contiguous(), rows[:, 1:].to(device).contiguous()
 
 
+VARIANT = re.compile(r"(plait-cp1|plait-cp(\d+)-(ring|ulysses)|torch-cp(\d+))$")
+
+
 def _cp_of(variant: str) -> int:
     """The CP degree a variant names: plait-cp1, plait-cp<N>-ring|ulysses, torch-cp<N>."""
     return int(variant.split("-")[1][2:])
+
+
+def _variant_error(variant: str, gpus: int) -> str | None:
+    """What is wrong with a variant's name on `gpus` GPUs, or None."""
+    if not VARIANT.match(variant):
+        return "write plait-cp1, plait-cpN-ring, plait-cpN-ulysses or torch-cpG"
+    cp = _cp_of(variant)
+    if gpus % cp:
+        return f"CP {cp} must divide the {gpus} GPUs"
+    if variant.startswith("torch") and cp != gpus:
+        return f"torch's peer spans all {gpus} GPUs: write torch-cpG"
+    return None
 
 
 def _plait(a, variant, comm, device):
@@ -221,13 +237,8 @@ def main(argv=None) -> int:
     a.seq = max(a.seqs)
     variants = [v.replace("cpG", f"cp{a.gpus}") for v in a.variants.split(",") if v]
     for v in variants:
-        ok = v == "plait-cp1" or (v.split("-")[0] in ("plait", "torch") and v.split("-")[1][:2] == "cp"
-                                  and v.split("-")[1][2:].isdigit())
-        if not ok or (v.startswith("plait-cp") and v != "plait-cp1" and v.split("-")[-1] not in ("ring", "ulysses")):
-            ap.error(f"--variants {v!r}: write plait-cp1, plait-cpN-ring, plait-cpN-ulysses or torch-cpG")
-        cp = _cp_of(v)
-        if a.gpus % cp or (v.startswith("torch") and cp != a.gpus):
-            ap.error(f"--variants {v!r}: CP {cp} must divide the {a.gpus} GPUs (torch's peer spans all of them: torch-cpG)")
+        if _variant_error(v, a.gpus):
+            ap.error(f"--variants {v!r}: {_variant_error(v, a.gpus)}")
     card = torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu"
     name = f"cp-{card_slug(card)}-{a.gpus}gpu" + (f"-{a.tag}" if a.tag else "")
     out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"{name}.json"
