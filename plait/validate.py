@@ -163,6 +163,11 @@ def validate_parallel(cfg: Config):
     if p.overlap_ctas and p.zero != 0:
         raise bad_value("parallel.overlap_ctas", p.overlap_ctas,
                         f"it budgets DDP's all-reduce only (parallel.zero = 0, not {p.zero}): leave it 0")
+    if not isinstance(p.zero3_cast_once, bool):
+        raise bad_value("parallel.zero3_cast_once", p.zero3_cast_once, "give true or false")
+    if p.zero3_cast_once and p.zero != 3:
+        raise bad_value("parallel.zero3_cast_once", p.zero3_cast_once,
+                        f"it keeps ZeRO-3's cast shard (parallel.zero = 3, not {p.zero}): drop it or set --zero 3")
     _positive("parallel.microbatches", p.microbatches, allow_zero=True)
     if p.reduce_dtype not in ("auto", "fp32", "bf16"):
         raise bad_value("parallel.reduce_dtype", p.reduce_dtype, "choose auto, fp32 or bf16")

@@ -54,6 +54,7 @@ def test_toml_then_cli_override(tmp_path):
     ({"parallel": {"zero": 4}}, "parallel.zero = 4"),
     ({"parallel": {"overlap_ctas": 100}}, "parallel.overlap_ctas = 100: give 0 (NCCL's choice) or a count of 1-64"),
     ({"parallel": {"overlap_ctas": 8, "zero": 3}}, "parallel.overlap_ctas = 8: it budgets DDP's all-reduce only"),
+    ({"parallel": {"zero3_cast_once": True, "zero": 2}}, "parallel.zero3_cast_once = True: it keeps ZeRO-3's cast shard"),
     ({"train": {"min_lr": 1.0}}, "train.min_lr = 1.0"),
 ])
 def test_bad_input_is_one_line_naming_field_and_fix(raw, needle):

@@ -78,6 +78,24 @@ def _precision(corpus, comm) -> dict:
     return out
 
 
+def _cast_once(corpus, comm) -> dict:
+    """bf16, three micro-batches a step, 3 steps: each unit's chunk cast at every gather, or once a
+    step and kept until the update (parallel.zero3_cast_once); the losses, the final shards and how
+    many casts each made."""
+    out = {}
+    for once in (False, True):
+        seen = {}
+
+        def look(e, seen=seen):
+            seen.update(casts=e.gather.n_casts, units=len(e.layout.units), blocks=len(e.blocks),
+                        shards=e.shards.clone(), kept=len(e.gather.kept_casts()))
+
+        res = train(config(corpus, zero=3, dtype="bf16", steps=3, grad_accum=3, zero3_cast_once=once), comm,
+                    engine_hook=look)
+        out[once] = {"losses": res["losses"], **seen}
+    return out
+
+
 def _fsdp2(corpus, group) -> dict:
     """The same 20 steps with torch's FSDP2 on the same model, optimizer and tokens."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -99,7 +117,7 @@ def _body(dims, corpus, root):
     comm = groups.comm("pair")
     if dims.rank < 2:
         return {"schedule": _schedule(corpus, comm, DEEP), "untied_schedule": _schedule(corpus, comm, dict(DEEP, tie_embeddings=False)),
-                "precision": _precision(corpus, comm)}
+                "precision": _precision(corpus, comm), "cast_once": _cast_once(corpus, comm)}
     return {"fsdp2": _fsdp2(corpus, groups.pair[1]), "untied": _untied(corpus, comm, root)}
 
 
@@ -209,3 +227,22 @@ def test_same_losses_as_torch_fsdp2(runs):
     worst = max(rel(a, b) for a, b in zip(fsdp2["losses"], ref["losses"]))
     print(f"FSDP2 vs single process: max loss rel diff {worst:.2e}")
     assert worst <= 1e-5  # plait's ZeRO-3 matches the same reference (test_data_parallel)
+
+
+def test_zero3_cast_once_keeps_each_chunks_cast_until_the_update(runs):
+    """With parallel.zero3_cast_once a unit's bf16 chunk is cast once a step (at its first gather)
+    and reused by every later gather until the update changes the shards: the same bits on the wire,
+    so the same losses and weights, with one cast a unit a step where casting at each gather makes
+    two a block a micro-batch. Never dropping the kept casts at the update trains on stale weights
+    and fails this."""
+    import torch
+
+    runs_ = runs[0]["cast_once"]
+    every, once = runs_[False], runs_[True]
+    assert every["losses"] == once["losses"]
+    assert torch.equal(every["shards"], once["shards"])
+    steps, accum = 3, 3
+    assert once["casts"] == steps * once["units"]
+    assert every["casts"] >= steps * accum * 2 * every["blocks"]
+    assert once["kept"] == 0  # dropped at the last update
+

@@ -343,3 +343,34 @@ def test_zb_v_puts_both_ends_and_one_tied_matrix_on_rank_0():
     p = predict(d, Layout(pp=4, dp_shard=1, zero=1, micro_batch=2, schedule="zbv", v=2, stage_split="balance"), c, 16)
     loss_on = p.memory_rank == 0
     assert (p.memory_bytes["loss_chunk"] > 0) == loss_on
+
+
+def test_zero3_cast_once_prices_one_cast_a_step_and_the_kept_copy():
+    """parallel.zero3_cast_once: a unit's chunk is cast once a step, not at every gather (twice a
+    micro-batch for a block, once for the root and head), and its 16-bit copy stays through the
+    step. With m micro-batches a GPU the step saves the other casts' passes over the HBM; memory
+    grows by 2 bytes a parameter over the shard group."""
+    import dataclasses
+
+    from plait.planner import roofline
+    from plait.planner.stage_costs import stage_costs, zero3_passes
+
+    d = ModelDims.from_config(ModelConfig(**PRESETS["8b"]), seq=2048)
+    c = cluster("h100", 1, 2)
+    prec = memory.precision("mixed")
+    m = 4
+    every = Layout(dp_shard=2, zero=3, micro_batch=1)
+    once = dataclasses.replace(every, zero3_cast_once=True)
+    a, b = predict(d, every, c, 2 * m), predict(d, once, c, 2 * m)
+    block = costs.tp_share(d, 1)[0]
+    cast_every = zero3_passes(block, 2, prec, m, 2)[0]
+    cast_once = zero3_passes(block, 2, prec, m, 2, True)[0]
+    assert cast_once == pytest.approx(cast_every / (2 * m))  # one of the 2m a step
+    sa, sb = stage_costs(d, every, c, prec, m), stage_costs(d, once, c, prec, m)
+    saved = roofline.kernel_time_s(0.0, cast_every - cast_once, c)
+    assert sum(map(sum, sa.durations)) - sum(map(sum, sb.durations)) >= d.layers * saved * 0.99  # + the root's
+    assert b.step_time_s < a.step_time_s
+    kept = sa.rank_params[0] / 2 * prec.param_bytes
+    assert b.memory_bytes["zero3_gather"] - a.memory_bytes["zero3_gather"] == pytest.approx(kept)
+    with pytest.raises(Exception, match="zero3_cast_once"):
+        Layout(dp_shard=2, zero=2, micro_batch=1, zero3_cast_once=True)

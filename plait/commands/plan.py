@@ -36,6 +36,9 @@ def add_arguments(p) -> None:
     for flag in ("tp", "pp", "dp", "cp", "dp-replicate", "v"):
         lay.add_argument(f"--{flag}", type=int)
     lay.add_argument("--zero", type=int, choices=(0, 1, 2, 3))
+    lay.add_argument("--zero3-cast-once", action="store_true",
+                     help="ZeRO-3 keeps each unit's 16-bit chunk from its first gather of a step to the update "
+                          "(parallel.zero3_cast_once): one cast a step, 2 bytes a parameter over N more memory")
     lay.add_argument("--schedule", choices=SCHEDULES)
     lay.add_argument("--recompute", choices=("none", "selective", "full"))
     lay.add_argument("--no-sp", action="store_true", help="tensor parallelism without sequence parallelism")
@@ -123,6 +126,10 @@ def run(args, extra) -> int:
                  cp_impl=args.cp_impl)
     if args.stage_layers:
         knobs["stage_split"] = args.stage_layers
+    if args.zero3_cast_once:
+        if args.zero != 3:
+            raise bad_value("--zero3-cast-once", True, "it prices ZeRO-3's kept casts: add --zero 3")
+        knobs["zero3_cast_once"] = True
     head = report.header_dict(d, c, args.global_batch, args.precision)
     given = any(getattr(args, k) is not None for k in ("tp", "pp", "dp", "cp"))
     if args.validate:
@@ -142,6 +149,9 @@ def run(args, extra) -> int:
     if args.dp is not None:
         from plait.errors import UserError
         raise UserError("--dp is implied by the other degrees when searching; drop it or leave out --search")
+    if knobs.pop("zero3_cast_once", False):
+        raise bad_value("--zero3-cast-once", True, "it prices a given layout, the search does not try it: give the layout "
+                        "(--dp, --tp, ...) without --search")
     space = inputs.make_space(tp=args.tp, pp=args.pp, cp=args.cp, dp_replicate=args.dp_replicate, **knobs)
     res = search(d, c, args.global_batch, args.precision, space, top=args.top)
     if args.json:

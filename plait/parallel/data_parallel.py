@@ -55,4 +55,4 @@ def apply_data_parallel(model, cfg, comm=None, groups: Groups = Groups(), compil
         return zero.Zero2(model, named, t, comm, groups, cap, reduce_dtype, compile, split)
     from plait.parallel.fsdp import Zero3
 
-    return Zero3(model, t, comm, groups, reduce_dtype, compile, split, keep=pipeline)
+    return Zero3(model, t, comm, groups, reduce_dtype, compile, split, keep=pipeline, cast_once=p.zero3_cast_once)

@@ -119,7 +119,7 @@ class Zero3(Sharded):
     only its shards (fp32 masters, moments): 12 of the 16 bytes per parameter stay divided by N."""
 
     def __init__(self, model, t, comm, groups: Groups, reduce_dtype: torch.dtype, compile: bool,
-                 split: TensorSplit = TensorSplit(), keep: bool = False):
+                 split: TensorSplit = TensorSplit(), keep: bool = False, cast_once: bool = False):
         n, r = comm.size(groups.shard), comm.rank(groups.shard)
         self.keep, self.sync = keep, True
         self.blocks = list(model.layers.values())
@@ -134,7 +134,7 @@ class Zero3(Sharded):
         # this rank's chunk of every unit, fp32 (the masters): the only parameter memory kept between uses
         master = torch.promote_types(self.dtype, torch.float32)
         self.shards = torch.zeros(layout.owned_numel, dtype=master, device=self.device)
-        self.gather = Gathers(layout, self.shards, self.dtype, comm, groups.shard)
+        self.gather = Gathers(layout, self.shards, self.dtype, comm, groups.shard, cast_once)
         for i, u in enumerate(layout.units):
             self.gather.fill_from(i, u.params)
         self.gshards: list = [None] * len(layout.units)  # per unit, this step's reduced gradient chunk
@@ -302,6 +302,7 @@ class Zero3(Sharded):
     def step(self, lr, loss_sum):
         # no all-gather after the update: each block gathers its new shards when it next runs
         out = self._update_from_shards(lr, loss_sum)
+        self.gather.drop_casts()  # the shards changed: the next gather casts them again
         self.at_update = tensor_bytes(self.memory())  # the gradient chunks' last moment
         self.gshards = [None] * len(self.gshards)
         if self.keep:
@@ -313,13 +314,15 @@ class Zero3(Sharded):
         return self.at_update if self.at_update is not None else super().state_bytes()
 
     def sync_params(self):
+        self.gather.drop_casts()  # after a load the shards are new
         for i in range(len(self.gather)):  # the masters are the shards: regather from them when next used
             self.gather.free(i)
 
     def memory(self):
         o = self.opt
         grads = [g for g in self.gshards + self.grads if g is not None]
-        return {"params": [self.shards] + self.gather.resident(), "grads": grads, "optimizer": [o.exp_avg, o.exp_avg_sq]}
+        return {"params": [self.shards] + self.gather.resident() + self.gather.kept_casts(), "grads": grads,
+                "optimizer": [o.exp_avg, o.exp_avg_sq]}
 
     def gather_for_inference(self) -> None:
         """Gather every unit and remove the hooks: the model is whole on every rank from now on."""

@@ -23,9 +23,14 @@ class State(enum.Enum):
 
 
 class Gathers:
-    def __init__(self, layout, shards: torch.Tensor, dtype: torch.dtype, comm, group: str):
-        """layout: the `ShardLayout`; shards: this rank's owned space (its chunk of every unit)."""
+    def __init__(self, layout, shards: torch.Tensor, dtype: torch.dtype, comm, group: str, cast_once: bool = False):
+        """layout: the `ShardLayout`; shards: this rank's owned space (its chunk of every unit).
+        cast_once: keep each unit's chunk in the compute dtype after its first gather, until
+        `drop_casts` (the caller's: when the shards change), rather than casting it at every gather."""
         self.layout, self.shards, self.dtype, self.comm, self.group = layout, shards, dtype, comm, group
+        self.cast_once = cast_once
+        self.casts: list[torch.Tensor | None] = [None] * len(layout.units)
+        self.n_casts = 0  # chunks cast so far (a test counts them)
         self.full: list[torch.Tensor] = []  # per unit, its gathered buffer; storage resized to 0 while free
         for u in layout.units:
             buf = torch.zeros(u.padded, dtype=dtype, device=shards.device)
@@ -53,12 +58,32 @@ class Gathers:
         """Start gathering unit i (no-op if out of range, gathered or on its way)."""
         if i < 0 or i >= len(self.full) or self.state[i] != State.FREE:
             return
-        u = self.layout.units[i]
         self._alloc(i)
-        chunk = self.shards[self.layout.owned_slice(u)].to(self.dtype)  # compute dtype on the wire; kept until sent
+        chunk = self._chunk(i)  # compute dtype on the wire; kept until sent
         self.pending[i] = (self.comm.all_gather(chunk, self.group, out=self.full[i], async_op=True), chunk)
         self.state[i] = State.GATHERING
         self._log("gather", i)
+
+    def _chunk(self, i: int) -> torch.Tensor:
+        """This rank's chunk of unit i in the compute dtype: cast now, or the cast kept since the
+        shards last changed."""
+        if self.casts[i] is not None:
+            return self.casts[i]
+        src = self.shards[self.layout.owned_slice(self.layout.units[i])]
+        chunk = src.to(self.dtype)
+        if chunk.data_ptr() != src.data_ptr():
+            self.n_casts += 1
+            if self.cast_once:
+                self.casts[i] = chunk
+        return chunk
+
+    def drop_casts(self) -> None:
+        """The shards changed (an update, a load): the next gather of each unit casts it again."""
+        self.casts = [None] * len(self.casts)
+
+    def kept_casts(self) -> list[torch.Tensor]:
+        """The cast chunks kept now (cast_once)."""
+        return [c for c in self.casts if c is not None]
 
     def wait(self, i: int) -> None:
         """Make unit i usable: gather it if free, complete its gather if in flight."""

@@ -53,6 +53,11 @@ class Layout:
     unit at the forward's start, and reduce-scattered it after the backward, as plait did before the
     output matrix became a unit of its own (recorded runs: `plait.planner.recorded`)."""
 
+    zero3_cast_once: bool = False
+    """ZeRO-3 keeps each unit's 16-bit chunk from its first gather of a step to the update
+    (`parallel.zero3_cast_once`): one cast a unit a step instead of one a gather, and 2 bytes a
+    parameter over the shard group more memory."""
+
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp_replicate", "dp_shard", "cp", "v", "micro_batch"):
             val = getattr(self, name)
@@ -64,6 +69,8 @@ class Layout:
             raise bad_value("--schedule", self.schedule, f"choose one of {', '.join(SCHEDULES)}")
         if self.recompute not in RECOMPUTE:
             raise bad_value("--recompute", self.recompute, f"choose one of {', '.join(RECOMPUTE)}")
+        if self.zero3_cast_once and self.zero != 3:
+            raise bad_value("zero3_cast_once", True, f"it keeps ZeRO-3's casts (zero 3, not {self.zero})")
         if not 0.0 <= self.recompute_matmuls <= 1.0:
             raise bad_value("recompute_matmuls", self.recompute_matmuls, "give a share of the forward matmuls, 0 to 1")
 

@@ -189,6 +189,8 @@ def _memory(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, sc: StageCos
         grads, gathered = st.grads, 0.0
         if lay.zero == 3 and shard > 1:
             grads, gathered = _zero3_peak(sc.rank_params[r], sc.root_params[r], layer_w, st.grads, prec, pp, m)
+            if lay.zero3_cast_once and pp == 1:  # every unit's 16-bit chunk, kept through the step
+                gathered += sc.rank_params[r] / shard * prec.param_bytes
         comp = {
             "parameters": st.params, "gradients": grads, "master_weights": st.master,
             "optimizer_states": st.optimizer,

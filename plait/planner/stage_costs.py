@@ -149,8 +149,8 @@ def _zero3_ends(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, link: Li
     b = block_ag + block_rs + moved("reduce_scatter", root - head, prec.wire_grad_bytes)
     # their passes (zero3_passes): the root is gathered once a micro-batch and kept through its
     # backward; the head's gradient is reduced as autograd made it, without a pack
-    r_cast, r_pack, r_add = zero3_passes(root - head, lay.shard_group, prec, m)
-    h_cast, _, h_add = zero3_passes(head, lay.shard_group, prec, m)
+    r_cast, r_pack, r_add = zero3_passes(root - head, lay.shard_group, prec, m, 1, lay.zero3_cast_once)
+    h_cast, _, h_add = zero3_passes(head, lay.shard_group, prec, m, 1, lay.zero3_cast_once)
     f += roofline.kernel_time_s(0.0, r_cast + h_cast, c)
     b += roofline.kernel_time_s(0.0, r_pack + r_add + h_add, c)
     if head:
@@ -160,16 +160,18 @@ def _zero3_ends(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, link: Li
     return f, b
 
 
-def zero3_passes(params: float, shard: int, prec: Precision, m: int) -> tuple[float, float, float]:
+def zero3_passes(params: float, shard: int, prec: Precision, m: int, gathers: int = 1,
+                 cast_once: bool = False) -> tuple[float, float, float]:
     """HBM bytes plait's ZeRO-3 moves on the compute stream for a unit of `params` parameters
     (plait/parallel/gather.py, fsdp.py), per micro-batch of the `m` a GPU runs a step: (cast, pack,
     add). cast: each gather first casts this rank's fp32 master chunk to the wire's 16 bits (read 4,
-    write 2 a parameter of the chunk). pack: backward copies the unit's gradients into the
-    reduce-scatter's buffer (read and write each). add: from the step's second micro-batch on, the
-    reduced chunk is added into the step's (read two, write one), averaged over the m."""
+    write 2 a parameter of the chunk), for the `gathers` a unit makes a micro-batch; kept from the
+    step's first gather on (`cast_once`), once a step. pack: backward copies the unit's gradients
+    into the reduce-scatter's buffer (read and write each). add: from the step's second micro-batch
+    on, the reduced chunk is added into the step's (read two, write one), averaged over the m."""
     chunk = params / shard
-    return (chunk * (prec.master_bytes + prec.param_bytes), 2 * params * prec.wire_grad_bytes,
-            3 * chunk * prec.wire_grad_bytes * (m - 1) / m)
+    cast = chunk * (prec.master_bytes + prec.param_bytes) * (1 / m if cast_once else gathers)
+    return cast, 2 * params * prec.wire_grad_bytes, 3 * chunk * prec.wire_grad_bytes * (m - 1) / m
 
 
 def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, m: int = 1) -> StageCosts:
@@ -244,8 +246,9 @@ def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, m: int =
         # what does not hide, plus what hiding costs the compute beside it
         # the passes run on the compute stream: they add to it, and the transfers hide behind them too
         # (a pipeline stage keeps its units gathered over the step: no passes per micro-batch)
-        cast, pack, add = zero3_passes(block_t, shard, prec, m) if pp == 1 else (0.0, 0.0, 0.0)
-        pf, pb = roofline.kernel_time_s(0.0, cast, c), roofline.kernel_time_s(0.0, cast + pack + add, c)
+        # a block is gathered twice a micro-batch (forward, backward): its casts split between them
+        cast, pack, add = zero3_passes(block_t, shard, prec, m, 2, lay.zero3_cast_once) if pp == 1 else (0.0,) * 3
+        pf, pb = roofline.kernel_time_s(0.0, cast / 2, c), roofline.kernel_time_s(0.0, cast / 2 + pack + add, c)
         z3_f = pf + sum(hide((("all_gather", ag),), lt.forward_s + pf, c))
         z3_b = pb + sum(hide((("all_gather", ag), ("reduce_scatter", rs)), lt.backward_s + pb, c))
     # ZeRO-3 without a pipeline, at the ends of each micro-batch where no compute runs beside the

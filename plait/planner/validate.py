@@ -76,7 +76,7 @@ def measure(preset: str | None, d, lay, global_batch: int, steps: int) -> dict:
             "checkpoint": {"at_end": False},
             "parallel": {"nproc": lay.n_gpus, "dp_shard": lay.dp_shard, "dp_replicate": lay.dp_replicate,
                          "zero": lay.zero, "tp": lay.tp, "sp": "on" if lay.seq_parallel else "off", "cp": lay.cp,
-                         "cp_impl": lay.cp_impl,
+                         "cp_impl": lay.cp_impl, "zero3_cast_once": lay.zero3_cast_once,
                          "gpus_per_node": max(lay.n_gpus, 1)},
         })
         summary = launch_training(cfg)
