@@ -14,6 +14,8 @@ step (gradient accumulation) in every variant.
   plait-zero1   optimizer state sharded; reduce-scatter + all-gather after backward
   plait-zero2   + gradients: buckets reduce-scattered during backward
   plait-zero3   + parameters, per block, prefetched; bf16 on the wire both ways
+  plait-zero3-cast-once   the same, each unit's bf16 chunk kept from its first gather of a step to
+                the update (parallel.zero3_cast_once): for --accum > 1
   torch-ddp     DistributedDataParallel: fp32 parameters, bf16 autocast, fp32 gradient all-reduce,
                 fused AdamW (the standard recipe; its gradients are twice plait's bytes)
   fsdp2         fully_shard per block and root, MixedPrecisionPolicy(bf16 params, bf16 reduce), fp32
@@ -42,8 +44,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-PLAIT = ["plait-ddp", "plait-zero1", "plait-zero2", "plait-zero3"]
+PLAIT = ["plait-ddp", "plait-zero1", "plait-zero2", "plait-zero3", "plait-zero3-cast-once"]
 ALL = PLAIT + ["fsdp2", "torch-ddp"]  # torch DDP (fp32 params + grads) needs the most memory: last
+DEFAULT = [v for v in ALL if v != "plait-zero3-cast-once"]  # it differs from plait-zero3 only with --accum > 1
 
 
 def card_slug(name: str) -> str:
@@ -88,11 +91,13 @@ def _plait_step(a, variant, device, comm):
     from plait.config import build_config
     from plait.parallel.build import parallelize
 
-    zero = {"plait-1gpu": 0, "plait-ddp": 0, "plait-zero1": 1, "plait-zero2": 2, "plait-zero3": 3}[variant]
+    zero = {"plait-1gpu": 0, "plait-ddp": 0, "plait-zero1": 1, "plait-zero2": 2, "plait-zero3": 3,
+            "plait-zero3-cast-once": 3}[variant]
     cfg = build_config({"model": _model_section(a),
                         "train": {"lr": 1e-4, "warmup_steps": 0, "recompute": a.recompute},
                         "parallel": {"zero": zero, "bucket_mb": a.bucket_mb,
-                                     "overlap_ctas": a.overlap_ctas if zero == 0 else 0}})
+                                     "overlap_ctas": a.overlap_ctas if zero == 0 else 0,
+                                     "zero3_cast_once": variant == "plait-zero3-cast-once"}})
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     par = parallelize(cfg, comm, device, dtype, compile=a.compile)
     x, y = _batch(a, cfg.model.vocab_size, par.data_rank, device)
@@ -330,17 +335,17 @@ def _table(result) -> str:
     lines = [f"{result['card']}, {result['gpus']} GPU(s), torch {result['torch']}, NCCL {result['nccl']}, "
              f"preset {result['config']['preset']}, seq {result['config']['seq']}, micro-batch "
              f"{result['config']['micro_batch']} per GPU",
-             f"{'variant':12} {'tok/s/GPU':>10} {'MFU':>6} {'peak GB':>8} {'comm GB':>8} {'scaling':>8} {'vs FSDP2':>9}"]
+             f"{'variant':21} {'tok/s/GPU':>10} {'MFU':>6} {'peak GB':>8} {'comm GB':>8} {'scaling':>8} {'vs FSDP2':>9}"]
     for r in result["rows"]:
         if "error" in r:
-            lines.append(f"{r['variant']:12} ERROR {r['error']}")
+            lines.append(f"{r['variant']:21} ERROR {r['error']}")
             continue
         tok = r["tokens_per_s_per_gpu"]
         mfu = f"{100 * r['mfu']:5.1f}%" if r.get("mfu") else "   n/a"
         comm = f"{r['comm_gb_per_step']:8.2f}" if "comm_gb_per_step" in r else f"{'':8}"
         scale = f"{100 * tok / base['tokens_per_s_per_gpu']:7.1f}%" if base and r is not base else f"{'':8}"
         vs = f"{tok / fsdp2['tokens_per_s_per_gpu']:8.2f}x" if fsdp2 else ""
-        lines.append(f"{r['variant']:12} {tok:10.0f} {mfu} {r.get('peak_mem_gb_max_rank', r['peak_mem_gb']):8.1f} "
+        lines.append(f"{r['variant']:21} {tok:10.0f} {mfu} {r.get('peak_mem_gb_max_rank', r['peak_mem_gb']):8.1f} "
                      f"{comm} {scale} {vs}")
         if "gpu_time" in r:
             g = r["gpu_time"]
@@ -370,7 +375,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", type=int, default=0, metavar="K",
                     help="after timing, profile K more steps: GPU time split into compute, exposed and "
                          "overlapped communication, idle (a 'gpu_time' entry in each row)")
-    ap.add_argument("--variants", default=",".join(ALL))
+    ap.add_argument("--variants", default=",".join(DEFAULT))
     ap.add_argument("--no-compile", dest="compile", action="store_false")
     ap.add_argument("--no-single", dest="single", action="store_false", help="skip the 1-GPU baseline")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])

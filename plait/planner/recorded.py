@@ -135,11 +135,12 @@ def _layout(bench: str, variant: str, row: dict, config: dict, n_gpus: int, comm
         accum = config.get("accum", 1)  # micro-batches a GPU runs a step (runs before --accum ran one)
         if variant == "plait-1gpu":
             return dict(dp=1, zero=0, micro_batch=mb, recompute=rc), mb * accum
-        zero = {"plait-ddp": 0, "plait-zero1": 1, "plait-zero2": 2, "plait-zero3": 3}.get(variant)
+        zero = {"plait-ddp": 0, "plait-zero1": 1, "plait-zero2": 2, "plait-zero3": 3, "plait-zero3-cast-once": 3}.get(variant)
         if zero is None:
             raise UserError(f"recorded run {variant!r}: plait.planner.recorded does not know this data-parallel "
                             f"variant; teach _layout its layout")
-        return dict(dp=n_gpus, zero=zero, micro_batch=mb, recompute=rc), mb * n_gpus * accum
+        once = {"zero3_cast_once": True} if variant == "plait-zero3-cast-once" else {}
+        return dict(dp=n_gpus, zero=zero, micro_batch=mb, recompute=rc, **once), mb * n_gpus * accum
     if bench == "tensor_parallel":  # one micro-batch of global_batch / dp sequences per rank
         tp, dp, gb = row["tp"], row["dp"], config["global_batch"]
         return dict(tp=tp, dp=dp, zero=row["zero"], micro_batch=gb // dp, recompute=row["recompute"],
