@@ -88,7 +88,8 @@ def _cast_once(corpus, comm) -> dict:
 
         def look(e, seen=seen):
             seen.update(casts=e.gather.n_casts, units=len(e.layout.units), blocks=len(e.blocks),
-                        shards=e.shards.clone(), kept=len(e.gather.kept_casts()))
+                        shards=e.shards.clone(), kept=len(e.gather.kept_casts()),
+                        params_at_update=e.state_bytes()["params"], owned=e.layout.owned_numel)
 
         res = train(config(corpus, zero=3, dtype="bf16", steps=3, grad_accum=3, zero3_cast_once=once), comm,
                     engine_hook=look)
@@ -244,5 +245,7 @@ def test_zero3_cast_once_keeps_each_chunks_cast_until_the_update(runs):
     steps, accum = 3, 3
     assert once["casts"] == steps * once["units"]
     assert every["casts"] >= steps * accum * 2 * every["blocks"]
-    assert once["kept"] == 0  # dropped at the last update
+    assert once["kept"] == 0  # dropped at the last update ...
+    # ... which they were held through: 2 bytes (bf16) an owned element more at the update
+    assert once["params_at_update"] - every["params_at_update"] == 2 * once["owned"]
 

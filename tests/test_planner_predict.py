@@ -371,6 +371,7 @@ def test_zero3_cast_once_prices_one_cast_a_step_and_the_kept_copy():
     assert sum(map(sum, sa.durations)) - sum(map(sum, sb.durations)) >= d.layers * saved * 0.99  # + the root's
     assert b.step_time_s < a.step_time_s
     kept = sa.rank_params[0] / 2 * prec.param_bytes
-    assert b.memory_bytes["zero3_gather"] - a.memory_bytes["zero3_gather"] == pytest.approx(kept)
+    assert b.memory_bytes["parameters"] - a.memory_bytes["parameters"] == pytest.approx(kept)
+    assert b.state_bytes["parameters"] - a.state_bytes["parameters"] == pytest.approx(kept)
     with pytest.raises(Exception, match="zero3_cast_once"):
         Layout(dp_shard=2, zero=2, micro_batch=1, zero3_cast_once=True)

@@ -302,8 +302,8 @@ class Zero3(Sharded):
     def step(self, lr, loss_sum):
         # no all-gather after the update: each block gathers its new shards when it next runs
         out = self._update_from_shards(lr, loss_sum)
+        self.at_update = tensor_bytes(self.memory())  # the gradient chunks' (and kept casts') last moment
         self.gather.drop_casts()  # the shards changed: the next gather casts them again
-        self.at_update = tensor_bytes(self.memory())  # the gradient chunks' last moment
         self.gshards = [None] * len(self.gshards)
         if self.keep:
             self.sync_params()  # the stage is gathered anew from the updated shards at the next step

@@ -186,13 +186,13 @@ def _memory(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, sc: StageCos
     for r in range(pp):
         st = memory.state_bytes(sc.rank_params[r], lay.zero, shard, prec, shard_is_master=True)  # plait's ZeRO-3
         units, held = _held_layers(sched_name, pp, m, v, r, wfrac, sc)
-        grads, gathered = st.grads, 0.0
+        grads, gathered, kept = st.grads, 0.0, 0.0
         if lay.zero == 3 and shard > 1:
             grads, gathered = _zero3_peak(sc.rank_params[r], sc.root_params[r], layer_w, st.grads, prec, pp, m)
             if lay.zero3_cast_once and pp == 1:  # every unit's 16-bit chunk, kept through the step
-                gathered += sc.rank_params[r] / shard * prec.param_bytes
+                kept = sc.rank_params[r] / shard * prec.param_bytes
         comp = {
-            "parameters": st.params, "gradients": grads, "master_weights": st.master,
+            "parameters": st.params + kept, "gradients": grads, "master_weights": st.master,
             "optimizer_states": st.optimizer,
             "activations": held * per_layer,
             "zero3_gather": gathered,
@@ -206,7 +206,7 @@ def _memory(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, sc: StageCos
         }
         total = sum(comp.values())
         if total > best[0]:
-            state = {"parameters": st.params, "gradients": st.grads, "master_weights": st.master,
+            state = {"parameters": st.params + kept, "gradients": st.grads, "master_weights": st.master,
                      "optimizer_states": st.optimizer}
             best = (total, r, comp, state)
     return best[1], best[2], best[3]
