@@ -14,49 +14,37 @@ from plait.cli import main
 
 M8 = {"preset": "custom", "vocab_size": 259, "dim": 64, "n_layers": 8, "n_heads": 8, "n_kv_heads": 2,
       "ffn_dim": 96, "max_seq_len": 64}
-LAYOUTS = {
-    "tp8": ["--tp", "8", "--dp", "1", "--train.micro_batch", "8"],
-    "pp8-1f1b": ["--pp", "8", "--dp", "1", "--schedule", "1f1b", "--microbatches", "8", "--train.micro_batch", "1"],
-    "pp8-zb": ["--pp", "8", "--dp", "1", "--schedule", "zb", "--microbatches", "8", "--train.micro_batch", "1"],
-    "tp4-dp2-zero3": ["--tp", "4", "--dp", "2", "--zero", "3", "--train.micro_batch", "4"],
-    "cp2-tp4": ["--cp", "2", "--tp", "4", "--dp", "1", "--train.micro_batch", "8"],
+PP8 = ["--pp", "8", "--dp", "1", "--microbatches", "8", "--train.micro_batch", "1"]
+LAYOUTS = {  # name: (layers, arguments); two chunks a rank (v = 2) need 16 layers for 8 ranks
+    "tp8": (8, ["--tp", "8", "--dp", "1", "--train.micro_batch", "8"]),
+    "pp8-1f1b": (8, [*PP8, "--schedule", "1f1b"]),
+    "pp8-zb": (8, [*PP8, "--schedule", "zb"]),
+    "pp8-interleaved": (16, [*PP8, "--schedule", "interleaved", "--parallel.v", "2"]),
+    "pp8-zbv": (16, [*PP8, "--schedule", "zbv", "--parallel.v", "2"]),
+    "tp4-dp2-zero3": (8, ["--tp", "4", "--dp", "2", "--zero", "3", "--train.micro_batch", "4"]),
+    "cp2-tp4": (8, ["--cp", "2", "--tp", "4", "--dp", "1", "--train.micro_batch", "8"]),
 }
 
 
 @pytest.fixture(scope="module")
-def reference(corpus, tmp_path_factory):
-    out = tmp_path_factory.mktemp("eight") / "one"
-    assert main(cli_train(corpus, out, M8, 3, ["--train.micro_batch", "8"])) == 0
-    return out
+def references(corpus, tmp_path_factory):
+    """The one-process run of each model depth, made when a layout first needs it."""
+    made = {}
+
+    def reference(layers: int):
+        if layers not in made:
+            made[layers] = tmp_path_factory.mktemp(f"eight{layers}") / "one"
+            assert main(cli_train(corpus, made[layers], dict(M8, n_layers=layers), 3, ["--train.micro_batch", "8"])) == 0
+        return made[layers]
+
+    return reference
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_eight_process_layout_trains_as_one_process(corpus, tmp_path, reference, name):
+def test_eight_process_layout_trains_as_one_process(corpus, tmp_path, references, name):
+    layers, args = LAYOUTS[name]
     out = tmp_path / name
-    assert main(cli_train(corpus, out, M8, 3, ["--nproc", "8", *LAYOUTS[name]])) == 0
-    assert_same_cli_run(out, reference, 3)
-
-
-M16 = dict(M8, n_layers=16)
-V2 = {
-    "pp8-interleaved": ["--pp", "8", "--dp", "1", "--schedule", "interleaved", "--parallel.v", "2",
-                        "--microbatches", "8", "--train.micro_batch", "1"],
-    "pp8-zbv": ["--pp", "8", "--dp", "1", "--schedule", "zbv", "--parallel.v", "2", "--microbatches", "8",
-                "--train.micro_batch", "1"],
-}
-
-
-@pytest.fixture(scope="module")
-def reference16(corpus, tmp_path_factory):
-    out = tmp_path_factory.mktemp("eight16") / "one"
-    assert main(cli_train(corpus, out, M16, 3, ["--train.micro_batch", "8"])) == 0
-    return out
-
-
-@pytest.mark.parametrize("name", list(V2))
-def test_eight_ranks_of_two_chunks_train_as_one_process(corpus, tmp_path, reference16, name):
-    out = tmp_path / name
-    assert main(cli_train(corpus, out, M16, 3, ["--nproc", "8", *V2[name]])) == 0
-    assert "v = 2" in (out / "config.toml").read_text()  # two chunks a rank, as asked
-    assert_same_cli_run(out, reference16, 3)
-
+    assert main(cli_train(corpus, out, dict(M8, n_layers=layers), 3, ["--nproc", "8", *args])) == 0
+    if "--parallel.v" in args:
+        assert "v = 2" in (out / "config.toml").read_text()  # two chunks a rank, as asked
+    assert_same_cli_run(out, references(layers), 3)

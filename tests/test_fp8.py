@@ -20,6 +20,21 @@ def _rel_err(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
+def _counting(op):
+    """A dispatch mode that counts the calls of one aten op (`.n`) while it is active."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is op:
+                self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    return Count()
+
+
 @pytest.mark.parametrize("fmt", [E4M3, E5M2])
 def test_tensorwise_scale_puts_amax_on_the_format_max(fmt):
     x = torch.randn(40, 48) * 7.0
@@ -225,29 +240,19 @@ def test_a_replicated_kv_head_projects_in_fp8():
 def test_selective_recompute_keeps_the_fp8_gemms(recompute, per_layer):
     """Selective recomputation keeps FP8 GEMM outputs as it keeps bf16 matmul outputs: backward
     runs again only each branch's last projection (wo, w2) besides its own two GEMMs a linear."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from plait.config import build_config
     from plait.fp8 import apply_fp8
     from plait.model import Transformer
     from plait.parallel.recompute import apply_recompute
-
-    class Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten._scaled_mm.default:
-                Count.n += 1
-            return func(*args, **(kwargs or {}))
 
     cfg = build_config({"model": F8M}).model
     model = Transformer(cfg)
     apply_fp8(model, "tensorwise", torch.device("cpu"))
     apply_recompute(model, recompute)
     x = torch.randint(0, cfg.vocab_size, (2, 32))
-    with Count():
+    with _counting(torch.ops.aten._scaled_mm.default) as gemms:
         model(x, x).backward()
-    assert Count.n == cfg.n_layers * per_layer
+    assert gemms.n == cfg.n_layers * per_layer
 
 
 def test_zero_bubble_defers_fp8_weight_gradients():
@@ -308,17 +313,7 @@ def test_tensorwise_backward_reuses_the_forwards_fp8_operands():
     """Tensorwise scales do not depend on the axis a GEMM contracts: backward reuses the FP8 x and W
     its forward made (saved in FP8, half the bytes of bf16) and quantizes only dy, once for both
     GEMMs - one amax where quantizing again would take four. Rowwise quantizes all three again."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from plait.fp8 import _FP8Linear
-
-    class Amax(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten.amax.default:
-                Amax.n += 1
-            return func(*args, **(kwargs or {}))
 
     torch.manual_seed(0)
     for rowwise, want in ((False, 1), (True, 4)):
@@ -328,7 +323,6 @@ def test_tensorwise_backward_reuses_the_forwards_fp8_operands():
         if not rowwise:
             saved = y.grad_fn.saved_tensors
             assert {t.dtype for t in saved if t.dim() == 2} == {torch.float8_e4m3fn}
-        Amax.n = 0
-        with Amax():
+        with _counting(torch.ops.aten.amax.default) as amax:
             y.backward(torch.randn_like(y))
-        assert Amax.n == want, (rowwise, Amax.n)
+        assert amax.n == want, (rowwise, amax.n)
