@@ -128,9 +128,10 @@ def write_error(step: int, folder: Path, e: BaseException) -> CheckpointWriteErr
 
 def is_write_failure(e: BaseException) -> bool:
     """OSError, or torch.save's RuntimeError for a failed write: it carries no errno, and on a full
-    disk says only "[enforce fail at inline_container.cc] unexpected pos" or "file write failed"."""
+    disk says only "[enforce fail at inline_container.cc] unexpected pos", "file write failed" or,
+    from the C++ stream under it, "basic_ios::clear: iostream error"."""
     return isinstance(e, OSError) or (isinstance(e, RuntimeError) and any(
-        k in str(e) for k in ("inline_container", "PytorchStreamWriter", "write failed")))
+        k in str(e) for k in ("inline_container", "PytorchStreamWriter", "write failed", "iostream error")))
 
 
 def _cause(folder: Path, e: BaseException) -> str:

@@ -139,3 +139,14 @@ def test_an_async_write_that_a_save_waited_for_still_reports_its_time(tmp_path):
     assert saver.wait()["checkpoint_written"] == 2
     assert saver.poll() is None
     assert ckpt.latest_valid(tmp_path).name == ckpt.step_dir_name(2)
+
+
+@pytest.mark.parametrize("message", ["[enforce fail at inline_container.cc:603] . unexpected pos 512 vs 448",
+                                     "PytorchStreamWriter failed writing file data/3: file write failed",
+                                     "basic_ios::clear: iostream error"])
+def test_every_way_torch_save_reports_a_full_disk_is_a_write_failure(message):
+    """torch.save's failed writes carry no errno; which message comes depends on where the disk filled
+    (a rank that hits it inside the C++ stream says only "iostream error"). Each must end in the
+    one-line checkpoint error, not a traceback."""
+    assert ckpt.is_write_failure(RuntimeError(message))
+    assert not ckpt.is_write_failure(RuntimeError("CUDA error: an illegal memory access was encountered"))
