@@ -39,6 +39,10 @@ def test_eval_reproduces_the_runs_validation_loss(run, corpus, capsys):
     assert main(["eval", "--checkpoint", str(run), "--data", str(corpus)]) == 0
     loss, ppl = _reported(capsys.readouterr().out)
     assert loss == pytest.approx(state["val_loss"], abs=1e-4) and ppl == pytest.approx(math.exp(loss), rel=1e-3)
+    # without --data: the data the run trained on (its config's data.path), the same windows
+    assert main(["eval", "--checkpoint", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert f"on {corpus} (validation)" in out and _reported(out) == (loss, ppl)
     other = evaluate(str(run), TokenData(corpus), batches=2, batch_size=2, seq_len=16)
     assert other["tokens"] == 2 * 2 * 16 and other["loss"] != r["loss"]
     # a batch larger than the validation set (3 x 8 sequences) still reads one batch
@@ -55,6 +59,10 @@ def test_an_hf_export_evaluates_like_its_checkpoint(run, corpus, tmp_path, capsy
     # the HF folder carries no run config: its defaults give seed 0, the micro run's seed too, so
     # with the run's batch shape both read the same windows with the same fp32 weights
     hf = evaluate(str(tmp_path / "hf"), TokenData(corpus), batches=3, batch_size=4, seq_len=32)
+    # an HF folder records no training data: --data is needed, and the error says so
+    assert main(["eval", "--checkpoint", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "records no training data; give --data DIR" in err
     assert hf["loss"] == pytest.approx(evaluate(str(run), TokenData(corpus), batches=3, batch_size=4)["loss"], rel=1e-5)
 
 

@@ -1,4 +1,8 @@
-"""`plait eval --checkpoint RUN_OR_HF_DIR --data DIR`: held-out loss and perplexity of a checkpoint.
+"""`plait eval --checkpoint RUN_OR_HF_DIR [--data DIR]`: held-out loss and perplexity of a checkpoint.
+
+Without --data a plait checkpoint is evaluated on the data its run trained on (its config's
+data.path, the built-in corpus of the default job included); an HF folder or a run that drew from a
+mix (data.mix) names no one folder, so it needs --data.
 
 The windows are `TokenData.val_batches` with the run's seed, sequence length and validation set
 (train.eval_batches global batches, read a micro-batch at a time) unless overridden, i.e. the
@@ -18,7 +22,8 @@ HELP = "held-out loss and perplexity of a checkpoint (any layout, or a HuggingFa
 def add_arguments(p) -> None:
     p.add_argument("--checkpoint", required=True,
                    help="a step_XXXXXXXX folder, a run folder (newest valid checkpoint) or a HuggingFace Llama folder")
-    p.add_argument("--data", required=True, help="a folder made by `plait data prepare`; its validation split is read")
+    p.add_argument("--data", default="", help="a folder made by `plait data prepare`; its validation split is read "
+                   "(default: the data the checkpoint's run trained on)")
     p.add_argument("--batches", type=int, default=0, help="batches to average (default: the run's validation set, train.eval_batches global batches)")
     p.add_argument("--batch-size", type=int, default=0, help="sequences per batch (default: the run's train.micro_batch)")
     p.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (default: the run's train.seq_len)")
@@ -32,12 +37,31 @@ def run(args, extra) -> int:
     for flag in ("batches", "batch_size", "seq_len"):
         if getattr(args, flag) < 0:
             raise bad_value(f"--{flag.replace('_', '-')}", getattr(args, flag), "must be positive (0 = the run's value)")
-    data = TokenData(args.data, field="--data")  # before the model: a wrong folder costs no loading
+    path = args.data or run_data(args.checkpoint)
+    data = TokenData(path, field="--data")  # before the model: a wrong folder costs no loading
     r = evaluate(args.checkpoint, data, batches=args.batches, batch_size=args.batch_size,
                  seq_len=args.seq_len, device=args.device)
-    print(f"{args.checkpoint} on {args.data} (validation): loss {r['loss']:.4f}, perplexity {r['perplexity']:.3f} "
+    print(f"{args.checkpoint} on {path} (validation): loss {r['loss']:.4f}, perplexity {r['perplexity']:.3f} "
           f"over {r['tokens']:,} tokens ({r['batches']} batches x {r['batch_size']} x {r['seq_len']})")
     return 0
+
+
+def run_data(checkpoint: str) -> str:
+    """The prepared folder a plait checkpoint's run trained on (read from its saved config only)."""
+    import json
+
+    from plait import checkpoint as ckpt
+    from plait import hf
+    from plait.errors import bad_value
+
+    if hf.is_hf_dir(checkpoint):
+        raise bad_value("--data", "", f"{checkpoint} is a HuggingFace folder, which records no training data; "
+                        "give --data DIR (a folder made by `plait data prepare`)")
+    data = json.loads((ckpt.resolve_for_reading(checkpoint) / "train_state.json").read_text())["config"]["data"]
+    if data.get("mix"):
+        raise bad_value("--data", "", f"the run drew from several folders (data.mix = {data['mix']!r}); "
+                        "give --data DIR, one of them")
+    return data["path"]
 
 
 def _same_tokenizer(model_tok, data) -> bool:
