@@ -124,3 +124,23 @@ def test_a_restart_by_torchrun_or_slurm_resumes_by_itself_and_is_logged(tmp_path
     assert main(train_args(corpus, tmp_path / "r", 2, extra=["--train.max_restarts", "2"])) == 2
     assert "train.max_restarts = 2: torchrun started these processes, so it must restart them: use torchrun " \
            "--max-restarts 2" in capsys.readouterr().err
+
+
+def test_a_killed_rank_without_restarts_ends_in_one_line_that_says_how_to_continue(corpus, tmp_path, monkeypatch,
+                                                                                 capfd):
+    monkeypatch.setenv("PLAIT_FAULTS", "kill@rank=1,step=4")
+    run = tmp_path / "run"
+    with bounded(90):
+        code = main(train_args(corpus, run, 5, nproc=2, zero=2, extra=["--checkpoint.every", "2"]))
+    err = capfd.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("plait train: error:")]
+    assert code == 1 and "Traceback" not in err and len(lines) == 1, err
+    # the peer may or may not have failed too before the launcher stopped it ("1 other rank(s) failed after it")
+    assert lines[0].startswith("plait train: error: rank 1 failed: process ended with signal SIGKILL") and \
+        lines[0].endswith("; the newest valid checkpoint is step_00000002: continue with "
+                          f"`plait train --out {run} --resume`; --train.max_restarts K restarts it by itself"), lines[0]
+    assert_no_workers_left()
+    monkeypatch.delenv("PLAIT_FAULTS")
+    with bounded(90):  # what the line says to do works
+        assert main(train_args(corpus, run, 5, nproc=2, zero=2, extra=["--checkpoint.every", "2", "--resume"])) == 0
+    assert sorted(losses(run)) == [1, 2, 3, 4, 5]

@@ -74,14 +74,41 @@ def print_config_help() -> None:
             print(f"  --{f.name}.{name} (default {getattr(defaults, name)!r}): {doc}")
 
 
+def failure_line(cfg, e) -> str:
+    """What failed, and how the run goes on from what it saved."""
+    from pathlib import Path
+
+    from plait import checkpoint as ckpt
+    from plait.supervise import NOT_RESTARTED
+
+    out = Path(cfg.train.out).expanduser()
+    folder = ckpt.latest_valid(out / "checkpoints", log=lambda m: None) if (out / "checkpoints").is_dir() else None
+    final = str(e.message).startswith(NOT_RESTARTED)  # the supervisor does not restart over these
+    # any other failure ends the run only once the supervisor's restarts are spent
+    tried = f" after {cfg.train.max_restarts} restart(s)" if cfg.train.max_restarts and not final else ""
+    auto = "" if final or cfg.train.max_restarts else "; --train.max_restarts K restarts it by itself"
+    if folder is None:
+        return f"{e}{tried}; no checkpoint was saved: run the command again{auto}"
+    return (f"{e}{tried}; the newest valid checkpoint is {folder.name}: continue with "
+            f"`plait train --out {out} --resume`{auto}")
+
+
 def run(args, extra) -> int:
     if args.help_config:
         print_config_help()
         return 0
     from plait.run import launch_training
 
+    from plait.launch import SpawnError
+
     cfg, note = config_from_args(args, extra)
-    summary = launch_training(cfg, note)
+    try:
+        summary = launch_training(cfg, note)
+    except SpawnError as e:  # a worker died or raised: not the user's input, but one report, not the launcher's stack
+        if e.traceback:
+            print(e.traceback.rstrip(), file=sys.stderr)  # a Python error: where it came from
+        print(f"plait {NAME}: error: {failure_line(cfg, e)}", file=sys.stderr)
+        return 1
     if summary and summary.get("val_loss") is not None:
         print(f"final val loss {summary['val_loss']:.4f}; run folder {summary['out']}", file=sys.stderr)
     return 0
