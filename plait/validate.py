@@ -93,7 +93,7 @@ def validate_config(cfg: Config) -> Config:
 def validate_pipeline(cfg: Config) -> None:
     """Schedule, micro-batches and stage split of a pipelined run (`parallel.microbatches` is
     train.grad_accum's name there: the micro-batches every pipeline runs per step)."""
-    from plait.parallel.schedules import check_args
+    from plait.parallel.schedules import canonical, check_args
     from plait.parallel.stages import resolve_counts
 
     p, t, m = cfg.parallel, cfg.train, cfg.model
@@ -101,6 +101,12 @@ def validate_pipeline(cfg: Config) -> None:
         if p.v != 1 or p.stage_layers:
             name, value = ("parallel.v", p.v) if p.v != 1 else ("parallel.stage_layers", p.stage_layers)
             raise bad_value(name, value, "splits a pipeline: it needs --pp > 1")
+        # a schedule or micro-batch count without a pipeline was meant for one: say so rather than ignore it
+        if canonical(p.schedule) != "1f1b":
+            raise bad_value("parallel.schedule", p.schedule, "orders a pipeline's stages: it needs --pp > 1")
+        if p.microbatches:
+            raise bad_value("parallel.microbatches", p.microbatches, "counts a pipeline's micro-batches: it needs "
+                            "--pp > 1 (without a pipeline, train.grad_accum accumulates micro-batches)")
         return
     if p.microbatches:
         if t.global_batch and t.grad_accum != p.microbatches:

@@ -83,6 +83,9 @@ def test_schedule_png(tmp_path, capsys):
     (["--nproc", "4", "--pp", "2", "--dp", "2", "--train.global_batch", "6"], "train.global_batch = 6: is not a multiple"),
     (["--nproc", "4", "--pp", "2", "--dp", "2", "--zero", "3"], "parallel.zero = 3: with pp > 1 a tied embedding"),
     (["--parallel.v", "2"], "parallel.v = 2: splits a pipeline: it needs --pp > 1"),
+    (["--schedule", "zb"], "parallel.schedule = 'zb': orders a pipeline's stages: it needs --pp > 1"),
+    (["--schedule", "interleaved"], "parallel.schedule = 'interleaved': orders a pipeline's stages"),
+    (["--microbatches", "4"], "parallel.microbatches = 4: counts a pipeline's micro-batches: it needs --pp > 1"),
     (["--nproc", "2", "--pp", "2", "--schedule", "zbv"], "--v = 1: ZB-V runs two model chunks per rank"),
 ])
 def test_bad_pipeline_input_is_one_line(corpus, tmp_path, capfd, extra, needle):

@@ -100,15 +100,21 @@ def place(name: str, pp: int, v: int, stage: int) -> tuple[int, int]:
 # Building
 # ---------------------------------------------------------------------------------------------
 
-def check_args(name: str, pp: int, microbatches: int, v: int = 1) -> str:
-    """Validate a schedule request without building it; return the canonical name.
-
-    Every bad input is one UserError line naming the flag, the value and the fix."""
+def canonical(name: str) -> str:
+    """The schedule's name as SCHEDULES spells it (aliases accepted); an unknown one is one line."""
     name = str(name).lower()
     aliases = {"zb-h1": "zb", "zbh1": "zb", "zb-v": "zbv", "interleaved-1f1b": "interleaved", "fill-drain": "gpipe"}
     name = aliases.get(name, name)
     if name not in SCHEDULES:
         raise bad_value("--schedule", name, f"choose one of {', '.join(SCHEDULES)}")
+    return name
+
+
+def check_args(name: str, pp: int, microbatches: int, v: int = 1) -> str:
+    """Validate a schedule request without building it; return the canonical name.
+
+    Every bad input is one UserError line naming the flag, the value and the fix."""
+    name = canonical(name)
     for flag, value in (("--pp", pp), ("--microbatches", microbatches), ("--v", v)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise bad_value(flag, value, "must be a positive integer")
