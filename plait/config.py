@@ -227,6 +227,8 @@ class ParallelConfig:
     """NCCL thread blocks (each an SM) that DDP's gradient all-reduce may take while it runs beside the backward's matmuls, on a second communicator; 0 = NCCL's choice. Fewer leave the matmuls more SMs; the step's last bucket, which nothing overlaps, keeps NCCL's choice. GPUs only."""
     zero3_cast_once: bool = False
     """ZeRO-3: keep the 16-bit copy of this rank's shard that a gather sends, from the step's first gather to its update, instead of casting the fp32 shard again for every gather (twice a micro-batch). Costs 2 bytes a parameter over the shard group of memory; saves the casts' passes over the shard when a step runs several micro-batches a GPU."""
+    zero3_fp8_gather: bool = False
+    """ZeRO-3 with train.fp8 tensorwise: gather the blocks' weights in FP8 (one byte a parameter on the wire and in a gathered block, not two), each rank quantizing its chunk with the whole weight's scale (found once a step); the FP8 matmuls read them as gathered. Trains bit for bit as the 16-bit gather does."""
     reduce_dtype: str = "auto"
     """dtype in which ZeRO-2/3 reduce gradients: auto (the parameters' dtype), fp32 (bf16 gradients summed without rounding to bf16 at each add, at twice the bytes on the wire and in the gradient shard) or bf16."""
 

@@ -36,17 +36,27 @@ _EPS = 1e-12  # an all-zero operand gets a finite scale (and quantizes to zeros)
 _ALIGN = 16  # cuBLAS FP8 GEMMs need every dimension a multiple of 16
 
 
+def scale_for(amax: torch.Tensor, fmt: torch.dtype, pow2: bool = False) -> torch.Tensor:
+    """The scale (fp32) that puts `amax` on fmt's largest finite value."""
+    scale = torch.finfo(fmt).max / amax.float().clamp(min=_EPS)
+    if pow2:  # a power of two multiplies exactly: the scale itself adds no rounding
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    return scale
+
+
+def scaled(x: torch.Tensor, scale: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:
+    """x times `scale`, saturated and rounded to `fmt`."""
+    top = torch.finfo(fmt).max
+    # one fp32 copy of x scaled in place, not three (eager); copy=True: an fp32 x must stay untouched
+    return x.to(torch.float32, copy=True).mul_(scale).clamp_(-top, top).to(fmt)
+
+
 def quantize(x: torch.Tensor, fmt: torch.dtype, dim: int | None, pow2: bool = False):
     """(x in `fmt`, inverse scale): x scaled so that its amax, over `dim` (kept as a size-1 axis) or
     the whole tensor (dim None), lands on fmt's largest finite value."""
     a = x.abs().amax() if dim is None else x.abs().amax(dim=dim, keepdim=True)
-    top = torch.finfo(fmt).max
-    scale = top / a.float().clamp(min=_EPS)
-    if pow2:  # a power of two multiplies exactly: the scale itself adds no rounding
-        scale = torch.exp2(torch.floor(torch.log2(scale)))
-    # one fp32 copy of x scaled in place, not three (eager); copy=True: an fp32 x must stay untouched
-    q = x.to(torch.float32, copy=True).mul_(scale).clamp_(-top, top).to(fmt)
-    return q, scale.reciprocal()
+    scale = scale_for(a, fmt, pow2)
+    return scaled(x, scale, fmt), scale.reciprocal()
 
 
 def fp8_gemm(a: torch.Tensor, b: torch.Tensor, fa: torch.dtype, fb: torch.dtype, rowwise: bool,
@@ -91,14 +101,17 @@ class _FP8Linear(torch.autograd.Function):
     the backward GEMMs: it saves the bf16 originals and quantizes each again."""
 
     @staticmethod
-    def forward(ctx, x, weight, rowwise):
+    def forward(ctx, x, weight, rowwise, qw=None, sw=None):
+        # qw, sw: the weight already in FP8 with its inverse scale (ZeRO-3's FP8 all-gather, tensorwise):
+        # `weight` is then read for nothing but its dtype and shape, and gets its gradient
         x = x.to(weight.dtype)
         ctx.rowwise = rowwise
         if rowwise:
             ctx.save_for_backward(x, weight)
             return forward_gemm(x, weight, rowwise)
         qx, sx = quantize(x.reshape(-1, x.shape[-1]), E4M3, None)
-        qw, sw = quantize(weight, E4M3, None)
+        if qw is None:
+            qw, sw = quantize(weight, E4M3, None)
         y = torch._scaled_mm(qx, qw.t(), scale_a=sx, scale_b=sw, out_dtype=x.dtype, use_fast_accum=True)
         ctx.save_for_backward(qx, sx, qw, sw)
         ctx.dtypes = x.dtype, weight.dtype
@@ -110,7 +123,7 @@ class _FP8Linear(torch.autograd.Function):
             x, weight = ctx.saved_tensors
             dx = input_grad_gemm(dy, weight, True, x.dtype) if ctx.needs_input_grad[0] else None
             dw = weight_grad_gemm(dy, x, True, weight.dtype) if ctx.needs_input_grad[1] else None
-            return dx, dw, None
+            return dx, dw, None, None, None
         qx, sx, qw, sw = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
         qdy, sdy = quantize(dy.reshape(-1, dy.shape[-1]).to(w_dtype), E5M2, None)  # once for both GEMMs
@@ -121,7 +134,7 @@ class _FP8Linear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:  # dy^T @ x: dy^T row-major on the left, x column-major on the right
             dw = torch._scaled_mm(qdy.t().contiguous(), qx.t().contiguous().t(), scale_a=sdy, scale_b=sx,
                                   out_dtype=w_dtype, use_fast_accum=False)
-        return dx, dw, None
+        return dx, dw, None, None, None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: str) -> torch.Tensor:
@@ -136,11 +149,21 @@ class FP8Linear(nn.Linear):
     """An nn.Linear whose matmul runs in FP8 with `recipe`'s scaling; its weight is the parameter it
     had (the bf16 copy TP and the engine manage). A class rather than a per-module forward: the
     compiled blocks then guard on the same code and share one graph, where distinct bound callables
-    made every block compile again (and fall back to eager past dynamo's recompile limit)."""
+    made every block compile again (and fall back to eager past dynamo's recompile limit).
+
+    `prequantized`: ZeRO-3 all-gathers this weight in FP8 (`parallel.zero3_fp8_gather`) into the
+    buffers `w8` (its e4m3 bits) and `w8_inv` (the inverse tensorwise scale); the bf16 parameter
+    then holds no storage while gathered, and the forward takes the FP8 weight as it is."""
 
     recipe = "tensorwise"
+    prequantized = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.prequantized:
+            if not aligned(x, self.w8):  # validation keeps training's shapes aligned; no bf16 weight to fall back on
+                raise RuntimeError(f"an FP8-gathered weight {tuple(self.w8.shape)} met input {tuple(x.shape)}, "
+                                   "which cuBLAS's FP8 GEMMs cannot take (dimensions multiples of 16)")
+            return _FP8Linear.apply(x, self.weight, False, self.w8, self.w8_inv)
         return fp8_linear(x, self.weight, self.recipe)
 
     def matmul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -174,6 +174,10 @@ def validate_parallel(cfg: Config):
     if p.zero3_cast_once and p.zero != 3:
         raise bad_value("parallel.zero3_cast_once", p.zero3_cast_once,
                         f"it keeps ZeRO-3's cast shard (parallel.zero = 3, not {p.zero}): drop it or set --zero 3")
+    if not isinstance(p.zero3_fp8_gather, bool):
+        raise bad_value("parallel.zero3_fp8_gather", p.zero3_fp8_gather, "give true or false")
+    if p.zero3_fp8_gather:
+        _check_fp8_gather(cfg)
     _positive("parallel.microbatches", p.microbatches, allow_zero=True)
     if p.reduce_dtype not in ("auto", "fp32", "bf16"):
         raise bad_value("parallel.reduce_dtype", p.reduce_dtype, "choose auto, fp32 or bf16")
@@ -231,6 +235,26 @@ def validate_resilience(cfg: Config) -> None:
             raise bad_value("train.replica_check_every", t.replica_check_every, "this layout keeps no two copies of "
                             "the same parameters (one data-parallel rank, or ZeRO shards them); use --zero 0 with "
                             "--dp 2 or more, or --parallel.dp_replicate 2 or more")
+
+
+def _check_fp8_gather(cfg: Config) -> None:
+    """What the FP8 all-gather needs: ZeRO-3 gathering per micro-batch, one tensorwise scale per
+    weight, and linears that read their whole weight."""
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    v = p.zero3_fp8_gather
+    if p.zero != 3:
+        raise bad_value("parallel.zero3_fp8_gather", v, f"it changes ZeRO-3's all-gather (parallel.zero = 3, "
+                        f"not {p.zero}): drop it or set --zero 3")
+    if t.fp8 != "tensorwise":
+        raise bad_value("parallel.zero3_fp8_gather", v, f"the weights travel in the FP8 the matmuls read, with "
+                        f"one scale a weight: it needs train.fp8 tensorwise (not {t.fp8!r})")
+    if p.pp > 1:
+        raise bad_value("parallel.zero3_fp8_gather", v, "a pipeline stage gathers its ZeRO-3 units once a step, "
+                        "so there is little to save: drop it with --pp > 1")
+    if p.tp > m.n_kv_heads:
+        raise bad_value("parallel.zero3_fp8_gather", v, f"with tp = {p.tp} > {m.n_kv_heads} KV heads each rank "
+                        "reads part of its key/value weights, whose scale is the whole weight's: use tp <= "
+                        f"{m.n_kv_heads} or drop it")
 
 
 def _check_fp8(cfg: Config) -> None:

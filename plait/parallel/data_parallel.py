@@ -55,4 +55,5 @@ def apply_data_parallel(model, cfg, comm=None, groups: Groups = Groups(), compil
         return zero.Zero2(model, named, t, comm, groups, cap, reduce_dtype, compile, split)
     from plait.parallel.fsdp import Zero3
 
-    return Zero3(model, t, comm, groups, reduce_dtype, compile, split, keep=pipeline, cast_once=p.zero3_cast_once)
+    return Zero3(model, t, comm, groups, reduce_dtype, compile, split, keep=pipeline, cast_once=p.zero3_cast_once,
+                 fp8_gather=p.zero3_fp8_gather)

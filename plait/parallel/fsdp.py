@@ -63,6 +63,7 @@ import torch
 from plait.optim import FlatAdamW
 from plait.parallel.buckets import InFlight, Ready
 from plait.parallel.engine import Groups, Sharded, TensorSplit, tensor_bytes
+from plait.parallel.fp8_gather import fp8_units
 from plait.parallel.gather import Gathers
 from plait.parallel.shard_space import OwnedSpace, ShardLayout
 
@@ -119,7 +120,8 @@ class Zero3(Sharded):
     only its shards (fp32 masters, moments): 12 of the 16 bytes per parameter stay divided by N."""
 
     def __init__(self, model, t, comm, groups: Groups, reduce_dtype: torch.dtype, compile: bool,
-                 split: TensorSplit = TensorSplit(), keep: bool = False, cast_once: bool = False):
+                 split: TensorSplit = TensorSplit(), keep: bool = False, cast_once: bool = False,
+                 fp8_gather: bool = False):
         n, r = comm.size(groups.shard), comm.rank(groups.shard)
         self.keep, self.sync = keep, True
         self.blocks = list(model.layers.values())
@@ -134,9 +136,12 @@ class Zero3(Sharded):
         # this rank's chunk of every unit, fp32 (the masters): the only parameter memory kept between uses
         master = torch.promote_types(self.dtype, torch.float32)
         self.shards = torch.zeros(layout.owned_numel, dtype=master, device=self.device)
-        self.gather = Gathers(layout, self.shards, self.dtype, comm, groups.shard, cast_once)
+        fp8 = fp8_units(model, layout) if fp8_gather else ()
+        self.gather = Gathers(layout, self.shards, self.dtype, comm, groups.shard, cast_once, fp8)
         for i, u in enumerate(layout.units):
             self.gather.fill_from(i, u.params)
+        if fp8:  # the blocks' FP8 linears read the weights gathered in FP8
+            self.gather.fp8.bind(model)
         self.gshards: list = [None] * len(layout.units)  # per unit, this step's reduced gradient chunk
         self.at_update: dict | None = None  # state bytes at the last update (they peak there)
         opt = FlatAdamW(OwnedSpace(self.shards, None, layout.n_decay), t, compile=compile)  # shards = masters
@@ -325,7 +330,11 @@ class Zero3(Sharded):
                 "optimizer": [o.exp_avg, o.exp_avg_sq]}
 
     def gather_for_inference(self) -> None:
-        """Gather every unit and remove the hooks: the model is whole on every rank from now on."""
+        """Gather every unit and remove the hooks: the model is whole on every rank from now on
+        (in the compute dtype: FP8-gathered units too, for matmuls that read the weights themselves)."""
+        if self.gather.fp8 is not None:
+            self.gather.fp8.unbind(self.model)
+            self.gather.set_fp8(False)
         for i in range(len(self.gather)):
             self.gather.wait(i)
         self.close()

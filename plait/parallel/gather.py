@@ -15,6 +15,8 @@ import enum
 
 import torch
 
+from plait.parallel.fp8_gather import FP8Gather
+
 
 class State(enum.Enum):
     FREE = "free"
@@ -23,10 +25,12 @@ class State(enum.Enum):
 
 
 class Gathers:
-    def __init__(self, layout, shards: torch.Tensor, dtype: torch.dtype, comm, group: str, cast_once: bool = False):
+    def __init__(self, layout, shards: torch.Tensor, dtype: torch.dtype, comm, group: str, cast_once: bool = False,
+                 fp8_units: tuple[int, ...] = ()):
         """layout: the `ShardLayout`; shards: this rank's owned space (its chunk of every unit).
         cast_once: keep each unit's chunk in the compute dtype after its first gather, until
-        `drop_casts` (the caller's: when the shards change), rather than casting it at every gather."""
+        `drop_casts` (the caller's: when the shards change), rather than casting it at every gather.
+        fp8_units: units gathered in FP8 (`plait.parallel.fp8_gather`) while `fp8_on`."""
         self.layout, self.shards, self.dtype, self.comm, self.group = layout, shards, dtype, comm, group
         self.cast_once = cast_once
         self.casts: list[torch.Tensor | None] = [None] * len(layout.units)
@@ -36,6 +40,8 @@ class Gathers:
             buf = torch.zeros(u.padded, dtype=dtype, device=shards.device)
             buf.untyped_storage().resize_(0)
             self.full.append(buf)
+        self.fp8 = FP8Gather(self, fp8_units) if fp8_units else None
+        self.held: list[torch.Tensor | None] = [None] * len(layout.units)  # the buffer a gathered unit fills
         self.state = [State.FREE] * len(layout.units)
         self.pending: list = [None] * len(layout.units)  # (all-gather handle, the chunk it sends)
         self.gathered_bytes = self.peak_gathered_bytes = 0
@@ -48,29 +54,32 @@ class Gathers:
         if self.trace is not None:
             self.trace.append((event, i))
 
-    def _alloc(self, i: int) -> None:
-        u, full = self.layout.units[i], self.full[i]
-        full.untyped_storage().resize_(u.padded * full.element_size())
-        self.gathered_bytes += u.padded * full.element_size()
+    def _alloc(self, i: int, buf: torch.Tensor | None = None) -> None:
+        u, buf = self.layout.units[i], self.full[i] if buf is None else buf
+        buf.untyped_storage().resize_(u.padded * buf.element_size())
+        self.held[i] = buf
+        self.gathered_bytes += u.padded * buf.element_size()
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
 
     def gather(self, i: int) -> None:
         """Start gathering unit i (no-op if out of range, gathered or on its way)."""
         if i < 0 or i >= len(self.full) or self.state[i] != State.FREE:
             return
-        self._alloc(i)
-        chunk = self._chunk(i)  # compute dtype on the wire; kept until sent
-        self.pending[i] = (self.comm.all_gather(chunk, self.group, out=self.full[i], async_op=True), chunk)
+        fp8 = self.fp8 is not None and self.fp8.applies(i)
+        buf = self.fp8.full[i] if fp8 else self.full[i]
+        self._alloc(i, buf)
+        chunk = self._chunk(i, fp8)  # on the wire in the compute dtype, or FP8; kept until sent
+        self.pending[i] = (self.comm.all_gather(chunk, self.group, out=buf, async_op=True), chunk)
         self.state[i] = State.GATHERING
         self._log("gather", i)
 
-    def _chunk(self, i: int) -> torch.Tensor:
-        """This rank's chunk of unit i in the compute dtype: cast now, or the cast kept since the
-        shards last changed."""
+    def _chunk(self, i: int, fp8: bool = False) -> torch.Tensor:
+        """This rank's chunk of unit i in the compute dtype (or in FP8, as bytes): cast now, or the
+        cast kept since the shards last changed."""
         if self.casts[i] is not None:
             return self.casts[i]
         src = self.shards[self.layout.owned_slice(self.layout.units[i])]
-        chunk = src.to(self.dtype)
+        chunk = self.fp8.quantized_chunk(i, src) if fp8 else src.to(self.dtype)
         if chunk.data_ptr() != src.data_ptr():
             self.n_casts += 1
             if self.cast_once:
@@ -78,8 +87,21 @@ class Gathers:
         return chunk
 
     def drop_casts(self) -> None:
-        """The shards changed (an update, a load): the next gather of each unit casts it again."""
+        """The shards changed (an update, a load): the next gather of each unit casts it again (and
+        FP8 units find their scales again)."""
         self.casts = [None] * len(self.casts)
+        if self.fp8 is not None:
+            self.fp8.stale = True
+
+    def set_fp8(self, on: bool) -> None:
+        """Gather the FP8 units in FP8 (training) or in the compute dtype (inference: the plain
+        matmuls read the weights themselves). Units gathered the other way are released."""
+        if self.fp8 is None or self.fp8.on == on:
+            return
+        for i in self.fp8.units:
+            self.free(i)
+            self.casts[i] = None
+        self.fp8.on = on
 
     def kept_casts(self) -> list[torch.Tensor]:
         """The cast chunks kept now (cast_once)."""
@@ -99,8 +121,9 @@ class Gathers:
         if self.state[i] == State.GATHERING:
             self.pending[i][0].wait()
             self.pending[i] = None
-        self.full[i].untyped_storage().resize_(0)
-        self.gathered_bytes -= self.layout.units[i].padded * self.full[i].element_size()
+        buf, self.held[i] = self.held[i], None
+        buf.untyped_storage().resize_(0)
+        self.gathered_bytes -= self.layout.units[i].padded * buf.element_size()
         self.state[i] = State.FREE
         self._log("free", i)
 
@@ -122,4 +145,4 @@ class Gathers:
 
     def resident(self) -> list[torch.Tensor]:
         """The full buffers that hold storage now."""
-        return [f for f in self.full if f.untyped_storage().nbytes()]
+        return [f for f in self.held if f is not None]

@@ -1,0 +1,123 @@
+"""ZeRO-3's FP8 all-gather (`parallel.zero3_fp8_gather`): the blocks' weights travel in FP8.
+
+With tensorwise FP8 matmuls (`train.fp8 tensorwise`) each block linear turns its gathered 16-bit
+weight into e4m3 with one scale at every forward, and keeps that FP8 copy until its backward: a
+byte a parameter of every layer, unsharded, held through the forward. Here each rank quantizes its
+own chunk before the all-gather, with the scale of the *whole* weight, so that:
+- one byte a parameter crosses the wire instead of two, and a gathered unit holds one;
+- the forward quantizes no weight: the FP8Linear reads the gathered bits (`w8`, `w8_inv`);
+- the backward's GEMM reads them again from the unit's backward gather (same shards, same scales:
+  the same bits), so nothing is kept from forward to backward but the activations.
+
+The scale of a weight needs its |max| over every rank's chunk: found once after each update, for
+all FP8 units at once, by one all-reduce (max) of each weight's chunk maxima over the shard group
+(7 numbers a block). The bits are those the FP8 linear would have made from the gathered weight:
+a maximum is exact, and the scale and the rounding are `plait.fp8.scale_for` and `scaled` applied to
+the same 16-bit values - training is bit for bit that of the 16-bit gather (tests/test_fp8_gather.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from plait.fp8 import E4M3, FP8Linear, scale_for, scaled
+
+
+def fp8_units(model, layout) -> tuple[int, ...]:
+    """Units whose every parameter is the weight of a tensorwise FP8 linear: the blocks'."""
+    lin = {id(m.weight) for m in model.modules() if isinstance(m, FP8Linear) and m.recipe == "tensorwise"}
+    return tuple(u.index for u in layout.units if u.params and all(id(p) in lin for p in u.params))
+
+
+def _alias(view: torch.Tensor) -> torch.Tensor:
+    """A tensor on `view`'s memory with a version counter of its own (as a parameter bound by
+    `.data` has): the all-gathers and scale updates that refill the buffer in place would otherwise
+    count as changes to what autograd saved from the forward, which the backward reads again after
+    the same bits are gathered back."""
+    t = torch.empty(0, dtype=view.dtype, device=view.device)
+    t.data = view
+    return t
+
+
+class FP8Gather:
+    """The FP8 side of `plait.parallel.gather.Gathers`: per FP8 unit a byte buffer the all-gather
+    fills, and per weight its scale and inverse scale (updated in place: the linears hold views)."""
+
+    def __init__(self, gathers, units: tuple[int, ...]):
+        self.g, self.units = gathers, tuple(units)
+        self.on = True  # off for inference, whose plain matmuls read the 16-bit weights
+        self.stale = True  # the shards changed since the scales were found
+        dev = gathers.shards.device
+        self.full: dict[int, torch.Tensor] = {}
+        self.scale: dict[int, torch.Tensor] = {}
+        self.inv: dict[int, torch.Tensor] = {}
+        for i in self.units:
+            u = gathers.layout.units[i]
+            self.full[i] = torch.zeros(u.padded, dtype=torch.uint8, device=dev)
+            self.full[i].untyped_storage().resize_(0)
+            self.scale[i] = torch.ones(len(u.params), dtype=torch.float32, device=dev)
+            self.inv[i] = torch.ones(len(u.params), dtype=torch.float32, device=dev)
+
+    def applies(self, i: int) -> bool:
+        return self.on and i in self.full
+
+    def bind(self, model) -> None:
+        """Point each FP8 unit's linears at their gathered bits and inverse scale. Views are made
+        while the buffer holds storage (a view past a storage's end is refused), then it is released."""
+        lin = {id(m.weight): m for m in model.modules() if isinstance(m, FP8Linear)}
+        for i in self.units:
+            u, buf = self.g.layout.units[i], self.full[i]
+            buf.untyped_storage().resize_(u.padded)
+            bits = buf.view(E4M3)
+            for j, (s, p) in enumerate(zip(u.slots, u.params)):
+                m = lin[id(p)]
+                m.register_buffer("w8", _alias(u.view(bits, s)), persistent=False)
+                m.register_buffer("w8_inv", _alias(self.inv[i][j]), persistent=False)
+                m.prequantized = True
+            buf.untyped_storage().resize_(0)
+
+    def unbind(self, model) -> None:
+        for m in model.modules():
+            if isinstance(m, FP8Linear):
+                m.prequantized = False
+
+    def _slot_ranges(self, i: int):
+        """(weight index, [a, b) in the unit's chunk on this rank) for each weight the chunk holds part of."""
+        u = self.g.layout.units[i]
+        lo, hi = u.chunk_range(self.g.layout.rank)
+        for j, s in enumerate(u.slots):
+            a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+            if a < b:
+                yield j, a - lo, b - lo
+
+    def find_scales(self) -> None:
+        """Every FP8 weight's |max| over the shard group (one all-reduce), its scale and inverse."""
+        g = self.g
+        amax = []
+        for i in self.units:
+            src = g.shards[g.layout.owned_slice(g.layout.units[i])]
+            mine = torch.zeros(len(self.scale[i]), dtype=torch.float32, device=src.device)
+            for j, a, b in self._slot_ranges(i):  # the 16-bit values the weight is gathered as
+                mine[j] = src[a:b].to(g.dtype).abs().amax().float()
+            amax.append(mine)
+        amax = torch.cat(amax)
+        g.comm.all_reduce(amax, g.group, op="max")
+        scale = scale_for(amax, E4M3)
+        inv = scale.reciprocal()
+        at = 0
+        for i in self.units:
+            n = len(self.scale[i])
+            self.scale[i].copy_(scale[at:at + n])
+            self.inv[i].copy_(inv[at:at + n])
+            at += n
+        self.stale = False
+
+    def quantized_chunk(self, i: int, src: torch.Tensor) -> torch.Tensor:
+        """This rank's chunk of unit i in e4m3, as bytes (padding: zero bits), from its fp32 `src`."""
+        if self.stale:
+            self.find_scales()
+        out = torch.zeros(src.numel(), dtype=torch.uint8, device=src.device)
+        bits = out.view(E4M3)
+        for j, a, b in self._slot_ranges(i):
+            bits[a:b] = scaled(src[a:b].to(self.g.dtype), self.scale[i][j], E4M3)
+        return out

@@ -1,0 +1,119 @@
+"""ZeRO-3's FP8 all-gather (`parallel.zero3_fp8_gather`, plait/parallel/fp8_gather.py): the blocks'
+weights cross the wire in FP8 with the whole weight's scale, and training is bit for bit that of
+the 16-bit gather with the same FP8 matmuls; the FP8 linear reads the gathered bits in forward and
+backward, keeping no copy of its own. CPU, gloo, torch's reference FP8 kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plait.cli import main
+from plait.fp8 import E4M3, FP8Linear, fp8_linear, quantize
+from plait.ledger import ring_factor
+from dp_runs import cli_train, metrics_rows, rel
+from test_fp8 import F8M
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def runs(corpus, tmp_path_factory):
+    """ZeRO-3 over 2 ranks, FP8 tensorwise, 2 micro-batches a step: the 16-bit gather, the FP8
+    gather, and the FP8 gather keeping its casts over the step (the last one samples at the end:
+    inference gathers the 16-bit weights)."""
+    root = tmp_path_factory.mktemp("fp8_gather")
+    base = ["--train.micro_batch", "2", "--train.grad_accum", "2", "--train.fp8", "tensorwise", "--nproc", "2",
+            "--zero", "3"]
+    out = {}
+    for name, extra, sample in (("bf16", [], 0), ("fp8", ["--parallel.zero3_fp8_gather", "true"], 0),
+                                ("fp8_once", ["--parallel.zero3_fp8_gather", "true",
+                                              "--parallel.zero3_cast_once", "true"], 8),
+                                # what a GPU runs: compiled blocks reading the gathered bits (their
+                                # 16-bit parameters hold no storage then)
+                                ("fp8_compiled", ["--parallel.zero3_fp8_gather", "true", "--train.compile", "on"], 0)):
+        out[name] = root / name
+        assert main(cli_train(corpus, out[name], F8M, STEPS, base + extra, sample_tokens=sample)) == 0
+    return out
+
+
+def _weights(run):
+    from plait.parallel.sharded_state import full_weights
+
+    return full_weights(sorted((run / "checkpoints").glob("step_*"))[-1])
+
+
+def test_the_fp8_gather_trains_bit_for_bit_as_the_16_bit_gather(runs):
+    ref = metrics_rows(runs["bf16"])
+    ref_w = _weights(runs["bf16"])
+    for name in ("fp8", "fp8_once"):
+        got = metrics_rows(runs[name])
+        # every step's loss and grad norm, and the validation losses: the same floats
+        assert [(r["step"], r["loss"], r["grad_norm"], r.get("val_loss")) for r in got] == \
+               [(r["step"], r["loss"], r["grad_norm"], r.get("val_loss")) for r in ref], name
+        w = _weights(runs[name])
+        assert w.keys() == ref_w.keys() and all(torch.equal(w[k], ref_w[k]) for k in w), name
+
+
+def test_compiled_blocks_read_the_fp8_gathered_weights(runs):
+    ref, got = metrics_rows(runs["fp8"]), metrics_rows(runs["fp8_compiled"])
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    assert max(rel(a["loss"], b["loss"]) for a, b in zip(got, ref)) < 1e-5  # compiled kernels round differently
+
+
+def test_the_blocks_travel_in_one_byte_a_parameter(runs):
+    """Per step: each block is gathered twice a micro-batch; at 4 bytes a parameter (CPU: fp32
+    compute) in the 16-bit run, at one in the FP8 run, which adds one all-reduce of 7 maxima a block."""
+    per_block = 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128  # wq, wo; wk, wv; w1, w2, w3 (even: no padding)
+    blocks, n, micro = F8M["n_layers"], 2, 2
+    saved = (4 - 1) * blocks * per_block * 2 * micro * ring_factor("all_gather", n) / n
+    scales = 4 * 7 * blocks * ring_factor("all_reduce", n) / n
+    a, b = ([r["comm_sent_bytes"] for r in metrics_rows(runs[k]) if r.get("val_loss") is None] for k in ("bf16", "fp8"))
+    assert len(a) == len(b) >= 2 and all(x - y == pytest.approx(saved - scales) for x, y in zip(a, b)), (a, b)
+
+
+def test_the_linear_reads_the_gathered_bits_and_keeps_no_copy():
+    """Given its weight in FP8 (`w8`, `w8_inv`), the FP8 linear makes the output and gradients it
+    would have made from the 16-bit weight, and saves the gathered bits themselves for backward: no
+    FP8 copy of the weight lives from forward to backward."""
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(64, 48, bias=False)
+    lin = torch.nn.Linear(64, 48, bias=False)
+    lin.weight.data.copy_(ref.weight.data)
+    lin.__class__ = FP8Linear
+    q, inv = quantize(ref.weight.data, E4M3, None)
+    lin.register_buffer("w8", q.clone(), persistent=False)
+    lin.register_buffer("w8_inv", inv.clone(), persistent=False)
+    lin.prequantized = True
+    x = torch.randn(2, 16, 64)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = lin(xa)
+    want = fp8_linear(xb, ref.weight, "tensorwise")
+    assert torch.equal(y, want)
+    y.sum().backward()
+    want.sum().backward()
+    assert torch.equal(xa.grad, xb.grad) and torch.equal(lin.weight.grad, ref.weight.grad)
+    fp8_saved = [t for t in saved if t.dtype == E4M3 and t.shape == q.shape]
+    assert len(fp8_saved) == 1 and fp8_saved[0].data_ptr() == lin.w8.data_ptr()  # the buffer, not a copy
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--parallel.zero3_fp8_gather", "true", "--train.fp8", "tensorwise", "--nproc", "2", "--zero", "2"],
+     "parallel.zero3_fp8_gather = True: it changes ZeRO-3's all-gather (parallel.zero = 3, not 2)"),
+    (["--parallel.zero3_fp8_gather", "true", "--train.fp8", "rowwise", "--nproc", "2", "--zero", "3"],
+     "it needs train.fp8 tensorwise (not 'rowwise')"),
+    (["--parallel.zero3_fp8_gather", "true", "--nproc", "2", "--zero", "3"], "it needs train.fp8 tensorwise (not 'off')"),
+    (["--parallel.zero3_fp8_gather", "true", "--train.fp8", "tensorwise", "--nproc", "4", "--tp", "4", "--zero", "3"],
+     "with tp = 4 > 2 KV heads each rank reads part of its key/value weights"),
+])
+def test_bad_fp8_gather_input_is_one_line(extra, needle, corpus, tmp_path, capsys):
+    assert main(cli_train(corpus, tmp_path / "r", F8M, 2, extra)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
