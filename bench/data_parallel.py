@@ -16,6 +16,8 @@ step (gradient accumulation) in every variant.
   plait-zero3   + parameters, per block, prefetched; bf16 on the wire both ways
   plait-zero3-cast-once   the same, each unit's bf16 chunk kept from its first gather of a step to
                 the update (parallel.zero3_cast_once): for --accum > 1
+  plait-zero3-fp8-gather  ZeRO-3 with the blocks' weights gathered in FP8 (parallel.zero3_fp8_gather):
+                with --fp8 tensorwise, beside plait-zero3 under the same --fp8
   torch-ddp     DistributedDataParallel: fp32 parameters, bf16 autocast, fp32 gradient all-reduce,
                 fused AdamW (the standard recipe; its gradients are twice plait's bytes)
   fsdp2         fully_shard per block and root, MixedPrecisionPolicy(bf16 params, bf16 reduce), fp32
@@ -44,9 +46,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-PLAIT = ["plait-ddp", "plait-zero1", "plait-zero2", "plait-zero3", "plait-zero3-cast-once"]
+PLAIT = ["plait-ddp", "plait-zero1", "plait-zero2", "plait-zero3", "plait-zero3-cast-once", "plait-zero3-fp8-gather"]
 ALL = PLAIT + ["fsdp2", "torch-ddp"]  # torch DDP (fp32 params + grads) needs the most memory: last
-DEFAULT = [v for v in ALL if v != "plait-zero3-cast-once"]  # it differs from plait-zero3 only with --accum > 1
+# cast-once differs from plait-zero3 only with --accum > 1; the FP8 gather needs --fp8 tensorwise
+DEFAULT = [v for v in ALL if v not in ("plait-zero3-cast-once", "plait-zero3-fp8-gather")]
 
 
 def card_slug(name: str) -> str:
@@ -92,12 +95,13 @@ def _plait_step(a, variant, device, comm):
     from plait.parallel.build import parallelize
 
     zero = {"plait-1gpu": 0, "plait-ddp": 0, "plait-zero1": 1, "plait-zero2": 2, "plait-zero3": 3,
-            "plait-zero3-cast-once": 3}[variant]
+            "plait-zero3-cast-once": 3, "plait-zero3-fp8-gather": 3}[variant]
     cfg = build_config({"model": _model_section(a),
-                        "train": {"lr": 1e-4, "warmup_steps": 0, "recompute": a.recompute},
+                        "train": {"lr": 1e-4, "warmup_steps": 0, "recompute": a.recompute, "fp8": a.fp8},
                         "parallel": {"zero": zero, "bucket_mb": a.bucket_mb,
                                      "overlap_ctas": a.overlap_ctas if zero == 0 else 0,
-                                     "zero3_cast_once": variant == "plait-zero3-cast-once"}})
+                                     "zero3_cast_once": variant == "plait-zero3-cast-once",
+                                     "zero3_fp8_gather": variant == "plait-zero3-fp8-gather"}})
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     par = parallelize(cfg, comm, device, dtype, compile=a.compile)
     x, y = _batch(a, cfg.model.vocab_size, par.data_rank, device)
@@ -335,17 +339,17 @@ def _table(result) -> str:
     lines = [f"{result['card']}, {result['gpus']} GPU(s), torch {result['torch']}, NCCL {result['nccl']}, "
              f"preset {result['config']['preset']}, seq {result['config']['seq']}, micro-batch "
              f"{result['config']['micro_batch']} per GPU",
-             f"{'variant':21} {'tok/s/GPU':>10} {'MFU':>6} {'peak GB':>8} {'comm GB':>8} {'scaling':>8} {'vs FSDP2':>9}"]
+             f"{'variant':22} {'tok/s/GPU':>10} {'MFU':>6} {'peak GB':>8} {'comm GB':>8} {'scaling':>8} {'vs FSDP2':>9}"]
     for r in result["rows"]:
         if "error" in r:
-            lines.append(f"{r['variant']:21} ERROR {r['error']}")
+            lines.append(f"{r['variant']:22} ERROR {r['error']}")
             continue
         tok = r["tokens_per_s_per_gpu"]
         mfu = f"{100 * r['mfu']:5.1f}%" if r.get("mfu") else "   n/a"
         comm = f"{r['comm_gb_per_step']:8.2f}" if "comm_gb_per_step" in r else f"{'':8}"
         scale = f"{100 * tok / base['tokens_per_s_per_gpu']:7.1f}%" if base and r is not base else f"{'':8}"
         vs = f"{tok / fsdp2['tokens_per_s_per_gpu']:8.2f}x" if fsdp2 else ""
-        lines.append(f"{r['variant']:21} {tok:10.0f} {mfu} {r.get('peak_mem_gb_max_rank', r['peak_mem_gb']):8.1f} "
+        lines.append(f"{r['variant']:22} {tok:10.0f} {mfu} {r.get('peak_mem_gb_max_rank', r['peak_mem_gb']):8.1f} "
                      f"{comm} {scale} {vs}")
         if "gpu_time" in r:
             g = r["gpu_time"]
@@ -372,6 +376,8 @@ def main(argv=None) -> int:
                          "choice; the ZeRO variants keep 0)")
     ap.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
                     help="plait's activation recomputation (train.recompute); the torch peers keep everything")
+    ap.add_argument("--fp8", default="off", choices=["off", "tensorwise", "rowwise"],
+                    help="plait's FP8 matmuls in the blocks (train.fp8) for every plait variant; the torch peers stay bf16")
     ap.add_argument("--profile", type=int, default=0, metavar="K",
                     help="after timing, profile K more steps: GPU time split into compute, exposed and "
                          "overlapped communication, idle (a 'gpu_time' entry in each row)")
@@ -383,6 +389,8 @@ def main(argv=None) -> int:
     ap.add_argument("--child-single", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     a.variants = [v for v in a.variants.split(",") if v]
+    if "plait-zero3-fp8-gather" in a.variants and a.fp8 != "tensorwise":
+        ap.error("plait-zero3-fp8-gather gathers the FP8 its tensorwise matmuls read: add --fp8 tensorwise")
     if a.accum < 1:
         ap.error(f"--accum {a.accum}: give the micro-batches per GPU per step, 1 or more")
     bad = [kv for kv in a.model if "=" not in kv]
@@ -408,7 +416,7 @@ def main(argv=None) -> int:
     result = {"benchmark": "data_parallel", "card": card, "gpus": a.gpus, "torch": torch.__version__, "nccl": nccl,
               "date": time.strftime("%Y-%m-%d"), "config": {"preset": a.preset, "model": a.model, "seq": a.seq, "micro_batch": a.micro_batch,
               "accum": a.accum, "steps": a.steps, "warmup": a.warmup, "bucket_mb": a.bucket_mb, "overlap_ctas": a.overlap_ctas,
-              "compile": a.compile, "recompute": a.recompute,
+              "compile": a.compile, "recompute": a.recompute, "fp8": a.fp8,
               "nccl_env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}}, "rows": []}
     t0 = time.perf_counter()
     if a.single:  # its own process: nothing of it stays on GPU 0 while the workers run

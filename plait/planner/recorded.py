@@ -131,6 +131,8 @@ def _layout(bench: str, variant: str, row: dict, config: dict, n_gpus: int, comm
             return None
         return dict(dp=1, zero=0, micro_batch=row["micro_batch"], recompute=rc), row["micro_batch"]
     if bench == "data_parallel":
+        if config.get("fp8", "off") != "off":  # the planner prices bf16 matmuls only
+            return None
         mb, rc = config["micro_batch"], config.get("recompute", "none")
         accum = config.get("accum", 1)  # micro-batches a GPU runs a step (runs before --accum ran one)
         if variant == "plait-1gpu":
