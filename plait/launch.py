@@ -264,6 +264,9 @@ def _worker(entry, args, env, timeout_s, workdir, stdout_fd=None, stderr_fd=None
         if fd is not None:
             os.dup2(fd, target)
             os.close(fd)
+    # the fork server ignores Ctrl-C and its children inherit that: a worker must stop on it as a
+    # process of its own would (KeyboardInterrupt), not run on until the agent's grace period ends
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     rank = int(os.environ.get("RANK", 0))
     lifeline.watch(int(os.environ.get("PLAIT_LAUNCHER_PID") or 0), rank)  # end with the launcher
     if os.environ.get("OMP_NUM_THREADS"):

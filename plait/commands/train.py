@@ -74,23 +74,28 @@ def print_config_help() -> None:
             print(f"  --{f.name}.{name} (default {getattr(defaults, name)!r}): {doc}")
 
 
-def failure_line(cfg, e) -> str:
-    """What failed, and how the run goes on from what it saved."""
+def how_to_continue(cfg) -> str:
+    """Where a stopped run can go on from: its newest valid checkpoint, or nowhere yet."""
     from pathlib import Path
 
     from plait import checkpoint as ckpt
-    from plait.supervise import NOT_RESTARTED
 
     out = Path(cfg.train.out).expanduser()
     folder = ckpt.latest_valid(out / "checkpoints", log=lambda m: None) if (out / "checkpoints").is_dir() else None
+    if folder is None:
+        return "no checkpoint was saved: run the command again"
+    return f"the newest valid checkpoint is {folder.name}: continue with `plait train --out {out} --resume`"
+
+
+def failure_line(cfg, e) -> str:
+    """What failed, and how the run goes on from what it saved."""
+    from plait.supervise import NOT_RESTARTED
+
     final = str(e.message).startswith(NOT_RESTARTED)  # the supervisor does not restart over these
     # any other failure ends the run only once the supervisor's restarts are spent
     tried = f" after {cfg.train.max_restarts} restart(s)" if cfg.train.max_restarts and not final else ""
     auto = "" if final or cfg.train.max_restarts else "; --train.max_restarts K restarts it by itself"
-    if folder is None:
-        return f"{e}{tried}; no checkpoint was saved: run the command again{auto}"
-    return (f"{e}{tried}; the newest valid checkpoint is {folder.name}: continue with "
-            f"`plait train --out {out} --resume`{auto}")
+    return f"{e}{tried}; {how_to_continue(cfg)}{auto}"
 
 
 def run(args, extra) -> int:
@@ -109,6 +114,9 @@ def run(args, extra) -> int:
             print(e.traceback.rstrip(), file=sys.stderr)  # a Python error: where it came from
         print(f"plait {NAME}: error: {failure_line(cfg, e)}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: every worker stops at once (plait.launch); a save it cut short goes at the next start
+        print(f"plait {NAME}: interrupted; {how_to_continue(cfg)}", file=sys.stderr)
+        return 130
     if summary and summary.get("val_loss") is not None:
         print(f"final val loss {summary['val_loss']:.4f}; run folder {summary['out']}", file=sys.stderr)
     return 0
