@@ -59,6 +59,14 @@ PRELOAD = ["torch", "torch.distributed", "torch.distributed.device_mesh", "plait
            "plait.collectives", "plait.parallel.dims"]
 
 
+class Stopped(Exception):
+    """The launcher was told to stop (SIGTERM) and passed it on to its workers."""
+
+    def __init__(self, signame: str):
+        super().__init__(signame)
+        self.signame = signame
+
+
 class SpawnError(RuntimeError):
     """A worker failed. str() is one line naming the rank; `tracebacks` maps rank -> traceback."""
 
@@ -277,7 +285,15 @@ def _worker(entry, args, env, timeout_s, workdir, stdout_fd=None, stderr_fd=None
     if timeout_s:
         threading.Thread(target=_watchdog, args=(done, timeout_s, rank, workdir), daemon=True).start()
     try:
-        return entry(*args)
+        out = entry(*args)
+        if isinstance(out, dict) and out.get("stopped"):
+            # stopped by a signal the launcher most likely took too: shutting down, its agent never
+            # collects the result this process hands over next, and would wait out its 30 s grace
+            # before killing it. The result is handed over within the moment; then go.
+            exit_soon = threading.Timer(2.0, os._exit, (0,))
+            exit_soon.daemon = True
+            exit_soon.start()
+        return out
     except BaseException as e:
         kind = "UserError" if isinstance(e, UserError) else type(e).__name__  # subclasses too: one line, exit 2
         _write_report(workdir, rank, f"{kind}: {e}", traceback.format_exc())
@@ -398,6 +414,8 @@ def _own_signals():
     except SignalException as e:
         if e.sigval == signal.SIGINT:
             raise KeyboardInterrupt from None
+        if e.sigval == signal.SIGTERM:  # the agent passed it on: the workers save a step and leave (plait.preempt)
+            raise Stopped(signal.Signals(e.sigval).name) from None
         raise
     finally:
         for s, h in zip(sigs, saved):

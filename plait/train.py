@@ -19,6 +19,7 @@ import torch
 from plait import checkpoint as ckpt
 from plait import faults, supervise
 from plait.bad_steps import StepHealth
+from plait.preempt import StopRequest
 from plait.checkpointer import Checkpointer
 from plait.config import Config, config_from_dict
 from plait.data import default_corpus_dir, open_data
@@ -227,6 +228,14 @@ def train(cfg: Config, dims=None) -> dict:
     dims: this worker's `ParallelDims` (mesh built by `plait.launch.init_distributed`), or None for
     a single process without a process group (the default job).
     """
+    stop = StopRequest()  # SIGTERM: every rank saves the same step, then leaves the loop
+    try:
+        return _train(cfg, dims, stop)
+    finally:
+        stop.close()
+
+
+def _train(cfg: Config, dims, stop: StopRequest) -> dict:
     t = cfg.train
     device = dims.device if dims is not None and dims.device is not None else resolve_device(cfg)
     dtype = resolve_dtype(cfg, device)
@@ -280,7 +289,7 @@ def train(cfg: Config, dims=None) -> dict:
                     f"{device.type} {str(dtype).replace('torch.', '')}{describe_layout(cfg, world)}, "
                     f"{tokens_per_step:,} tokens/step, steps {start}->{end}, out {out}")
         bar.message(f"plait: {log.describe()}")
-    val_loss, losses = None, []
+    val_loss, losses, stopping = None, [], None
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     prof = StepProfiler(t.profile_steps, out / "profile", rank, device, say=_warn if is_main else None)
@@ -315,8 +324,11 @@ def train(cfg: Config, dims=None) -> dict:
         ckpts.poll(record)  # a background save that failed raises here
         if restart:
             record["restart"], restart = restart, None
-        # no checkpoint at a skipped step (but at the end): the newest one is then always the last good state's
-        saving = ckpts.due(done, end) and not health.stop and (not health.bad or done == end)
+        stopping = stop.agreed(comm, device)
+        # no checkpoint at a skipped step (but at the end or a stop): the newest one is then always the
+        # last good state's
+        saving = (ckpts.due(done, end) or (stopping and done not in ckpts.saved)) and not health.stop and \
+            (not health.bad or done == end or stopping)
         if replicas.due(done, saving):  # before a checkpoint is written from a corrupted replica
             replicas.check(done, before_raise=ckpts.close)
         if saving:
@@ -330,6 +342,11 @@ def train(cfg: Config, dims=None) -> dict:
             folder = ckpts.keep(last, lambda: save_checkpoint(saver, last, cfg, engine, tokenizer, device,
                                                               val_loss, par.data_size))
             raise health.error(done, folder)
+        if stopping:
+            if is_main:
+                _warn(f"{stopping}: stopped after step {done}" + (", its checkpoint saved" if saving else ""))
+            end = done
+            break
     prof.close()
     if timeline is not None and timeline.steps:
         report = par.runner.write_timeline(out / "profile", is_main, t.grad_accum)
@@ -351,7 +368,9 @@ def train(cfg: Config, dims=None) -> dict:
     summary = {"out": str(out), "steps": end, "losses": losses, "val_loss": val_loss,
                "seconds": time.perf_counter() - t_run, "main": is_main,
                # bytes of parameters, gradients and optimizer state this rank holds at the update (plan --validate)
-               "state_bytes": engine.state_bytes(), "checkpoint_stall_s": ckpts.stalls}
+               "state_bytes": engine.state_bytes(), "checkpoint_stall_s": ckpts.stalls, "stopped": stopping}
+    if stopping:  # no sample: the time left before the machines go is the scheduler's
+        return summary
     if t.sample_tokens and end > start and (cfg.parallel.pp > 1 or cfg.parallel.cp > 1):
         if is_main:
             _warn(f"no sample at the end of a {'pipelined' if cfg.parallel.pp > 1 else 'context-parallel'} run: "

@@ -11,6 +11,8 @@ import sys
 import time
 import uuid
 
+import pytest
+
 from fault_runs import (assert_no_workers_left, assert_same_state, bounded, losses, rows, step_dir, train_args,
                         with_marker)
 from plait import checkpoint as ckpt
@@ -67,31 +69,29 @@ def test_killing_the_launcher_leaves_no_worker_and_resume_is_bitwise(corpus, tmp
     assert_no_workers_left()
 
 
-def test_ctrl_c_stops_every_worker_at_once_and_says_where_to_continue(corpus, tmp_path):
-    """SIGINT to the whole process group (Ctrl-C in a terminal, `kill -INT -PGID`), here of a launcher
-    started as a script's background job, which POSIX shells start with SIGINT ignored: the launcher
-    takes it anyway, and its workers, which would inherit the ignoring, must stop too, within
-    seconds, not run on until the launcher's grace period ends (30 s). The launcher says which
-    checkpoint --resume continues from."""
-    run, marker = tmp_path / "run", uuid.uuid4().hex
+def _start(corpus, run, marker, **kw) -> subprocess.Popen:
+    """`plait train --nproc 2` in a session of its own, rank 0 burning a second of CPU a step (workers
+    that ignored a stop would go on training), once it has logged step 3."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PLAIT_")}
-    # rank 0 burns a second of CPU a step: workers that ignored the signal would go on training
     env.update(PLAIT_TEST_MARKER=marker, PLAIT_FAULTS="slow@rank=0,step=1,ms=1000", OMP_NUM_THREADS="1")
     launcher = subprocess.Popen([sys.executable, "-m", "plait.cli"] + train_args(
         corpus, run, STEPS, nproc=2, zero=3, extra=["--checkpoint.every", "2"]),
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # `plait train ... &` in a script
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True, **kw)
+    deadline = time.monotonic() + 90
+    while not ((run / "metrics.jsonl").is_file() and len(rows(run)) >= 3):
+        assert launcher.poll() is None, launcher.stderr.read().decode()
+        assert time.monotonic() < deadline, "the run did not reach step 3"
+        time.sleep(0.05)
+    return launcher
+
+
+def _stop(launcher, marker, send) -> tuple[int, float, str]:
+    """Send the signal (`send()`), wait for the launcher: (exit code, seconds it took, its stderr)."""
     try:
-        deadline = time.monotonic() + 90
-        while not ((run / "metrics.jsonl").is_file() and len(rows(run)) >= 3):
-            assert launcher.poll() is None, launcher.stderr.read().decode()
-            assert time.monotonic() < deadline, "the run did not reach step 3"
-            time.sleep(0.05)
-        os.killpg(launcher.pid, signal.SIGINT)
+        send()
         t0 = time.monotonic()
         code = launcher.wait(timeout=30)
-        stopped = time.monotonic() - t0
-        err = launcher.stderr.read().decode()
+        return code, time.monotonic() - t0, launcher.stderr.read().decode()
     finally:
         for pid in with_marker(marker):
             os.kill(pid, signal.SIGKILL)
@@ -99,8 +99,44 @@ def test_ctrl_c_stops_every_worker_at_once_and_says_where_to_continue(corpus, tm
             launcher.kill()
         launcher.wait()
         launcher.stderr.close()
-    assert code == 130 and stopped < 10, (code, stopped, err)
+
+
+def test_ctrl_c_stops_every_worker_at_once_and_says_where_to_continue(corpus, tmp_path):
+    """SIGINT to the whole process group (Ctrl-C in a terminal, `kill -INT -PGID`), here of a launcher
+    started as a script's background job, which POSIX shells start with SIGINT ignored: the launcher
+    takes it anyway, and its workers, which would inherit the ignoring, must stop too, within
+    seconds, not run on until the launcher's grace period ends (30 s). The launcher says which
+    checkpoint --resume continues from."""
+    run, marker = tmp_path / "run", uuid.uuid4().hex
+    launcher = _start(corpus, run, marker, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    code, took, err = _stop(launcher, marker, lambda: os.killpg(launcher.pid, signal.SIGINT))
+    assert code == 130 and took < 10, (code, took, err)
     last = err.strip().splitlines()[-1]
     assert last.startswith("plait train: interrupted; the newest valid checkpoint is step_0000000") and \
         last.endswith(f"continue with `plait train --out {run} --resume`") and "Traceback" not in err, err
     assert len(rows(run)) < STEPS and not with_marker(marker)
+
+
+@pytest.mark.parametrize("to", ["launcher", "one worker"])
+def test_sigterm_saves_the_step_every_rank_is_at_and_stops(corpus, tmp_path, to):
+    """A scheduler's SIGTERM, to the launcher (which passes it on) or to one worker only (srun's tasks
+    get it each; here one is enough): the ranks agree on a step, save it, and leave; the run says
+    where to continue, and continues from there."""
+    run, marker = tmp_path / "run", uuid.uuid4().hex
+    launcher = _start(corpus, run, marker)
+
+    def send():
+        if to == "launcher":
+            os.kill(launcher.pid, signal.SIGTERM)
+        else:
+            os.kill(max(with_marker(marker) - {launcher.pid}), signal.SIGTERM)  # the newest: a rank, not the fork server
+    code, took, err = _stop(launcher, marker, send)
+    stopped = rows(run)[-1]["step"]
+    assert code == 143 and took < 10 and stopped < STEPS, (code, took, err)
+    assert f"plait: SIGTERM: stopped after step {stopped}, its checkpoint saved" in err, err
+    assert err.strip().splitlines()[-1] == (f"plait train: stopped by SIGTERM; the newest valid checkpoint is "
+                                            f"step_{stopped:08d}: continue with `plait train --out {run} --resume`")
+    assert ckpt.verify(step_dir(run, stopped)) is None and not with_marker(marker)
+    with bounded(90):
+        assert main(train_args(corpus, run, stopped + 2, nproc=2, zero=3, extra=["--resume"])) == 0
+    assert sorted(losses(run)) == list(range(1, stopped + 3))

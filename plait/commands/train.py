@@ -104,11 +104,14 @@ def run(args, extra) -> int:
         return 0
     from plait.run import launch_training
 
-    from plait.launch import SpawnError
+    from plait.launch import SpawnError, Stopped
 
     cfg, note = config_from_args(args, extra)
     try:
         summary = launch_training(cfg, note)
+    except Stopped as e:  # SIGTERM to the launcher: its workers saved the step they were at, if given the time
+        print(f"plait {NAME}: stopped by {e.signame}; {how_to_continue(cfg)}", file=sys.stderr)
+        return 143
     except SpawnError as e:  # a worker died or raised: not the user's input, but one report, not the launcher's stack
         if e.traceback:
             print(e.traceback.rstrip(), file=sys.stderr)  # a Python error: where it came from
@@ -117,6 +120,9 @@ def run(args, extra) -> int:
     except KeyboardInterrupt:  # Ctrl-C: every worker stops at once (plait.launch); a save it cut short goes at the next start
         print(f"plait {NAME}: interrupted; {how_to_continue(cfg)}", file=sys.stderr)
         return 130
+    if summary and summary.get("stopped"):  # the workers got the signal themselves (srun's tasks, one process)
+        print(f"plait {NAME}: stopped by {summary['stopped']}; {how_to_continue(cfg)}", file=sys.stderr)
+        return 143
     if summary and summary.get("val_loss") is not None:
         print(f"final val loss {summary['val_loss']:.4f}; run folder {summary['out']}", file=sys.stderr)
     return 0
