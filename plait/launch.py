@@ -52,6 +52,7 @@ from plait.launch_env import (  # noqa: F401  (re-exported: the launch API in on
     slurm_port,
     tasks_on_node,
 )
+from plait.preempt import STOP_FILE_ENV, relay_to
 
 # Modules the fork server imports once, so that each worker starts in ~0.1 s instead of paying for
 # `import torch` again (2-4 s per rank on a small CPU, the bulk of a short multi-process test).
@@ -60,7 +61,7 @@ PRELOAD = ["torch", "torch.distributed", "torch.distributed.device_mesh", "plait
 
 
 class Stopped(Exception):
-    """The launcher was told to stop (SIGTERM) and passed it on to its workers."""
+    """The launcher was ended by a signal (SIGTERM), and its agent ended the workers with it."""
 
     def __init__(self, signame: str):
         super().__init__(signame)
@@ -213,6 +214,8 @@ def spawn(entry, args=(), nproc: int = 2, *, device_type: str = "cpu", timeout_s
         forkserver.ensure_running()
         _reap_forkserver_at_exit()
     workdir = tempfile.mkdtemp(prefix="plait-launch-")
+    child_env[STOP_FILE_ENV] = os.path.join(workdir, "stop")  # SIGUSR1 to this process: the workers stop
+    unrelay = relay_to(child_env[STOP_FILE_ENV])
     try:
         for attempt in range(3):
             port = free_port()
@@ -233,6 +236,7 @@ def spawn(entry, args=(), nproc: int = 2, *, device_type: str = "cpu", timeout_s
                 if attempt == 2 or "address already in use" not in str(e).lower():
                     raise
     finally:
+        unrelay()
         shutil.rmtree(workdir, ignore_errors=True)
 
 
@@ -285,15 +289,7 @@ def _worker(entry, args, env, timeout_s, workdir, stdout_fd=None, stderr_fd=None
     if timeout_s:
         threading.Thread(target=_watchdog, args=(done, timeout_s, rank, workdir), daemon=True).start()
     try:
-        out = entry(*args)
-        if isinstance(out, dict) and out.get("stopped"):
-            # stopped by a signal the launcher most likely took too: shutting down, its agent never
-            # collects the result this process hands over next, and would wait out its 30 s grace
-            # before killing it. The result is handed over within the moment; then go.
-            exit_soon = threading.Timer(2.0, os._exit, (0,))
-            exit_soon.daemon = True
-            exit_soon.start()
-        return out
+        return entry(*args)
     except BaseException as e:
         kind = "UserError" if isinstance(e, UserError) else type(e).__name__  # subclasses too: one line, exit 2
         _write_report(workdir, rank, f"{kind}: {e}", traceback.format_exc())
@@ -414,7 +410,7 @@ def _own_signals():
     except SignalException as e:
         if e.sigval == signal.SIGINT:
             raise KeyboardInterrupt from None
-        if e.sigval == signal.SIGTERM:  # the agent passed it on: the workers save a step and leave (plait.preempt)
+        if e.sigval == signal.SIGTERM:  # the agent ended the workers with it: one line, not its stack
             raise Stopped(signal.Signals(e.sigval).name) from None
         raise
     finally:

@@ -1,29 +1,34 @@
-"""A graceful stop on SIGTERM: what a scheduler sends before it takes the machines back (SLURM at
-the time limit or on preemption, with `--signal=TERM@120` for a head start; Kubernetes; torchrun's
-and plait's own launcher when they are stopped).
+"""A graceful stop on SIGUSR1: save the step every rank is at, then leave. What a scheduler's
+advance notice asks for (SLURM: `#SBATCH --signal=USR1@120` signals every task two minutes before
+the time limit; by hand: `kill -USR1` the launcher or any rank).
 
 The signal only sets a flag. At the end of each step every rank's flag is combined (one all-reduce
-of one number, max), so all ranks see the request at the same step even if it reached them at
-different moments - a rank cannot stop alone, its peers would wait for it in the next collective.
-They then save a checkpoint of that step and leave the loop together; the run reports where to
-continue. The default action of SIGTERM (end at once, losing everything since the last checkpoint)
-is restored when training ends.
+of one number, max), so all ranks see the request at the same step even if it reached one of them
+only - a rank cannot stop alone: its peers would wait for it in the next collective. They save a
+checkpoint of that step and leave the loop together; the run reports where to continue.
+
+SIGUSR1 sent to `plait train --nproc N` itself reaches the workers through a file in the launch's
+folder (`STOP_FILE_ENV` names it), which each rank checks as it combines its flag.
+
+Why not SIGTERM: launchers send SIGTERM to stop the other workers once one has failed, and a
+stuck worker must then end at once (it would not reach a step's end); SIGTERM keeps that meaning.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 
-import torch
-
-STOP = signal.SIGTERM
+STOP = signal.SIGUSR1
+STOP_FILE_ENV = "PLAIT_STOP_FILE"
 
 
 class StopRequest:
     def __init__(self):
         self.got = 0  # the signal number received here, 0 if none
         self.old = None
+        self.file = os.environ.get(STOP_FILE_ENV)
         if threading.current_thread() is threading.main_thread():  # handlers live in the main thread
             self.old = signal.signal(STOP, self._handler)
 
@@ -32,8 +37,10 @@ class StopRequest:
 
     def agreed(self, comm, device) -> str | None:
         """The stopping signal's name once any rank has received it, on every rank at the same step."""
-        got = self.got
+        got = self.got or (int(STOP) if self.file and os.path.exists(self.file) else 0)
         if comm is not None:
+            import torch
+
             flag = torch.tensor([float(got)], device=device)
             comm.all_reduce(flag, "world", op="max")
             got = int(flag.item())
@@ -43,3 +50,15 @@ class StopRequest:
         if self.old is not None:
             signal.signal(STOP, self.old)
             self.old = None
+
+
+def relay_to(path: str):
+    """In a launcher: on SIGUSR1, create `path` (its workers stop at the end of the step they are in).
+    Returns a function that puts the previous handler back."""
+    def relay(signum, frame):
+        open(path, "a").close()
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    old = signal.signal(STOP, relay)
+    return lambda: signal.signal(STOP, old)

@@ -228,7 +228,7 @@ def train(cfg: Config, dims=None) -> dict:
     dims: this worker's `ParallelDims` (mesh built by `plait.launch.init_distributed`), or None for
     a single process without a process group (the default job).
     """
-    stop = StopRequest()  # SIGTERM: every rank saves the same step, then leaves the loop
+    stop = StopRequest()  # SIGUSR1: every rank saves the same step, then leaves the loop
     try:
         return _train(cfg, dims, stop)
     finally:

@@ -118,23 +118,23 @@ def test_ctrl_c_stops_every_worker_at_once_and_says_where_to_continue(corpus, tm
 
 
 @pytest.mark.parametrize("to", ["launcher", "one worker"])
-def test_sigterm_saves_the_step_every_rank_is_at_and_stops(corpus, tmp_path, to):
-    """A scheduler's SIGTERM, to the launcher (which passes it on) or to one worker only (srun's tasks
-    get it each; here one is enough): the ranks agree on a step, save it, and leave; the run says
-    where to continue, and continues from there."""
+def test_sigusr1_saves_the_step_every_rank_is_at_and_stops(corpus, tmp_path, to):
+    """A scheduler's advance notice (SIGUSR1), to the launcher (which relays it) or to one worker only
+    (srun's tasks get it each; here one is enough): the ranks agree on a step, save it, and leave;
+    the run says where to continue, and continues from there."""
     run, marker = tmp_path / "run", uuid.uuid4().hex
     launcher = _start(corpus, run, marker)
 
     def send():
         if to == "launcher":
-            os.kill(launcher.pid, signal.SIGTERM)
+            os.kill(launcher.pid, signal.SIGUSR1)
         else:
-            os.kill(max(with_marker(marker) - {launcher.pid}), signal.SIGTERM)  # the newest: a rank, not the fork server
+            os.kill(max(with_marker(marker) - {launcher.pid}), signal.SIGUSR1)  # the newest: a rank, not the fork server
     code, took, err = _stop(launcher, marker, send)
     stopped = rows(run)[-1]["step"]
     assert code == 143 and took < 10 and stopped < STEPS, (code, took, err)
-    assert f"plait: SIGTERM: stopped after step {stopped}, its checkpoint saved" in err, err
-    assert err.strip().splitlines()[-1] == (f"plait train: stopped by SIGTERM; the newest valid checkpoint is "
+    assert f"plait: SIGUSR1: stopped after step {stopped}, its checkpoint saved" in err, err
+    assert err.strip().splitlines()[-1] == (f"plait train: stopped by SIGUSR1; the newest valid checkpoint is "
                                             f"step_{stopped:08d}: continue with `plait train --out {run} --resume`")
     assert ckpt.verify(step_dir(run, stopped)) is None and not with_marker(marker)
     with bounded(90):

@@ -109,7 +109,7 @@ def run(args, extra) -> int:
     cfg, note = config_from_args(args, extra)
     try:
         summary = launch_training(cfg, note)
-    except Stopped as e:  # SIGTERM to the launcher: its workers saved the step they were at, if given the time
+    except Stopped as e:  # SIGTERM to the launcher: its agent ended the workers (SIGUSR1 is the stop that saves)
         print(f"plait {NAME}: stopped by {e.signame}; {how_to_continue(cfg)}", file=sys.stderr)
         return 143
     except SpawnError as e:  # a worker died or raised: not the user's input, but one report, not the launcher's stack
@@ -120,7 +120,7 @@ def run(args, extra) -> int:
     except KeyboardInterrupt:  # Ctrl-C: every worker stops at once (plait.launch); a save it cut short goes at the next start
         print(f"plait {NAME}: interrupted; {how_to_continue(cfg)}", file=sys.stderr)
         return 130
-    if summary and summary.get("stopped"):  # the workers got the signal themselves (srun's tasks, one process)
+    if summary and summary.get("stopped"):  # SIGUSR1: every rank saved the step it was at (plait.preempt)
         print(f"plait {NAME}: stopped by {summary['stopped']}; {how_to_continue(cfg)}", file=sys.stderr)
         return 143
     if summary and summary.get("val_loss") is not None:
