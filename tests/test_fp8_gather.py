@@ -20,18 +20,16 @@ STEPS = 4
 @pytest.fixture(scope="module")
 def runs(corpus, tmp_path_factory):
     """ZeRO-3 over 2 ranks, FP8 tensorwise, 2 micro-batches a step: the 16-bit gather, the FP8
-    gather, and the FP8 gather keeping its casts over the step (the last one samples at the end:
-    inference gathers the 16-bit weights)."""
+    gather, and what a GPU runs - compiled blocks reading the gathered bits (their 16-bit parameters
+    hold no storage then), the FP8 chunks kept over the step (cast-once), a sample at the end
+    (inference gathers the 16-bit weights)."""
     root = tmp_path_factory.mktemp("fp8_gather")
     base = ["--train.micro_batch", "2", "--train.grad_accum", "2", "--train.fp8", "tensorwise", "--nproc", "2",
             "--zero", "3"]
     out = {}
     for name, extra, sample in (("bf16", [], 0), ("fp8", ["--parallel.zero3_fp8_gather", "true"], 0),
-                                ("fp8_once", ["--parallel.zero3_fp8_gather", "true",
-                                              "--parallel.zero3_cast_once", "true"], 8),
-                                # what a GPU runs: compiled blocks reading the gathered bits (their
-                                # 16-bit parameters hold no storage then)
-                                ("fp8_compiled", ["--parallel.zero3_fp8_gather", "true", "--train.compile", "on"], 0)):
+                                ("fp8_compiled", ["--parallel.zero3_fp8_gather", "true", "--train.compile", "on",
+                                                  "--parallel.zero3_cast_once", "true"], 8)):
         out[name] = root / name
         assert main(cli_train(corpus, out[name], F8M, STEPS, base + extra, sample_tokens=sample)) == 0
     return out
@@ -44,15 +42,12 @@ def _weights(run):
 
 
 def test_the_fp8_gather_trains_bit_for_bit_as_the_16_bit_gather(runs):
-    ref = metrics_rows(runs["bf16"])
-    ref_w = _weights(runs["bf16"])
-    for name in ("fp8", "fp8_once"):
-        got = metrics_rows(runs[name])
-        # every step's loss and grad norm, and the validation losses: the same floats
-        assert [(r["step"], r["loss"], r["grad_norm"], r.get("val_loss")) for r in got] == \
-               [(r["step"], r["loss"], r["grad_norm"], r.get("val_loss")) for r in ref], name
-        w = _weights(runs[name])
-        assert w.keys() == ref_w.keys() and all(torch.equal(w[k], ref_w[k]) for k in w), name
+    ref, got = metrics_rows(runs["bf16"]), metrics_rows(runs["fp8"])
+    # every step's loss and grad norm, and the validation losses: the same floats
+    assert [(r["step"], r["loss"], r["grad_norm"], r.get("val_loss")) for r in got] == \
+           [(r["step"], r["loss"], r["grad_norm"], r.get("val_loss")) for r in ref]
+    w, ref_w = _weights(runs["fp8"]), _weights(runs["bf16"])
+    assert w.keys() == ref_w.keys() and all(torch.equal(w[k], ref_w[k]) for k in w)
 
 
 def test_compiled_blocks_read_the_fp8_gathered_weights(runs):
