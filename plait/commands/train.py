@@ -102,9 +102,8 @@ def run(args, extra) -> int:
     if args.help_config:
         print_config_help()
         return 0
-    from plait.run import launch_training
-
     from plait.launch import SpawnError, Stopped
+    from plait.run import launch_training
 
     cfg, note = config_from_args(args, extra)
     try:

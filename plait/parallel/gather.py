@@ -30,7 +30,7 @@ class Gathers:
         """layout: the `ShardLayout`; shards: this rank's owned space (its chunk of every unit).
         cast_once: keep each unit's chunk in the compute dtype after its first gather, until
         `drop_casts` (the caller's: when the shards change), rather than casting it at every gather.
-        fp8_units: units gathered in FP8 (`plait.parallel.fp8_gather`) while `fp8_on`."""
+        fp8_units: units gathered in FP8 (`plait.parallel.fp8_gather`) unless `set_fp8(False)`."""
         self.layout, self.shards, self.dtype, self.comm, self.group = layout, shards, dtype, comm, group
         self.cast_once = cast_once
         self.casts: list[torch.Tensor | None] = [None] * len(layout.units)
