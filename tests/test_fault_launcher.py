@@ -21,54 +21,6 @@ from plait.cli import main
 STEPS = 30
 
 
-def test_killing_the_launcher_leaves_no_worker_and_resume_is_bitwise(corpus, tmp_path):
-    common = ["--checkpoint.every", "2"]
-    ref = tmp_path / "ref"
-    with bounded(90):
-        assert main(train_args(corpus, ref, STEPS, nproc=2, zero=3, extra=common)) == 0
-
-    run, marker = tmp_path / "run", uuid.uuid4().hex
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PLAIT_")}
-    # rank 0 burns a second of CPU a step: the workers, left alone, would still be training 30 s later
-    env.update(PLAIT_TEST_MARKER=marker, PLAIT_FAULTS="slow@rank=0,step=1,ms=1000", OMP_NUM_THREADS="1")
-    launcher = subprocess.Popen([sys.executable, "-m", "plait.cli"] + train_args(corpus, run, STEPS, nproc=2, zero=3,
-                                                                                 extra=common),
-                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 90
-        while not ((run / "metrics.jsonl").is_file() and len(rows(run)) >= 3):
-            assert launcher.poll() is None, launcher.stderr.read().decode()
-            assert time.monotonic() < deadline, "the run did not reach step 3"
-            time.sleep(0.05)
-        workers = with_marker(marker) - {launcher.pid}
-        assert len(workers) >= 2  # the fork server and both ranks carry the launcher's environment
-        os.kill(launcher.pid, signal.SIGKILL)
-        t0 = time.monotonic()
-        launcher.wait(timeout=10)
-        while with_marker(marker) and time.monotonic() - t0 < 30:
-            time.sleep(0.05)
-        gone_after = time.monotonic() - t0
-        assert not with_marker(marker), f"workers still running 30 s after the launcher died: {with_marker(marker)}"
-        assert gone_after < 5, gone_after  # within seconds, not at the 30 s limit
-    finally:
-        for pid in with_marker(marker):
-            os.kill(pid, signal.SIGKILL)
-        if launcher.poll() is None:
-            launcher.kill()
-        launcher.wait()
-        launcher.stderr.close()
-
-    saved = ckpt.list_checkpoints(run / "checkpoints")
-    assert saved and STEPS not in [s for s, _ in saved]  # it was killed mid-run ...
-    assert [ckpt.verify(f) for _, f in saved] == [None] * len(saved)  # ... and every checkpoint it left is whole
-    with bounded(90):
-        assert main(train_args(corpus, run, STEPS, nproc=2, zero=3, extra=common + ["--resume"])) == 0
-    assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".tmp-")]  # leftovers removed
-    assert losses(run) == losses(ref)
-    assert_same_state(step_dir(run, STEPS), step_dir(ref, STEPS))
-    assert_no_workers_left()
-
-
 def _start(corpus, run, marker, **kw) -> subprocess.Popen:
     """`plait train --nproc 2` in a session of its own, rank 0 burning a second of CPU a step (workers
     that ignored a stop would go on training), once it has logged step 3."""
@@ -93,12 +45,51 @@ def _stop(launcher, marker, send) -> tuple[int, float, str]:
         code = launcher.wait(timeout=30)
         return code, time.monotonic() - t0, launcher.stderr.read().decode()
     finally:
-        for pid in with_marker(marker):
-            os.kill(pid, signal.SIGKILL)
-        if launcher.poll() is None:
-            launcher.kill()
-        launcher.wait()
-        launcher.stderr.close()
+        _end(launcher, marker)
+
+
+def _end(launcher, marker) -> None:
+    """Whatever a test left running of this launch goes."""
+    for pid in with_marker(marker):
+        os.kill(pid, signal.SIGKILL)
+    if launcher.poll() is None:
+        launcher.kill()
+    launcher.wait()
+    launcher.stderr.close()
+
+
+def test_killing_the_launcher_leaves_no_worker_and_resume_is_bitwise(corpus, tmp_path):
+    common = ["--checkpoint.every", "2"]
+    ref = tmp_path / "ref"
+    with bounded(90):
+        assert main(train_args(corpus, ref, STEPS, nproc=2, zero=3, extra=common)) == 0
+
+    run, marker = tmp_path / "run", uuid.uuid4().hex
+    # rank 0 burns a second of CPU a step: the workers, left alone, would still be training 30 s later
+    launcher = _start(corpus, run, marker)
+    try:
+        workers = with_marker(marker) - {launcher.pid}
+        assert len(workers) >= 2  # the fork server and both ranks carry the launcher's environment
+        os.kill(launcher.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        launcher.wait(timeout=10)
+        while with_marker(marker) and time.monotonic() - t0 < 30:
+            time.sleep(0.05)
+        gone_after = time.monotonic() - t0
+        assert not with_marker(marker), f"workers still running 30 s after the launcher died: {with_marker(marker)}"
+        assert gone_after < 5, gone_after  # within seconds, not at the 30 s limit
+    finally:
+        _end(launcher, marker)
+
+    saved = ckpt.list_checkpoints(run / "checkpoints")
+    assert saved and STEPS not in [s for s, _ in saved]  # it was killed mid-run ...
+    assert [ckpt.verify(f) for _, f in saved] == [None] * len(saved)  # ... and every checkpoint it left is whole
+    with bounded(90):
+        assert main(train_args(corpus, run, STEPS, nproc=2, zero=3, extra=common + ["--resume"])) == 0
+    assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".tmp-")]  # leftovers removed
+    assert losses(run) == losses(ref)
+    assert_same_state(step_dir(run, STEPS), step_dir(ref, STEPS))
+    assert_no_workers_left()
 
 
 def test_ctrl_c_stops_every_worker_at_once_and_says_where_to_continue(corpus, tmp_path):
