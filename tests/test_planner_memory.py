@@ -217,3 +217,28 @@ def test_llama_activations_compiled():
     sel = layer_activation_bytes(d, s, b, 1, recompute="selective")
     assert sel == pytest.approx(s * b * (6 * h + 4 * kv + 4 * f) + 4 * s * b * a)
     assert layer_activation_bytes(d, s, b, 1, recompute="full") == 2 * s * b * h
+
+
+@pytest.mark.parametrize("name", ["1f1b", "interleaved", "zb"])
+def test_a_ranks_peak_in_flight_stops_growing_once_the_steady_state_begins(name):
+    """The planner builds a schedule for at most `saturated(m)` micro-batches when it only needs the
+    peak of held activations (a search screens thousands of layouts): past 4 pp micro-batches the
+    peak of every rank must be what it is at 4 pp. (ZB-V is built in full: with uneven stages its
+    peak keeps growing with m, which the last assertion shows.)"""
+    from plait.parallel.schedules import peak_activation_units
+    from plait.parallel.stages import stage_work
+    from plait.planner import inputs
+    from plait.planner.predict import saturated
+
+    for pp in (2, 3, 4, 8):
+        v = 2 if name == "interleaved" else 1
+        for m in (5 * pp, 8 * pp, 16 * pp):
+            assert saturated(name, pp, m) == 4 * pp
+            for rank in range(pp):
+                for wf in (0.0, 0.5):
+                    full = peak_activation_units(name, pp, m, v, rank, wf)
+                    assert full == peak_activation_units(name, pp, saturated(name, pp, m), v, rank, wf), \
+                        (name, pp, m, rank, wf)
+    uneven = stage_work(inputs.model_dims("70b", seq=4096), [0, 0, 2, 4, 1, 4, 1, 1, 2, 2, 3, 4, 3, 1, 4, 0])
+    assert saturated("zbv", 8, 128) == 128 and \
+        peak_activation_units("zbv", 8, 128, 2, 0, 0.0, uneven) > peak_activation_units("zbv", 8, 32, 2, 0, 0.0, uneven)

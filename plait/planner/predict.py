@@ -90,9 +90,24 @@ def schedule(name: str, pp: int, m: int, v: int, costs: tuple | None = None):
     return build_schedule(name, pp, m, v, costs)
 
 
-@functools.lru_cache(maxsize=8192)
+def saturated(name: str, pp: int, m: int) -> int:
+    """The micro-batch count past which a rank's peak of held activations no longer grows: by 4 pp
+    (a multiple of pp, as interleaving needs) 1F1B, interleaved 1F1B and ZB-H1 have begun their
+    steady state, and more micro-batches only lengthen it (tests/test_planner_memory.py checks
+    this). Building those schedules for no more keeps a search's memory screening cheap. GPipe
+    holds all m; ZB-V's cost-driven order can keep admitting micro-batches where its stages are
+    uneven: both are built in full."""
+    return m if name in ("gpipe", "zbv") else min(m, 4 * pp)
+
+
 def _peak_units(name: str, pp: int, m: int, v: int, rank: int, wfrac: float, costs: tuple | None = None,
                 chunk_layers: tuple | None = None) -> float:
+    return _peak_units_at(name, pp, saturated(name, pp, m), v, rank, wfrac, costs, chunk_layers)
+
+
+@functools.lru_cache(maxsize=8192)
+def _peak_units_at(name: str, pp: int, m: int, v: int, rank: int, wfrac: float, costs: tuple | None,
+                   chunk_layers: tuple | None) -> float:
     return peak_activation_units(name, pp, m, v, rank, wfrac, costs, chunk_layers)
 
 
