@@ -27,10 +27,9 @@ STOP_FILE_ENV = "PLAIT_STOP_FILE"
 class StopRequest:
     def __init__(self):
         self.got = 0  # the signal number received here, 0 if none
-        self.old = None
         self.file = os.environ.get(STOP_FILE_ENV)
-        if threading.current_thread() is threading.main_thread():  # handlers live in the main thread
-            self.old = signal.signal(STOP, self._handler)
+        self.installed = threading.current_thread() is threading.main_thread()  # handlers live there
+        self.old = signal.signal(STOP, self._handler) if self.installed else None
 
     def _handler(self, signum, frame) -> None:
         self.got = signum
@@ -47,9 +46,9 @@ class StopRequest:
         return signal.Signals(got).name if got else None
 
     def close(self) -> None:
-        if self.old is not None:
-            signal.signal(STOP, self.old)
-            self.old = None
+        if self.installed:  # the previous handler, whatever it was (None: one set outside Python)
+            signal.signal(STOP, self.old if self.old is not None else signal.SIG_DFL)
+            self.installed = False
 
 
 def relay_to(path: str):

@@ -19,7 +19,6 @@ import torch
 from plait import checkpoint as ckpt
 from plait import faults, supervise
 from plait.bad_steps import StepHealth
-from plait.preempt import StopRequest
 from plait.checkpointer import Checkpointer
 from plait.config import Config, config_from_dict
 from plait.data import default_corpus_dir, open_data
@@ -32,6 +31,7 @@ from plait.optim import lr_at
 from plait.parallel import sharded_state
 from plait.parallel.build import parallelize
 from plait.parallel.engine import Engine
+from plait.preempt import StopRequest
 from plait.replica import ReplicaCheck
 from plait.straggler import StragglerReport
 from plait.profile import StepProfiler

@@ -47,17 +47,27 @@ def run(args, extra) -> int:
 
 
 def run_data(checkpoint: str) -> str:
-    """The prepared folder a plait checkpoint's run trained on (read from its saved config only)."""
+    """The prepared folder a plait checkpoint's run trained on. Read from its saved config alone:
+    `evaluate` verifies the checkpoint's files, and a second sha256 pass over a large checkpoint
+    would double the wait."""
     import json
+    from pathlib import Path
 
     from plait import checkpoint as ckpt
     from plait import hf
     from plait.errors import bad_value
+    from plait.resume import saved_config
 
     if hf.is_hf_dir(checkpoint):
         raise bad_value("--data", "", f"{checkpoint} is a HuggingFace folder, which records no training data; "
                         "give --data DIR (a folder made by `plait data prepare`)")
-    data = json.loads((ckpt.resolve_for_reading(checkpoint) / "train_state.json").read_text())["config"]["data"]
+    p = Path(checkpoint).expanduser()
+    state = p / "train_state.json"  # a step folder; else a run folder's saved config
+    saved = json.loads(state.read_text())["config"] if state.is_file() else (saved_config(p) or (None,))[0]
+    if saved is None:
+        ckpt.resolve_for_reading(checkpoint)  # nothing there: the checkpoint's own one-line error
+        raise bad_value("--data", "", f"{checkpoint} records no training data; give --data DIR")
+    data = saved["data"]
     if data.get("mix"):
         raise bad_value("--data", "", f"the run drew from several folders (data.mix = {data['mix']!r}); "
                         "give --data DIR, one of them")
