@@ -99,6 +99,30 @@ def test_the_linear_reads_the_gathered_bits_and_keeps_no_copy():
     assert len(fp8_saved) == 1 and fp8_saved[0].data_ptr() == lin.w8.data_ptr()  # the buffer, not a copy
 
 
+def test_every_bound_weight_and_scale_starts_16_byte_aligned():
+    """cuBLAS's FP8 GEMMs refuse a scale or an operand at an address that is not a multiple of 16
+    (CUBLAS_STATUS_NOT_SUPPORTED, on the GPU only: the CPU kernel takes any address). The binding
+    hands each linear views into shared buffers: a unit's bits, and its weights' inverse scales."""
+    from types import SimpleNamespace
+
+    from plait.parallel.fp8_gather import FP8Gather
+    from plait.parallel.shard_space import ShardLayout
+
+    lins = [torch.nn.Linear(64, n, bias=False) for n in (64, 16, 16, 48)]  # wq, wk, wv, wo-like shapes
+    for lin in lins:
+        lin.__class__ = FP8Linear
+        lin.recipe = "tensorwise"
+    model = torch.nn.Sequential(*lins)
+    layout = ShardLayout([[(f"{i}.weight", m.weight) for i, m in enumerate(lins)]], n=2, rank=0)
+    fp = FP8Gather(SimpleNamespace(layout=layout, shards=torch.zeros(1)), (0,))
+    fp.full[0].untyped_storage().resize_(layout.units[0].padded)  # the views' addresses while gathered
+    fp.bind(model)
+    fp.full[0].untyped_storage().resize_(layout.units[0].padded)
+    for lin in lins:
+        assert lin.prequantized and lin.w8.data_ptr() % 16 == 0 and lin.w8_inv.data_ptr() % 16 == 0, \
+            (lin.w8.data_ptr() % 16, lin.w8_inv.data_ptr() % 16)
+
+
 @pytest.mark.parametrize("extra, needle", [
     (["--parallel.zero3_fp8_gather", "true", "--train.fp8", "tensorwise", "--nproc", "2", "--zero", "2"],
      "parallel.zero3_fp8_gather = True: it changes ZeRO-3's all-gather (parallel.zero = 3, not 2)"),

@@ -39,6 +39,16 @@ def _alias(view: torch.Tensor) -> torch.Tensor:
     return t
 
 
+# cuBLAS's FP8 GEMMs read a scale only from a 16-byte aligned address (CUBLAS_STATUS_NOT_SUPPORTED
+# otherwise, on the GPU alone): the scales of a unit's weights lie 16 bytes apart, not 4.
+_SCALE_STRIDE = 16 // 4
+
+
+def _spaced(n: int, device) -> torch.Tensor:
+    """n fp32 ones, each at a 16-byte aligned address (a strided view; storages start 256-aligned)."""
+    return torch.ones(n, _SCALE_STRIDE, dtype=torch.float32, device=device)[:, 0]
+
+
 class FP8Gather:
     """The FP8 side of `plait.parallel.gather.Gathers`: per FP8 unit a byte buffer the all-gather
     fills, and per weight its scale and inverse scale (updated in place: the linears hold views)."""
@@ -55,8 +65,8 @@ class FP8Gather:
             u = gathers.layout.units[i]
             self.full[i] = torch.zeros(u.padded, dtype=torch.uint8, device=dev)
             self.full[i].untyped_storage().resize_(0)
-            self.scale[i] = torch.ones(len(u.params), dtype=torch.float32, device=dev)
-            self.inv[i] = torch.ones(len(u.params), dtype=torch.float32, device=dev)
+            self.scale[i] = _spaced(len(u.params), dev)
+            self.inv[i] = _spaced(len(u.params), dev)
 
     def applies(self, i: int) -> bool:
         return self.on and i in self.full
