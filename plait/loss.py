@@ -31,8 +31,10 @@ def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     acc += (a @ b.to(a.dtype)).to(acc.dtype)
 
 
-def ce_chunk(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed loss (fp32) and d(sum loss)/d(logits) (logits' dtype) of one chunk; fused under compile."""
+def ce_chunk(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed loss (fp32) of one chunk, and `scale` x d(sum loss)/d(logits) in the logits' dtype (the
+    mean's 1/count applied here, inside the fused kernel, rather than as a pass over the gradients
+    of the hidden states and of the output matrix afterwards); fused under compile."""
     lf = logits.to(torch.promote_types(logits.dtype, torch.float32))  # (n, V), at least fp32
     lse = torch.logsumexp(lf, dim=-1)  # (n,)
     valid = targets != IGNORE_INDEX
@@ -41,7 +43,7 @@ def ce_chunk(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor,
     loss = ((lse - target_logit) * valid).sum()
     grad = torch.exp(lf - lse[:, None])
     grad = grad - torch.nn.functional.one_hot(safe, lf.shape[1]).to(grad.dtype)
-    grad = grad * valid[:, None]
+    grad = grad * (valid[:, None] * scale)
     return loss, grad.to(logits.dtype)
 
 
@@ -53,44 +55,72 @@ class _LinearCrossEntropy(torch.autograd.Function):
         chunk = max(1, _CHUNK_ELEMENTS // weight.shape[0])
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(h) if need_h else None
-        # accumulate the weight gradient over chunks in fp32: bf16 sums of 16+ chunks lose bits
-        acc = torch.promote_types(weight.dtype, torch.float32)
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        grad_w, one_chunk = _NONE_YET if need_w else None, n_tokens <= chunk
+        scale = _mean_scale(targets)
         total = torch.zeros((), dtype=torch.promote_types(h.dtype, torch.float32), device=h.device)
         for s in range(0, n_tokens, chunk):
             hc = h[s:s + chunk]
             logits = hc @ weight.t()  # (n, V) in the compute dtype (autocast applies here)
-            loss_c, g = chunk_fn(logits, targets[s:s + chunk])
+            loss_c, g = chunk_fn(logits, targets[s:s + chunk], scale)
             total += loss_c
-            _chunk_grads(g, h, hc, s, weight, grad_h, grad_w)
+            grad_w = _chunk_grads(g, h, hc, s, weight, grad_h, grad_w, one_chunk)
             # drop this chunk before the next is formed: held across the assignment, the old logits
             # and gradient would add a third chunk to the peak
             del logits, g
-        return _finish(ctx, total, targets, grad_h, grad_w, weight)
+        return _finish(ctx, total * scale, grad_h, grad_w, weight)
 
     @staticmethod
     def backward(ctx, grad_out):
         return _scaled(ctx, grad_out) + (None, None)
 
 
-def _chunk_grads(g, h, hc, s, weight, grad_h, grad_w) -> None:
-    """A chunk's d(loss)/d(logits) g into the hidden states' gradient rows and the weight's gradient."""
+def _mean_scale(targets: torch.Tensor) -> torch.Tensor:
+    """1 / the number of counted targets (fp32, on the device: no host sync)."""
+    return 1.0 / (targets != IGNORE_INDEX).sum().clamp(min=1).float()
+
+
+# A weight gradient made in one chunk is the GEMM's own output, in the weights' dtype: no buffer to
+# accumulate into and cast (24 bytes a weight of passes, at 16 bits). Over several chunks it
+# accumulates in fp32, since bf16 sums of 16+ chunks lose bits; the first chunk's GEMM writes the
+# fp32 buffer itself (no zero-filled buffer to add into). `_NONE_YET` stands for it until then.
+_NONE_YET = object()
+
+
+def _mm_to(dtype: torch.dtype, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b, written in `dtype` (fp32 from bf16 operands: on CUDA by cuBLAS directly)."""
+    if a.is_cuda and a.dtype != dtype:
+        try:
+            return torch.mm(a, b, out_dtype=dtype)
+        except (TypeError, RuntimeError):
+            pass  # torch without mixed-dtype mm: fall through
+    return (a @ b).to(dtype)
+
+
+def _chunk_grads(g, h, hc, s, weight, grad_h, grad_w, one_chunk: bool):
+    """A chunk's (scaled) d(loss)/d(logits) g into the hidden states' gradient rows and the weight's
+    gradient; returns the weight's gradient so far (None: not wanted)."""
     if grad_h is not None:
         grad_h[s:s + hc.shape[0]] = (g @ weight.to(g.dtype)).to(h.dtype)
-    if grad_w is not None:
-        _accumulate_mm(grad_w, g.t(), hc.to(g.dtype))
+    if grad_w is None:
+        return None
+    a, b = g.t(), hc.to(g.dtype)
+    if one_chunk:  # hc is all of h
+        return (a @ b).to(weight.dtype)
+    if grad_w is _NONE_YET:
+        return _mm_to(torch.promote_types(weight.dtype, torch.float32), a, b)
+    _accumulate_mm(grad_w, a, b)
+    return grad_w
 
 
-def _finish(ctx, total, targets, grad_h, grad_w, weight):
-    """Mean over the counted tokens: scale the loss and the gradients formed in forward, keep them."""
-    count = (targets != IGNORE_INDEX).sum().clamp(min=1)
-    scale = 1.0 / count.to(total.dtype)
-    if grad_h is not None:
-        grad_h.mul_(scale.to(grad_h.dtype))
-    if grad_w is not None:
-        grad_w = grad_w.mul_(scale.to(grad_w.dtype)).to(weight.dtype)
+def _finish(ctx, loss, grad_h, grad_w, weight):
+    """Keep the mean's gradients formed in forward (already scaled by 1/count), the weight's in
+    its own dtype; return the mean loss."""
+    if grad_w is _NONE_YET:  # no tokens
+        grad_w = torch.zeros_like(weight)
+    elif grad_w is not None and grad_w.dtype != weight.dtype:
+        grad_w = grad_w.to(weight.dtype)
     ctx.save_for_backward(grad_h, grad_w)
-    return total * scale
+    return loss
 
 
 def _scaled(ctx, grad_out) -> tuple:
@@ -121,15 +151,17 @@ def vp_chunk_stats(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int
     return torch.logsumexp(lf, dim=-1), target_logit, lf
 
 
-def vp_chunk_grad(lf: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, vocab_start: int, dtype):
-    """d(sum loss)/d(local logits) of a chunk once the global logsumexp is known: softmax over the
-    whole vocabulary restricted to this shard, minus the one-hot where the shard holds the target."""
+def vp_chunk_grad(lf: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, vocab_start: int, dtype,
+                  scale: torch.Tensor):
+    """`scale` x d(sum loss)/d(local logits) of a chunk once the global logsumexp is known: softmax
+    over the whole vocabulary restricted to this shard, minus the one-hot where the shard holds the
+    target (scaled by the mean's 1/count here, as in `ce_chunk`)."""
     valid = targets != IGNORE_INDEX
     local = targets - vocab_start
     mine = (local >= 0) & (local < lf.shape[1]) & valid
     grad = torch.exp(lf - lse[:, None])
     onehot = torch.nn.functional.one_hot(torch.where(mine, local, 0), lf.shape[1]).to(grad.dtype) * mine[:, None]
-    return ((grad - onehot) * valid[:, None]).to(dtype)
+    return ((grad - onehot) * (valid[:, None] * scale)).to(dtype)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -147,8 +179,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         chunk = max(1, _CHUNK_ELEMENTS // weight.shape[0])
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(h) if need_h else None
-        acc = torch.promote_types(weight.dtype, torch.float32)
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        grad_w, one_chunk = _NONE_YET if need_w else None, n_tokens <= chunk
+        scale = _mean_scale(targets)
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         for s in range(0, n_tokens, chunk):
             hc, tc = h[s:s + chunk], targets[s:s + chunk]
@@ -161,9 +193,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             valid = tc != IGNORE_INDEX
             total += ((lse - target_logit) * valid).sum()
             if need_h or need_w:
-                _chunk_grads(grad_fn(lf, lse, tc, vocab_start, logits.dtype), h, hc, s, weight, grad_h, grad_w)
+                grad_w = _chunk_grads(grad_fn(lf, lse, tc, vocab_start, logits.dtype, scale), h, hc, s, weight,
+                                      grad_h, grad_w, one_chunk)
             del logits, lf, lse_local, tgt_local  # as in _LinearCrossEntropy: one chunk alive at a time
-        return _finish(ctx, total, targets, grad_h, grad_w, weight)
+        return _finish(ctx, total * scale, grad_h, grad_w, weight)
 
     @staticmethod
     def backward(ctx, grad_out):

@@ -281,9 +281,11 @@ class Transformer(nn.Module):
             cache.advance(T)
         return h
 
-    def head(self, h: torch.Tensor, targets: torch.Tensor | None = None, seq_len: int | None = None):
-        """The last stage's end: final norm, then the fused loss against `targets`, or the logits."""
-        h = self.norm(h)
+    def head(self, h: torch.Tensor, targets: torch.Tensor | None = None, seq_len: int | None = None,
+             eager: bool = False):
+        """The last stage's end: final norm, then the fused loss against `targets`, or the logits.
+        `eager`: the norm uncompiled (decoding with a cache: a new shape every token)."""
+        h = RMSNorm.forward(self.norm, h) if eager else self.norm(h)
         if targets is None:
             return self.tp.logits(h, self.output.weight, seq_len)
         return self.tp.loss(h, self.output.weight, targets, self.ce_chunk_fn)
@@ -304,7 +306,7 @@ class Transformer(nn.Module):
         h = self.hidden(tokens, h, positions, cache, docs=docs)
         if self.norm is None:
             return h
-        return self.head(h, targets, tokens.shape[1] if tokens is not None else None)
+        return self.head(h, targets, tokens.shape[1] if tokens is not None else None, eager=cache is not None)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

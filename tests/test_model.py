@@ -1,5 +1,6 @@
 """The Llama model: shapes, GQA, layout-independent init, fused loss, RoPE scaling."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -45,10 +46,11 @@ def test_causal():
         assert not torch.allclose(m(x)[0, 12:], m(y)[0, 12:], atol=1e-3)
 
 
-def test_fused_loss_matches_unfused_values_and_grads(monkeypatch):
+@pytest.mark.parametrize("chunk_tokens", [5, 23])  # several chunks (fp32 sum of the weight's), one (the GEMM's own)
+def test_fused_loss_matches_unfused_values_and_grads(monkeypatch, chunk_tokens):
     import plait.loss
 
-    monkeypatch.setattr(plait.loss, "_CHUNK_ELEMENTS", 97 * 5)  # force several chunks (5 tokens each)
+    monkeypatch.setattr(plait.loss, "_CHUNK_ELEMENTS", 97 * chunk_tokens)
     torch.manual_seed(0)
     h = torch.randn(23, 64, dtype=torch.float64, requires_grad=True)
     w = torch.randn(97, 64, dtype=torch.float64, requires_grad=True)
@@ -62,6 +64,46 @@ def test_fused_loss_matches_unfused_values_and_grads(monkeypatch):
     (2.0 * ref).backward()
     assert torch.allclose(loss, ref, atol=1e-12)
     assert torch.allclose(gh, h.grad, atol=1e-12) and torch.allclose(gw, w.grad, atol=1e-12)
+
+
+@pytest.mark.parametrize("one_chunk", [True, False])
+def test_fused_loss_forms_the_weight_gradient_in_as_few_passes_as_its_chunks_need(monkeypatch, one_chunk):
+    """bf16: in one chunk the output matrix's gradient is the GEMM's own bf16 output, already
+    scaled by 1/count (inside the chunk's softmax): no fp32 buffer, no scaling or cast pass. Over 4
+    chunks: an fp32 sum the first chunk's GEMM starts (no zeros to add into), and one cast."""
+    import plait.loss
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    monkeypatch.setattr(plait.loss, "_CHUNK_ELEMENTS", 97 * (64 if one_chunk else 16))
+    torch.manual_seed(0)
+    h = torch.randn(64, 32, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(97, 32, dtype=torch.bfloat16, requires_grad=True)
+    t = torch.randint(0, 97, (64,))
+
+    class Ops(TorchDispatchMode):
+        seen: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.shape == w.shape and not out._is_view():
+                self.seen.append((str(func), out.dtype))
+            return out
+
+    with Ops():
+        loss = linear_cross_entropy(h, w, t)
+    if one_chunk:
+        assert Ops.seen == [("aten.mm.default", torch.bfloat16)], Ops.seen
+    else:  # no zero-filled buffer: the first chunk's GEMM makes the fp32 sum (on the GPU each GEMM writes
+        # or adds into it itself, here a bf16 product is cast and added), cast to bf16 once at the end
+        assert "aten.zeros.default" not in (op for op, _ in Ops.seen), Ops.seen
+        assert Ops.seen[-1] == ("aten._to_copy.default", torch.bfloat16), Ops.seen
+        assert [dt for _, dt in Ops.seen[:-1]].count(torch.float32) >= 4, Ops.seen  # the sum is fp32
+    assert not any("mul" in op for op, _ in Ops.seen)  # the 1/count is no pass of its own
+    loss.backward()
+    ref_h, ref_w = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    F.cross_entropy(ref_h @ ref_w.t(), t).backward()
+    assert torch.allclose(w.grad.double(), ref_w.grad, atol=2e-3, rtol=2e-2)
+    assert torch.allclose(h.grad.double(), ref_h.grad, atol=2e-3, rtol=2e-2)
 
 
 def test_llama3_rope_scaling_matches_transformers():

@@ -53,6 +53,11 @@ class Layout:
     unit at the forward's start, and reduce-scattered it after the backward, as plait did before the
     output matrix became a unit of its own (recorded runs: `plait.planner.recorded`)."""
 
+    eager_head: bool = False
+    """The final norm ran eager and the fused loss scaled its gradients by 1/count in passes of their
+    own (and through an fp32 buffer even in one chunk), as plait did before its final norm was
+    compiled with the blocks (recorded runs: `plait.planner.recorded`)."""
+
     zero3_cast_once: bool = False
     """ZeRO-3 keeps each unit's 16-bit chunk from its first gather of a step to the update
     (`parallel.zero3_cast_once`): one cast a unit a step instead of one a gather, and 2 bytes a

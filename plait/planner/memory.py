@@ -175,7 +175,8 @@ def interleaved_memory_factor(pp: int, v: int) -> float:
     return 1 + (pp - 1) / (pp * v) if v > 1 else 1.0
 
 
-def loss_chunk_bytes(d: ModelDims, tokens: int, t: int = 1, compiled: bool = True, act_bytes: float = 2.0) -> float:
+def loss_chunk_bytes(d: ModelDims, tokens: int, t: int = 1, compiled: bool = True, act_bytes: float = 2.0,
+                     eager_head: bool = False) -> float:
     """Temporary memory of plait's fused output projection + cross-entropy on the last stage.
 
     plait/loss.py forms the logits of as many tokens at a time as fit LOSS_CHUNK_ELEMENTS logits of
@@ -183,12 +184,16 @@ def loss_chunk_bytes(d: ModelDims, tokens: int, t: int = 1, compiled: bool = Tru
     their gradient (2 e bytes per logit: the fp32 softmax never materialises) and, vocab-parallel,
     the fp32 logits kept between the statistics' all-gather and the gradient (4 more); eager it also
     holds fp32 copies and the one-hot target (about 12 bytes per logit, an estimate). Beside the
-    chunk lives the output matrix's gradient, accumulated over chunks in fp32."""
+    chunk lives the output matrix's gradient: in one chunk the GEMM's own 16-bit output; over
+    several, an fp32 sum, cast to the parameters' dtype after the loop. `eager_head`: as plait ran
+    before (`Layout.eager_head`), an fp32 sum even in one chunk."""
     from plait.parallel.rules import LOSS_CHUNK_ELEMENTS
 
     rows = -(-d.vocab // t)
     per_chunk = max(1, LOSS_CHUNK_ELEMENTS // rows)
     per_logit = 2 * act_bytes + (4.0 if t > 1 else 0.0) if compiled else 12.0
+    logits = min(tokens, per_chunk) * rows * per_logit
+    if tokens <= per_chunk and not eager_head:
+        return logits + act_bytes * rows * d.hidden
     # one chunk at a time; after the loop the fp32 weight gradient is cast to the parameters' dtype
-    chunk = max(min(tokens, per_chunk) * rows * per_logit, act_bytes * rows * d.hidden)
-    return chunk + 4.0 * rows * d.hidden
+    return max(logits, act_bytes * rows * d.hidden) + 4.0 * rows * d.hidden

@@ -216,7 +216,7 @@ def _memory(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, sc: StageCos
             "recompute_buffer": memory.layer_activation_bytes(d, d.seq // cp, b, tp, sp, "none", e, lay.compile, cp, uly)
             if lay.recompute == "full" else 0.0,
             "cp_ring": 2 * sc.kv_chunk_bytes if cp > 1 else 0.0,  # the block in use + the one arriving
-            "loss_chunk": memory.loss_chunk_bytes(d, b * d.seq // cp, tp, lay.compile, e) if r == place(sched_name, pp, v, pp * v - 1)[0] else 0.0,
+            "loss_chunk": memory.loss_chunk_bytes(d, b * d.seq // cp, tp, lay.compile, e, lay.eager_head) if r == place(sched_name, pp, v, pp * v - 1)[0] else 0.0,
             "reserved": c.reserved_gib * GIB,
         }
         total = sum(comp.values())

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from plait.errors import UserError
+from plait.parallel.rules import HEAD_RUNTIME
 
 from plait.planner.hardware import card_key
 
@@ -214,6 +215,8 @@ def load(folder: str | Path) -> list[Run]:
             head_slot = config.get("head_slot", "forward" if path.name in HEAD_IN_FORWARD else "backward")
             if bench == "pipeline" and lay.get("pp", 1) > 1 and head_slot == "forward":
                 lay = {**lay, "head_in_forward": True}
+            if data.get("head") != HEAD_RUNTIME:
+                lay = {**lay, "eager_head": True}
             if path.name in ZERO3_WHOLE_ROOT and lay.get("zero") == 3:
                 lay = {**lay, "zero3_whole_root": True}
             used = n if variant_spans_all(lay) else 1

@@ -97,19 +97,38 @@ def linear_time_s(op: str, tokens: float, fin: float, fout: float, c: Cluster) -
 
 
 # Bytes the fused loss (plait/loss.py) moves per weight of the output matrix and micro-batch, beside
-# its matmuls: the weight gradient goes through an fp32 buffer - zero-filled (4), accumulated into
-# by the GEMM (read and write, 8), scaled (8), cast to the weights' 16-bit dtype (4 + 2) - and in
-# backward is scaled by the incoming gradient (2 + 2) and added into the flat gradient (6).
-LOSS_BYTES_PER_WEIGHT = 36.0
+# its matmuls. In one chunk the weight gradient is the GEMM's own 16-bit output, already scaled by
+# 1/count inside the softmax: backward only scales it by the incoming gradient (2 + 2) and adds it
+# into the flat gradient (6). Over several chunks it goes through an fp32 sum first, which the
+# first chunk's GEMM writes and the others add into (read and write, 8), cast to 16 bits (4 + 2).
+LOSS_BYTES_PER_WEIGHT = {"one_chunk": 10.0, "chunks": 24.0,
+                         # before the scaling moved into the softmax: a zero-filled fp32 buffer (4)
+                         # even in one chunk, and a scaling pass (8)
+                         "eager": 36.0}
 LOSS_BYTES_PER_LOGIT = 4.0  # the fused softmax reads each 16-bit logit and writes its gradient
+# Bytes per element of the (tokens, dim) hidden states the final RMSNorm moves, forward + backward:
+# compiled, it reads x and writes y (2 + 2), then reads x and dy and writes dx (6); eager, each of
+# its fp32 steps is a pass of its own (the cast up, square, mean, scale, cast down, gain; and their
+# backward: 36 + 74). The runs recorded before the norm was compiled (`eager`) are priced as they
+# were then, without it: added, it moves the one-GPU H100 runs from 1.9% to 2.2% mean error (every
+# one of them further off) while it brings the 8b pipeline rows at a 8k vocabulary 1.2 points closer.
+NORM_BYTES = {"compiled": 10.0, "eager": 110.0}
 
 
-def head_times(d: ModelDims, tokens: float, c: Cluster, tp: int = 1) -> tuple[float, float]:
-    """Forward and backward seconds of the output projection + loss on the last stage: the three
-    matmuls split as forward and backward ones, and the loss's memory-bound passes (softmax, the
-    weight gradient's fp32 buffer) added to the forward. plait's fused loss runs all of it inside its
-    forward; the pipeline's stage costs put both parts there."""
+def head_times(d: ModelDims, tokens: float, c: Cluster, tp: int = 1, sp: bool = False,
+               eager: bool = False, eager_norm: bool = False) -> tuple[float, float]:
+    """Forward and backward seconds of the final norm, the output projection and the loss on the last
+    stage: the three matmuls split as forward and backward ones, and the memory-bound passes (the
+    norm's, the softmax's, the weight gradient's) added to the forward. plait's fused loss runs all
+    of it inside its forward; the pipeline's stage costs put both parts there. `eager`: the head as
+    plait ran it before its final norm was compiled (`Layout.eager_head`); `eager_norm`: the norm
+    uncompiled (that, or `train.compile off`)."""
+    from plait.parallel.rules import LOSS_CHUNK_ELEMENTS
+
     rows = -(-d.vocab // tp)
     fwd = linear_time_s("fwd", tokens, d.hidden, rows, c)
-    passes = kernel_time_s(0.0, LOSS_BYTES_PER_LOGIT * tokens * rows + LOSS_BYTES_PER_WEIGHT * rows * d.hidden, c)
+    per_weight = LOSS_BYTES_PER_WEIGHT["eager" if eager else
+                                       "one_chunk" if tokens <= max(1, LOSS_CHUNK_ELEMENTS // rows) else "chunks"]
+    norm = 0.0 if eager else NORM_BYTES["eager" if eager_norm else "compiled"] * tokens * d.hidden / (tp if sp else 1)
+    passes = kernel_time_s(0.0, LOSS_BYTES_PER_LOGIT * tokens * rows + per_weight * rows * d.hidden + norm, c)
     return fwd + passes, linear_time_s("dgrad", tokens, d.hidden, rows, c) + linear_time_s("wgrad", tokens, d.hidden, rows, c)

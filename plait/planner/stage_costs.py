@@ -202,7 +202,8 @@ def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, m: int =
         last_params.append(min(rank_params[-1], embed_t if r == 0 else BUCKET_BYTES / prec.wire_grad_bytes))
 
     lt = roofline.layer_times(d, tokens, c, tp)
-    head_f, head_b = roofline.head_times(d, tokens, c, tp)
+    head_f, head_b = roofline.head_times(d, tokens, c, tp, sp, eager=lay.eager_head,
+                                         eager_norm=not lay.compile)
     act = tokens * d.hidden * e  # one (b, s/cp, h) activation, bytes
     tp_link = links["tp"][0]
     # A full recomputation replays a layer's forward only up to the last tensor backward needs
