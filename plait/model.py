@@ -271,10 +271,11 @@ class Transformer(nn.Module):
         sin = (self.rope_sin[:T] if positions is None else self.rope_sin[positions]).to(h.dtype)
         for i, key in enumerate(self.layers.keys() if layers is None else layers):
             block = self.layers[key]
-            # with a cache, `forward` directly: shapes change every token (a compiled block would
-            # recompile), and engines drop their hooks before inference (`gather_for_inference`)
+            # with a cache, the class's `forward` directly: shapes change every token (a compiled
+            # block would recompile; ZeRO-3 compiles the instance's `forward` itself), and engines
+            # drop their hooks before inference (`gather_for_inference`)
             if cache is not None:
-                h = block.forward(h, cos, sin, cache.layer(i))
+                h = type(block).forward(block, h, cos, sin, cache.layer(i))
             else:
                 h = block(h, cos, sin) if docs is None else block(h, cos, sin, None, docs)
         if cache is not None:

@@ -123,6 +123,35 @@ def test_every_bound_weight_and_scale_starts_16_byte_aligned():
             (lin.w8.data_ptr() % 16, lin.w8_inv.data_ptr() % 16)
 
 
+def test_the_chunk_is_quantized_and_its_maxima_found_in_one_pass_as_the_linear_would():
+    """The FP8 gather's two per-chunk kernels, eager and compiled (as with `train.compile`): each
+    weight's |max| over the chunk, taken over the fp32 values and rounded once, is the |max| of the
+    16-bit values (rounding is monotonic and odd); the bits are the linear's own quantization of the
+    16-bit values; the unit's padding is zero bits. Values sit just either side of bf16 rounding
+    boundaries, where a max taken before rounding and one after could differ."""
+    from plait.fp8 import scale_for, scaled
+    from plait.parallel.fp8_gather import compiled, slot_amax, slot_quantize
+
+    torch.manual_seed(0)
+    src = torch.randn(100) * torch.logspace(-3, 2, 100)
+    src[7] = 1 + 2 ** -8 + 2 ** -12  # rounds up in bf16
+    src[60] = -(3 - 2 ** -10)
+    ranges = ((0, 0, 40), (2, 40, 96))  # weight 1 has no part in this chunk; 4 elements of padding
+    scale = scale_for(torch.tensor([3.0, 1.0, 50.0]), E4M3)
+    for amax_fn, quant_fn in ((slot_amax, slot_quantize),
+                              (compiled(slot_amax), compiled(slot_quantize))):
+        got = amax_fn(src, ranges, 3, torch.bfloat16)
+        want = torch.stack([src[0:40].to(torch.bfloat16).abs().amax().float(), torch.tensor(0.0),
+                            src[40:96].to(torch.bfloat16).abs().amax().float()])
+        assert torch.equal(got, want), (got, want)
+        q = quant_fn(src, scale, ranges, torch.bfloat16)
+        assert q.dtype == E4M3 and q.shape == (100,)
+        want_q = torch.cat([scaled(src[0:40].to(torch.bfloat16), scale[0], E4M3),
+                            scaled(src[40:96].to(torch.bfloat16), scale[2], E4M3)])
+        assert torch.equal(q[:96].view(torch.uint8), want_q.view(torch.uint8))
+        assert not q[96:].view(torch.uint8).any()
+
+
 @pytest.mark.parametrize("extra, needle", [
     (["--parallel.zero3_fp8_gather", "true", "--train.fp8", "tensorwise", "--nproc", "2", "--zero", "2"],
      "parallel.zero3_fp8_gather = True: it changes ZeRO-3's all-gather (parallel.zero = 3, not 2)"),

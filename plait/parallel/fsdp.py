@@ -137,7 +137,7 @@ class Zero3(Sharded):
         master = torch.promote_types(self.dtype, torch.float32)
         self.shards = torch.zeros(layout.owned_numel, dtype=master, device=self.device)
         fp8 = fp8_units(model, layout) if fp8_gather else ()
-        self.gather = Gathers(layout, self.shards, self.dtype, comm, groups.shard, cast_once, fp8)
+        self.gather = Gathers(layout, self.shards, self.dtype, comm, groups.shard, cast_once, fp8, compile)
         for i, u in enumerate(layout.units):
             self.gather.fill_from(i, u.params)
         if fp8:  # the blocks' FP8 linears read the weights gathered in FP8

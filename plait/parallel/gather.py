@@ -26,11 +26,12 @@ class State(enum.Enum):
 
 class Gathers:
     def __init__(self, layout, shards: torch.Tensor, dtype: torch.dtype, comm, group: str, cast_once: bool = False,
-                 fp8_units: tuple[int, ...] = ()):
+                 fp8_units: tuple[int, ...] = (), compile: bool = False):
         """layout: the `ShardLayout`; shards: this rank's owned space (its chunk of every unit).
         cast_once: keep each unit's chunk in the compute dtype after its first gather, until
         `drop_casts` (the caller's: when the shards change), rather than casting it at every gather.
-        fp8_units: units gathered in FP8 (`plait.parallel.fp8_gather`) unless `set_fp8(False)`."""
+        fp8_units: units gathered in FP8 (`plait.parallel.fp8_gather`) unless `set_fp8(False)`;
+        compile: their quantization fused by torch.compile."""
         self.layout, self.shards, self.dtype, self.comm, self.group = layout, shards, dtype, comm, group
         self.cast_once = cast_once
         self.casts: list[torch.Tensor | None] = [None] * len(layout.units)
@@ -40,7 +41,7 @@ class Gathers:
             buf = torch.zeros(u.padded, dtype=dtype, device=shards.device)
             buf.untyped_storage().resize_(0)
             self.full.append(buf)
-        self.fp8 = FP8Gather(self, fp8_units) if fp8_units else None
+        self.fp8 = FP8Gather(self, fp8_units, compile) if fp8_units else None
         self.held: list[torch.Tensor | None] = [None] * len(layout.units)  # the buffer a gathered unit fills
         self.state = [State.FREE] * len(layout.units)
         self.pending: list = [None] * len(layout.units)  # (all-gather handle, the chunk it sends)
