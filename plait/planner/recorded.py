@@ -153,8 +153,8 @@ def _layout(bench: str, variant: str, row: dict, config: dict, n_gpus: int, comm
         sched = variant.split("-")[1]
         split = str(row.get("stage_layers") or "")  # a row that names its split ran it
         split = "balance" if split.startswith("balance") else split
-        ran = (row.get("split") or {}).get("stage_layers")  # the counts each rank ran (bench/pipeline.py)
-        if ran and sched != "interleaved":  # interleaved counts are per virtual stage: "balance" names them
+        ran = (row.get("split") or {}).get("stage_layers")  # the counts each stage ran (bench/pipeline.py;
+        if ran:  # per virtual stage where v > 1), whatever the command asked for ("balance" or none)
             split = ran
         if variant.endswith("balanced"):  # hand-set stage sizes, as the command gave them
             split = config.get("stage_layers") or _flag(commands, "--stage-layers")
