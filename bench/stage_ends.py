@@ -5,10 +5,12 @@ ones, which hold as many layers. This times, per micro-batch (forward + backward
 accumulate as a step's micro-batches do), four stage-shaped parts of the model built the way a
 pipeline rank builds its own: `k` blocks alone (a middle stage), the embedding + `k` blocks (the
 first), `k` blocks + final norm + fused output/loss (the last), and all of it (one device). The
-differences are the ends' extra milliseconds, set beside the planner's price for them
-(`plait.planner.roofline.head_times`); --profile prints the kernels of the last stage's extra.
+differences are the ends' extra milliseconds; with --hardware (a `plait bench calibrate` profile)
+the planner's price for the last stage's extra is set beside it (`plait.planner.roofline.head_times`);
+--profile prints the kernels of the last stage's extra.
 
-    python bench/stage_ends.py --preset 8b --model vocab_size=8192 --layers 2 --profile
+    python bench/stage_ends.py --preset 8b --model vocab_size=8192 --layers 2 --profile \
+        --hardware bench/results/hardware-h100.json
 """
 
 from __future__ import annotations
@@ -69,6 +71,15 @@ def _kernels(model, first, last, tokens, targets, h0, top: int) -> str:
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=90)
 
 
+def planner_head_s(cfg, seq: int, tokens: int, hardware: str) -> float:
+    """The planner's forward + backward seconds of the final norm, output projection and loss."""
+    from plait.planner import hardware as hw, profile, roofline
+    from plait.planner.costs import ModelDims
+
+    c = profile.apply_profile(hw.cluster(profile.load(hardware).gpu, gpus_per_node=1), profile.load(hardware))
+    return sum(roofline.head_times(ModelDims.from_config(cfg, seq), tokens, c))
+
+
 def main() -> int:
     from plait.config import build_config
 
@@ -80,6 +91,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=2, help="blocks in each stage-shaped part")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--profile", action="store_true", help="kernel table of the last stage and of the middle one")
+    ap.add_argument("--hardware", help="a hardware profile: add the planner's price of the last stage's extra")
     ap.add_argument("--out")
     a = ap.parse_args()
     over = {k: int(v) if v.isdigit() else v for k, v in (kv.split("=", 1) for kv in a.model)}
@@ -101,6 +113,8 @@ def main() -> int:
            "card": torch.cuda.get_device_name(0), "torch": torch.__version__,
            "ms": {k: round(v, 3) for k, v in ms.items()},
            "first_extra_ms": round(ms["first"] - ms["middle"], 3), "last_extra_ms": round(ms["last"] - ms["middle"], 3)}
+    if a.hardware:
+        row["planner_last_extra_ms"] = round(1e3 * planner_head_s(cfg, a.seq, a.micro_batch * a.seq, a.hardware), 3)
     print(json.dumps(row), flush=True)
     for name, t in tables.items():
         print(f"--- {name} stage, 4 micro-batches ---\n{t}", file=sys.stderr)
