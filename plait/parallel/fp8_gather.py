@@ -1,13 +1,14 @@
 """ZeRO-3's FP8 all-gather (`parallel.zero3_fp8_gather`): the blocks' weights travel in FP8.
 
 With tensorwise FP8 matmuls (`train.fp8 tensorwise`) each block linear turns its gathered 16-bit
-weight into e4m3 with one scale at every forward, and keeps that FP8 copy until its backward: a
-byte a parameter of every layer, unsharded, held through the forward. Here each rank quantizes its
-own chunk before the all-gather, with the scale of the *whole* weight, so that:
+weight into e4m3 with one scale at every forward; eager, it keeps that FP8 copy until its backward
+(a byte a parameter of every layer, unsharded; compiled blocks quantize it again in the backward
+instead). Here each rank quantizes its own chunk before the all-gather, with the scale of the
+*whole* weight, so that:
 - one byte a parameter crosses the wire instead of two, and a gathered unit holds one;
-- the forward quantizes no weight: the FP8Linear reads the gathered bits (`w8`, `w8_inv`);
-- the backward's GEMM reads them again from the unit's backward gather (same shards, same scales:
-  the same bits), so nothing is kept from forward to backward but the activations.
+- neither the forward nor the backward quantizes a weight: the FP8Linear reads the gathered bits
+  (`w8`, `w8_inv`), in the backward from the unit's backward gather (same shards, same scales: the
+  same bits), so nothing is kept from forward to backward but the activations.
 
 The scale of a weight needs its |max| over every rank's chunk: found once after each update, for
 all FP8 units at once, by one all-reduce (max) of each weight's chunk maxima over the shard group
