@@ -104,8 +104,8 @@ def _chunk_grads(g, h, hc, s, weight, grad_h, grad_w, one_chunk: bool):
     if grad_w is None:
         return None
     a, b = g.t(), hc.to(g.dtype)
-    if one_chunk:  # hc is all of h
-        return (a @ b).to(weight.dtype)
+    if one_chunk:  # hc is all of h; fp32 weights under 16-bit autocast get the GEMM's fp32 output
+        return _mm_to(weight.dtype, a, b)
     if grad_w is _NONE_YET:
         return _mm_to(torch.promote_types(weight.dtype, torch.float32), a, b)
     _accumulate_mm(grad_w, a, b)
