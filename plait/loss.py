@@ -56,7 +56,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(h) if need_h else None
         grad_w, one_chunk = _NONE_YET if need_w else None, n_tokens <= chunk
-        scale = _mean_scale(targets)
+        scale = _mean_scale(targets, h.dtype)
         total = torch.zeros((), dtype=torch.promote_types(h.dtype, torch.float32), device=h.device)
         for s in range(0, n_tokens, chunk):
             hc = h[s:s + chunk]
@@ -74,9 +74,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return _scaled(ctx, grad_out) + (None, None)
 
 
-def _mean_scale(targets: torch.Tensor) -> torch.Tensor:
-    """1 / the number of counted targets (fp32, on the device: no host sync)."""
-    return 1.0 / (targets != IGNORE_INDEX).sum().clamp(min=1).float()
+def _mean_scale(targets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """1 / the number of counted targets, in `dtype` (at least fp32), on the device: no host sync."""
+    return 1.0 / (targets != IGNORE_INDEX).sum().clamp(min=1).to(torch.promote_types(dtype, torch.float32))
 
 
 # A weight gradient made in one chunk is the GEMM's own output, in the weights' dtype: no buffer to
@@ -180,7 +180,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(h) if need_h else None
         grad_w, one_chunk = _NONE_YET if need_w else None, n_tokens <= chunk
-        scale = _mean_scale(targets)
+        scale = _mean_scale(targets, h.dtype)
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         for s in range(0, n_tokens, chunk):
             hc, tc = h[s:s + chunk], targets[s:s + chunk]
