@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     search = _plan(a, ["--search", "--top", str(max(a.top * 4, 20))], 120)
     ranked = search["ranked"]
     names = [r["layout_name"] for r in ranked if r["layout"]["pp"] == 1][:a.top] + a.also
-    from plait.parallel.rules import HEAD_RUNTIME
+    from plait.planner.recorded import HEAD_RUNTIME
 
     result = {"benchmark": "layouts", "head": HEAD_RUNTIME, "card": card, "gpus": a.gpus, "torch": torch.__version__,
               "nccl": ".".join(map(str, torch.cuda.nccl.version())), "date": time.strftime("%Y-%m-%d"),

@@ -373,7 +373,7 @@ def main(argv=None) -> int:
     card = torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu"
     name = f"pp-{card_slug(card)}-{a.gpus}gpu" + (f"-{a.tag}" if a.tag else "")
     out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"{name}.json"
-    from plait.parallel.rules import HEAD_RUNTIME
+    from plait.planner.recorded import HEAD_RUNTIME
 
     result = {"benchmark": "pipeline", "head": HEAD_RUNTIME, "card": card, "gpus": a.gpus, "torch": torch.__version__,
               "nccl": ".".join(map(str, torch.cuda.nccl.version())) if a.device == "cuda" else None,

@@ -235,7 +235,7 @@ def main(argv=None) -> int:
     nccl = ".".join(map(str, torch.cuda.nccl.version())) if a.device == "cuda" else None
     name = f"tp-{card_slug(card)}-{a.gpus}gpu" + (f"-{a.tag}" if a.tag else "")
     out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"{name}.json"
-    from plait.parallel.rules import HEAD_RUNTIME
+    from plait.planner.recorded import HEAD_RUNTIME
 
     result = {"benchmark": "tensor_parallel", "head": HEAD_RUNTIME, "card": card, "gpus": a.gpus, "torch": torch.__version__, "nccl": nccl,
               "date": time.strftime("%Y-%m-%d"), "command": " ".join(["python", "bench/tensor_parallel.py"] + (argv or sys.argv[1:])),

@@ -254,3 +254,25 @@ def test_a_data_parallel_run_with_accumulation_is_priced_at_its_global_batch(tmp
     assert three["plait-zero3"].layout["micro_batch"] == 2 and three["plait-zero3"].layout["dp"] == 4
     t1, t3 = (recorded.check([r["plait-zero3"]])[0].predicted_step_s for r in (one, three))
     assert 2.5 < t3 / t1 < 3.0  # three micro-batches' work; the update and the step's ends once
+
+
+def test_a_result_file_says_which_head_it_ran(tmp_path):
+    """The benches write `"head": HEAD_RUNTIME` into their results: such a run is priced with today's
+    head (compiled final norm, no scaling or fp32 pass in one chunk); a file without it with the head
+    of its day (`Layout.eager_head`), which costs more on a big vocabulary."""
+    import json
+
+    def run(head: dict, name: str):
+        folder = tmp_path / name
+        folder.mkdir()
+        rows = [{"variant": "plait-1gpu", "step_s_median": 0.5, "peak_mem_gb": 20.0}]
+        (folder / "dp.json").write_text(json.dumps({"benchmark": "data_parallel", "card": "NVIDIA H100 80GB HBM3",
+                                                    "gpus": 4, **head, "config": {"preset": "1b", "seq": 2048,
+                                                                                  "micro_batch": 1}, "rows": rows}))
+        (r,) = recorded.load(folder)
+        return r
+
+    new, old = run({"head": recorded.HEAD_RUNTIME}, "new"), run({}, "old")
+    assert not new.layout.get("eager_head") and old.layout["eager_head"]
+    t_new, t_old = (recorded.check([r])[0].predicted_step_s for r in (new, old))
+    assert t_new < t_old

@@ -192,7 +192,7 @@ def run(a) -> int:
                                                           "error": (r.stderr.strip().splitlines() or ["?"])[-1][:300]}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    from plait.parallel.rules import HEAD_RUNTIME
+    from plait.planner.recorded import HEAD_RUNTIME
 
     result = {"benchmark": "train_step", "head": HEAD_RUNTIME, "card": torch.cuda.get_device_name(0), "torch": torch.__version__,
               "date": time.strftime("%Y-%m-%d"), "rows": rows}

@@ -72,6 +72,7 @@ class FP8Gather:
             self.full[i].untyped_storage().resize_(0)
             self.scale[i] = _spaced(len(u.params), dev)
             self.inv[i] = _spaced(len(u.params), dev)
+        self.ranges = {i: self._slot_ranges(i) for i in self.units}  # fixed by the layout: found once
 
     def applies(self, i: int) -> bool:
         return self.on and i in self.full
@@ -115,7 +116,7 @@ class FP8Gather:
         amax = []
         for i in self.units:
             src = g.shards[g.layout.owned_slice(g.layout.units[i])]
-            amax.append(self._amax(src, self._slot_ranges(i), len(self.scale[i]), g.dtype))
+            amax.append(self._amax(src, self.ranges[i], len(self.scale[i]), g.dtype))
         amax = torch.cat(amax)
         g.comm.all_reduce(amax, g.group, op="max")
         scale = scale_for(amax, E4M3)
@@ -133,7 +134,7 @@ class FP8Gather:
         """This rank's chunk of unit i in e4m3, as bytes (padding: zero bits), from its fp32 `src`."""
         if self.stale:
             self.find_scales()
-        return self._quantize(src, self.scale[i], self._slot_ranges(i), self.g.dtype).view(torch.uint8)
+        return self._quantize(src, self.scale[i], self.ranges[i], self.g.dtype).view(torch.uint8)
 
 
 def compiled(fn):

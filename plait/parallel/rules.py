@@ -17,10 +17,6 @@ CP_IMPLS = ("ring", "ulysses")
 LOSS_CHUNK_ELEMENTS = 1 << 29
 """Logits the fused output projection + cross-entropy forms at a time (plait/loss.py; the planner
 prices its memory with the same number): 1 GiB in bf16; fewer chunks = fewer passes over grad_w."""
-HEAD_RUNTIME = "compiled-norm"
-"""What recorded benchmark runs say of the head they ran (their "head"): `plait.planner.recorded`
-prices runs without it as the head ran before (final norm eager, the loss's 1/count applied in
-passes of its own after the GEMMs)."""
 SP_MODES = ("auto", "on", "off")
 
 

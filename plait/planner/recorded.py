@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from plait.errors import UserError
-from plait.parallel.rules import HEAD_RUNTIME
 
 from plait.planner.hardware import card_key
 
@@ -32,6 +31,10 @@ SUPERSEDED = {
     "cp-h100-2gpu-before-ring-ops.json": "ring attention was an autograd.Function then (re-run by selective recompute)",
     "train-step-h200-2026-11-26.json": "made with a per-tensor optimizer and an fp32 weight-gradient pass in the loss",
 }
+HEAD_RUNTIME = "compiled-norm"
+"""What a benchmark's result file says of the head it ran (its "head"; the benches write this). A
+file without it ran the head as plait did before: the final norm eager, the loss's 1/count applied
+in passes of its own, an fp32 weight-gradient buffer even in one chunk (`Layout.eager_head`)."""
 BENCHES = ("train_step", "data_parallel", "tensor_parallel", "pipeline", "context_parallel", "layouts")
 # Runs made before the fused loss dropped each chunk before forming the next (plait/loss.py): they
 # held a finished chunk while forming the next one and while casting the weight gradient.
