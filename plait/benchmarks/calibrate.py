@@ -18,8 +18,10 @@ Measured, each the median of timed repetitions after a warm-up (CUDA events on a
   gaps        how long plait's own training step leaves the GPU idle, per step: the host's share
               (plait/benchmarks/step_gaps.py)
 
-`--only lockstep|collectives|overlap|gaps --out FILE` measures that part alone and writes it into an
-existing profile, keeping the rest.
+`--only lockstep|collectives|overlap|gaps|fp8 --out FILE` measures that part alone and writes it into an
+existing profile, keeping the rest. `fp8` (plait/benchmarks/fp8_linears.py: plait's FP8 linears, compiled,
+per group of a block's linears that share an input) is measured only so, at the shapes of --models,
+--tp and --tokens: each shape compiles on its own, so ask for the shapes you plan with.
 A few minutes on one GPU node; `--quick` measures a tiny model's shapes (what the tests run on CPU).
 """
 
@@ -52,8 +54,9 @@ def add_arguments(p) -> None:
 
     p.add_argument("--only", choices=ONLY, default=None,
                    help="measure only this part and write it into the existing profile at --out (the rest kept): "
-                        "lockstep, collectives (every op over 2, 4, ... GPUs), overlap (its slowdown and stretch) "
-                        "or gaps (the idle a training step leaves, one GPU)")
+                        "lockstep, collectives (every op over 2, 4, ... GPUs), overlap (its slowdown and stretch), "
+                        "gaps (the idle a training step leaves, one GPU) or fp8 (plait's FP8 linears at --models/--tp/--tokens, "
+                        "one GPU)")
     p.add_argument("--quick", action="store_true", help="a tiny model's shapes only (for a CPU check of the tool)")
     p.add_argument("--out", default=None, help="profile path (default bench/results/hardware-<card>.json)")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from plait.benchmarks.calibrate import _collectives, _nccl
 
-ONLY = ("lockstep", "collectives", "overlap", "gaps")  # gaps: one GPU; the others need a group of GPUs
+ONLY = ("lockstep", "collectives", "overlap", "gaps", "fp8")  # gaps, fp8: one GPU; the others need a group
 
 
 def lockstep(device: str, nproc: int) -> dict:
@@ -37,6 +37,25 @@ def step_gap(device: str) -> float:
     return got["seconds"]
 
 
+def fp8(args, device: str) -> tuple:
+    """plait's FP8 linears at the shapes of --models, --tp and --tokens (plait/benchmarks/fp8_linears.py)."""
+    import torch
+
+    from plait.benchmarks import fp8_linears
+    from plait.benchmarks.calibrate import _ints, warm_up
+    from plait.errors import bad_value
+
+    dev = torch.device(device)
+    if device == "cuda":
+        if torch.cuda.get_device_capability(dev) < (8, 9):
+            raise bad_value("--only", "fp8", f"{torch.cuda.get_device_name(dev)} has no FP8 tensor cores")
+        warm_up(dev)
+    models = [m.strip() for m in args.models.split(",") if m.strip()] if not args.quick else ["tiny"]
+    tps = [1] if args.quick else _ints(args.tp, "--tp")
+    tokens = [64] if args.quick else _ints(args.tokens, "--tokens")
+    return fp8_linears.measure(models, tps, tokens, dev, torch.bfloat16 if device == "cuda" else torch.float32)
+
+
 def only(args, device: str, nproc: int, t0: float) -> int:
     """Measure one part and write it into the profile at --out, keeping everything else there
     (a profile made before the part existed, or a part worth re-measuring on its own)."""
@@ -53,10 +72,12 @@ def only(args, device: str, nproc: int, t0: float) -> int:
     card = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
     if old.card != card:
         raise bad_value("--out", args.out, f"it was measured on {old.card}, this machine has {card}")
-    if nproc < 2 and args.only != "gaps":
+    if nproc < 2 and args.only not in ("gaps", "fp8"):
         raise bad_value("--nproc", nproc, f"{args.only} needs two or more GPUs")
     if args.only == "gaps":
         fields = {"step_gap_s": step_gap(device)}
+    elif args.only == "fp8":
+        fields = {"fp8_linear": fp8(args, device)}
     elif args.only == "lockstep":
         fields = {"lockstep": lockstep(device, nproc)}
     elif args.only == "collectives":

@@ -18,6 +18,8 @@ What it holds, each as measured on the machine:
   lockstep    how much slower GPUs that meet at every collective run than one alone (each waits
               for the slowest), per group size measured, and the spread that extends it to larger
               jobs (plait/benchmarks/lockstep.py)
+  fp8_linear  seconds of plait's FP8 linears, forward and backward, per group of a block's linears
+              that share an input, scaling passes included (plait/benchmarks/fp8_linears.py)
 
 How the planner uses it (`plait/planner/roofline.py`, `plait/planner/traffic.py`):
   a measured shape costs what it measured; another shape costs its FLOPs at the efficiency (share
@@ -70,6 +72,9 @@ class HardwareProfile:
     """{collective op: its duration beside compute over its duration alone (>= 1)}"""
     lockstep: dict = field(default_factory=dict, compare=False, hash=False)
     """{"groups": {group size: slowdown}, "sigma": relative spread} (plait/benchmarks/lockstep.py)"""
+    fp8_linear: tuple = ()
+    """(recipe, gathered 0/1, tokens, in, [outs], forward seconds, backward seconds); () where not
+    measured (the planner then estimates FP8 linears from the card's FP8 peak)."""
     step_gap_s: float = 0.0
     """GPU idle per training step that the host leaves (step-boundary syncs, launches): measured on
     plait's one-GPU step (plait/benchmarks/step_gaps.py); 0 for profiles made before it."""
@@ -90,6 +95,19 @@ class HardwareProfile:
             return best[4]
         eff = 2.0 * best[1] * best[2] * best[3] / best[4] / peak_flops
         return flops / (peak_flops * eff)
+
+    def fp8_group_s(self, recipe: str, gathered: bool, tokens: float, fin: float,
+                    outs: tuple) -> tuple[float, float] | None:
+        """(forward, backward) seconds of a group of FP8 linears reading one input, or None when no
+        group of this recipe (and weight delivery) was measured. Another shape costs its FLOPs at the
+        rate of the nearest measured group with as many outputs."""
+        pts = [p for p in self.fp8_linear if p[0] == recipe and bool(p[1]) == gathered and len(p[4]) == len(outs)]
+        if not pts:
+            return None
+        key = (tokens, fin, sum(outs))
+        best = min(pts, key=lambda p: _log_distance(key, (p[2], p[3], sum(p[4]))))
+        ratio = tokens * fin * sum(outs) / (best[2] * best[3] * sum(best[4]))
+        return best[5] * ratio, best[6] * ratio
 
     def attention_s(self, batch: float, seq: float, heads: float, kv_heads: float, head_dim: float,
                     peak_flops: float) -> tuple[float, float] | None:
@@ -204,7 +222,8 @@ def to_dict(p: HardwareProfile) -> dict:
             "source": p.source,
             "linear": [list(x) for x in p.linear], "attention": [list(x) for x in p.attention],
             "collectives": [list(x) for x in p.collectives], "overlap": dict(p.overlap),
-            "overlap_stretch": dict(p.stretch), "lockstep": dict(p.lockstep), "step_gap_s": p.step_gap_s}
+            "overlap_stretch": dict(p.stretch), "lockstep": dict(p.lockstep), "step_gap_s": p.step_gap_s,
+            "fp8_linear": [[r[0], r[1], r[2], r[3], list(r[4]), r[5], r[6]] for r in p.fp8_linear]}
 
 
 def save(p: HardwareProfile, path: str | Path) -> None:
@@ -247,6 +266,9 @@ def load(path: str | Path) -> HardwareProfile:
     linear = rows("linear", 5, lambda r: r[0] in LINEAR_OPS and pos(*r[1:]))
     attention = rows("attention", 7, lambda r: pos(*r))
     collectives = rows("collectives", 4, lambda r: isinstance(r[0], str) and pos(*r[1:]))
+    fp8_linear = rows("fp8_linear", 7, lambda r: r[0] in ("tensorwise", "rowwise") and r[1] in (0, 1)
+                      and isinstance(r[4], list) and r[4] and pos(r[2], r[3], *r[4], r[5], r[6]))
+    fp8_linear = tuple((r[0], int(r[1]), r[2], r[3], tuple(r[4]), r[5], r[6]) for r in fp8_linear)
     overlap = raw.get("overlap") or {}
     if not isinstance(overlap, dict) or not all(
             isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 10 for v in overlap.values()):
@@ -277,7 +299,7 @@ def load(path: str | Path) -> HardwareProfile:
                            stretch={str(k): float(v) for k, v in stretch.items()},
                            lockstep={"groups": {str(k): float(v) for k, v in groups.items()},
                                      "sigma": float(lockstep.get("sigma", 0.0))} if lockstep else {},
-                           step_gap_s=gap, source=raw.get("source") or {})
+                           step_gap_s=gap, fp8_linear=fp8_linear, source=raw.get("source") or {})
 
 
 def apply_profile(c, prof: HardwareProfile, path: str = "the profile"):

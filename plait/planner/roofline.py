@@ -57,19 +57,25 @@ class LayerTimes:
         return self.backward_input_s + self.backward_weight_s
 
 
-def layer_times(d: ModelDims, tokens: float, c: Cluster, tp: int = 1) -> LayerTimes:
+def layer_times(d: ModelDims, tokens: float, c: Cluster, tp: int = 1, fp8: str = "off",
+                fp8_gathered: bool = False) -> LayerTimes:
     """Cost one block for `tokens` tokens of a micro-batch on one GPU (tokens already / cp).
 
     With tensor parallelism every matmul runs on all the micro-batch's tokens with 1/tp of the
     weight; attention on 1/tp of the heads; pointwise work on 1/tp of the elements (sequence
-    parallelism splits what TP alone would replicate)."""
+    parallelism splits what TP alone would replicate). `fp8`: the block's linears run as plait's
+    FP8 linears with that scaling (`train.fp8`), their weights delivered in FP8 by ZeRO-3's gather
+    when `fp8_gathered` (`fp8_linear_times`)."""
     h, f, kv, e = d.hidden, d.ffn, d.kv_dim, 2.0
     m = tokens
     if d.arch == "llama":
         shapes = [(h, (h + 2 * kv) / tp), (h / tp, h), (h, 2 * f / tp), (f / tp, h)]
     else:
         shapes = [(h, 3 * h / tp), (h / tp, h), (h, f / tp), (f / tp, h)]
-    fwd, dgrad, wgrad = (sum(linear_time_s(op, m, k, n, c) for k, n in shapes) for op in ("fwd", "dgrad", "wgrad"))
+    if fp8 != "off":
+        fwd, dgrad, wgrad = fp8_linear_times(d, m, c, tp, fp8, fp8_gathered)
+    else:
+        fwd, dgrad, wgrad = (sum(linear_time_s(op, m, k, n, c) for k, n in shapes) for op in ("fwd", "dgrad", "wgrad"))
     # causal: a query meets s/2 keys on average (with CP too: the ring brings the rest); 4 FLOPs
     # per (query, key, head-dim element) for QK^T and AV
     attn_flops = m * 4 * (d.seq / 2) * d.heads * d.head_dim / tp
@@ -94,6 +100,53 @@ def linear_time_s(op: str, tokens: float, fin: float, fout: float, c: Cluster) -
         if t is not None:
             return t
     return gemm_time_s(tokens, fin, fout, c)
+
+
+def fp8_groups(d: ModelDims, tp: int = 1) -> list[tuple[int, tuple[int, ...]]]:
+    """(in, outs) of each group of a block's linears that read one input, on one tensor-parallel rank:
+    under torch.compile such a group quantizes its input once (`plait.benchmarks.fp8_linears`)."""
+    h, f = d.hidden, d.ffn
+    kv = max(d.head_dim, d.kv_dim // tp)  # heads replicated past kv_heads ranks
+    if d.arch == "llama":
+        return [(h, (h // tp, kv, kv)), (h // tp, (h,)), (h, (f // tp, f // tp)), (f // tp, (h,))]
+    return [(h, (3 * h // tp,)), (h // tp, (h,)), (h, (f // tp,)), (f // tp, (h,))]
+
+
+# HBM bytes an FP8 linear's scaling passes move per element, where no profile measured them (compiled,
+# tensorwise; plait/fp8.py): forward, its input's maximum (read 2) and FP8 copy (read 2, write 1), the
+# weight's likewise unless gathered in FP8; backward, dy's maximum and its FP8 copy in both layouts
+# its two GEMMs read (2 + 2 + 2), the saved FP8 input transposed for the weight gradient (1 + 1), the
+# weight cast again (read 2, write 1: compiled blocks recompute it rather than keep it). Rowwise
+# scales along each GEMM's contraction, so backward quantizes dy, x and W afresh (2 + 2 + 1 each).
+FP8_PASS_BYTES = {"tensorwise": {"x": 5.0, "w": 5.0, "dy": 6.0, "x_bwd": 2.0, "w_bwd": 3.0},
+                  "rowwise": {"x": 5.0, "w": 5.0, "dy": 10.0, "x_bwd": 5.0, "w_bwd": 5.0}}
+
+
+def fp8_linear_times(d: ModelDims, tokens: float, c: Cluster, tp: int, recipe: str,
+                     gathered: bool = False) -> tuple[float, float, float]:
+    """(forward, input-gradient, weight-gradient) seconds of a block's linears as FP8 linears.
+
+    On a cluster whose profile measured them (`plait bench calibrate --only fp8`) each group costs
+    what it measured, scaled by FLOPs from the nearest measured shape; otherwise its GEMMs run at the
+    card's FP8 peak times the matmul efficiency and its scaling passes move FP8_PASS_BYTES. Backward
+    splits evenly between its two GEMMs of equal FLOPs."""
+    fwd = bwd = 0.0
+    peak8 = c.gpu.tflops.get("fp8", 2 * c.gpu.tflops.get(c.dtype, 0.0)) * 1e12
+    pb = FP8_PASS_BYTES[recipe]
+    for fin, outs in fp8_groups(d, tp):
+        got = c.profile.fp8_group_s(recipe, gathered, tokens, fin, outs) if c.profile is not None else None
+        if got is None:
+            n = sum(outs)
+            flops = 2.0 * tokens * fin * n
+            w = 0.0 if gathered else 1.0
+            f_bytes = pb["x"] * tokens * fin + w * pb["w"] * fin * n + 2 * tokens * n
+            b_bytes = pb["dy"] * tokens * n + pb["x_bwd"] * tokens * fin + w * pb["w_bwd"] * fin * n \
+                + 2 * tokens * fin + 2 * fin * n
+            eff = peak8 * c.matmul_efficiency
+            got = (flops / eff + kernel_time_s(0.0, f_bytes, c), 2 * flops / eff + kernel_time_s(0.0, b_bytes, c))
+        fwd += got[0]
+        bwd += got[1]
+    return fwd, bwd / 2, bwd / 2
 
 
 # Bytes the fused loss (plait/loss.py) moves per weight of the output matrix and micro-batch, beside
