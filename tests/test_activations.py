@@ -65,3 +65,32 @@ def test_compiled_block_keeps_what_the_formula_says(dtype):
         assert got[mode] == layer_bytes(B, S, 48, 4, 2, 96, recompute=mode, e=e, compiled=True), mode
     assert got["none"] < 0.8 * layer_bytes(B, S, 48, 4, 2, 96, recompute="none", e=e)
     assert got["full"] < got["selective"] < got["none"]
+
+
+FP8_MODEL = {**MODEL, "dim": 64, "ffn_dim": 128}  # every FP8 GEMM dimension a multiple of 16
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_block_keeps_what_the_formula_says(recipe):
+    """FP8 linears change what a block keeps: compiled, the norms' outputs and SwiGLU's product are
+    rebuilt in backward and wo's input is kept in FP8; eager tensorwise keeps each weight's FP8 copy.
+    Measured both ways against `layer_bytes(..., fp8=recipe)`, up to the scales' few bytes."""
+    from plait.fp8 import apply_fp8
+    from plait.parallel.activations import compiled_kept_bytes
+
+    h, dtype = FP8_MODEL["dim"], torch.bfloat16
+    for compiled in (False, True):
+        for mode in ("none", "selective", "full"):
+            cfg = build_config({"model": FP8_MODEL, "train": {"recompute": mode}})
+            model = parallelize(cfg, None, torch.device("cpu"), dtype, compile=False).model
+            apply_fp8(model, recipe, torch.device("cpu"))
+            cos, sin = model.rope_cos[:S].to(dtype), model.rope_sin[:S].to(dtype)
+            x = torch.randn(B, S, h, dtype=dtype, requires_grad=True)
+            measure = compiled_kept_bytes if compiled else kept_bytes
+            got, out = measure(lambda x: model.layers["0"](x, cos, sin), x)
+            out.float().square().sum().backward()
+            want = layer_bytes(B, S, h, 4, 2, 128, recompute=mode, e=2, compiled=compiled, fp8=recipe)
+            print(f"{recipe} compiled={compiled} {mode}: measured {got}, formula {want:.0f}")
+            assert 0 <= got - want <= 64 + 2 * h, (compiled, mode, got, want)
+    bf16 = layer_bytes(B, S, h, 4, 2, 128, e=2, compiled=True)
+    assert layer_bytes(B, S, h, 4, 2, 128, e=2, compiled=True, fp8=recipe) < 0.8 * bf16

@@ -43,6 +43,20 @@ read off the partitioned forward graph (`compiled_kept_bytes`), is
 
 For Llama shapes (bf16, no parallelism) that is s b (12 h + 4 d_kv + 6 f) + 8 s b + 4 s b a for
 `none`, about 70% of eager's.
+
+FP8 linears (`train.fp8`, plait/fp8.py), compiled, `none`: the partitioner keeps each input's maximum
+(a scalar) rather than its FP8 copy wherever the copy can be rebuilt from what it keeps anyway, so
+
+  none       compiled bf16's less 2 e s b h       the norms' outputs are not kept: rebuilt and
+                                                  quantized again from the block's input, the
+                                                  residual and 1/rms (not with SP: all-gathered)
+             less e s b f / t                     SwiGLU's product: rebuilt from gate and up
+             plus s b h / t                       wo's input in FP8 (attention's output is kept in
+                                                  16 bits too, for attention's backward)
+  selective, full: as bf16 (what they keep is not a linear's input)
+
+and a few bytes of scales. Eager, tensorwise keeps every linear's FP8 weight beside bf16's set (1 byte
+a weight of the layer); rowwise keeps the bf16 originals: bf16's bytes.
 """
 
 from __future__ import annotations
@@ -58,11 +72,25 @@ from torch.utils._pytree import tree_flatten
 
 def layer_bytes(b: int, s: int, h: int, heads: int, kv_heads: int, ffn: int, t: int = 1, sp: bool = False,
                 recompute: str = "none", e: float = 2.0, compiled: bool = False, cp: int = 1,
-                ulysses: bool = False) -> float:
+                ulysses: bool = False, fp8: str = "off") -> float:
     """Bytes one block keeps for its backward on one rank, eager or compiled (see the module
     docstring). `s` is the rank's share of the sequence; `cp` the context-parallel degree and
     `ulysses` whether its attention exchanges heads by all-to-all (plait/parallel/ulysses.py)
-    rather than passing K/V around the ring."""
+    rather than passing K/V around the ring; `fp8` the linears' FP8 scaling (`train.fp8`)."""
+    kept = _bf16_layer_bytes(b, s, h, heads, kv_heads, ffn, t, sp, recompute, e, compiled, cp, ulysses)
+    if fp8 == "off" or recompute != "none":
+        return kept
+    u, sb = (t if sp else 1), s * b
+    if compiled:
+        return kept - (2 * e * sb * h if u == 1 else 0.0) - e * sb * ffn / t + sb * h / t
+    if fp8 == "tensorwise":  # the FP8 copy of every weight, saved by each linear for its backward
+        kv = (kv_heads // t if kv_heads >= t else 1) * (h // heads)
+        return kept + h * (h / t + 2 * kv) + h * h / t + 3 * h * ffn / t
+    return kept
+
+
+def _bf16_layer_bytes(b, s, h, heads, kv_heads, ffn, t, sp, recompute, e, compiled, cp, ulysses) -> float:
+    """`layer_bytes` with 16-bit linears."""
     u = t if sp else 1
     hd = h // heads
     kv = (kv_heads // t if kv_heads >= t else 1) * hd
