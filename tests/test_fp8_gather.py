@@ -67,6 +67,25 @@ def test_the_blocks_travel_in_one_byte_a_parameter(runs):
     assert len(a) == len(b) >= 2 and all(x - y == pytest.approx(saved - scales) for x, y in zip(a, b)), (a, b)
 
 
+def test_the_planner_prices_the_bytes_the_fp8_gather_saves(runs):
+    """`plait plan --zero3-fp8-gather` prices the blocks' all-gathers at a byte a parameter: the
+    traffic it predicts for these two runs differs by what their ledgers measured (less the
+    maxima's all-reduce, a few bytes the planner leaves out)."""
+    from plait.planner import inputs
+    from plait.planner.predict import predict
+
+    d = inputs.model_dims(None, layers=F8M["n_layers"], hidden=F8M["dim"], heads=F8M["n_heads"],
+                          kv_heads=F8M["n_kv_heads"], ffn=F8M["ffn_dim"], vocab=F8M["vocab_size"], seq=32)
+    c = inputs.make_cluster("h100", 1, 2, {})
+    sent = {}
+    for name, gather in (("bf16", False), ("fp8", True)):
+        lay = inputs.make_layout(c, dp=2, zero=3, micro_batch=2, fp8="tensorwise", zero3_fp8_gather=gather)
+        sent[name] = predict(d, lay, c, 8, "fp32").traffic["dp_shard"].bytes_per_device
+    a, b = ([r["comm_sent_bytes"] for r in metrics_rows(runs[k]) if r.get("val_loss") is None] for k in ("bf16", "fp8"))
+    scales = 4 * 7 * F8M["n_layers"] * ring_factor("all_reduce", 2) / 2
+    assert sent["bf16"] - sent["fp8"] == pytest.approx(a[-1] - b[-1] + scales)
+
+
 def test_the_linear_reads_the_gathered_bits_and_keeps_no_copy():
     """Given its weight in FP8 (`w8`, `w8_inv`), the FP8 linear makes the output and gradients it
     would have made from the 16-bit weight, and saves the gathered bits themselves for backward: no

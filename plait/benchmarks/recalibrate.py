@@ -76,8 +76,10 @@ def only(args, device: str, nproc: int, t0: float) -> int:
         raise bad_value("--nproc", nproc, f"{args.only} needs two or more GPUs")
     if args.only == "gaps":
         fields = {"step_gap_s": step_gap(device)}
-    elif args.only == "fp8":
-        fields = {"fp8_linear": fp8(args, device)}
+    elif args.only == "fp8":  # a table of shapes: those measured now replace their old rows, the rest stay
+        new = fp8(args, device)
+        fresh = {tuple(r[:4]) + (tuple(r[4]),) for r in new}
+        fields = {"fp8_linear": tuple(r for r in old.fp8_linear if tuple(r[:4]) + (tuple(r[4]),) not in fresh) + new}
     elif args.only == "lockstep":
         fields = {"lockstep": lockstep(device, nproc)}
     elif args.only == "collectives":

@@ -39,6 +39,11 @@ def add_arguments(p) -> None:
     lay.add_argument("--zero3-cast-once", action="store_true",
                      help="ZeRO-3 keeps each unit's 16-bit chunk from its first gather of a step to the update "
                           "(parallel.zero3_cast_once): one cast a step, 2 bytes a parameter over N more memory")
+    lay.add_argument("--fp8", choices=("off", "tensorwise", "rowwise"), default="off",
+                     help="the blocks' linears as FP8 GEMMs with this scaling (train.fp8); priced from the "
+                          "profile's measured FP8 linears (`plait bench calibrate --only fp8`), else the card's FP8 peak")
+    lay.add_argument("--zero3-fp8-gather", action="store_true",
+                     help="ZeRO-3 gathers the blocks' weights in FP8 (parallel.zero3_fp8_gather; --fp8 tensorwise)")
     lay.add_argument("--schedule", choices=SCHEDULES)
     lay.add_argument("--recompute", choices=("none", "selective", "full"))
     lay.add_argument("--no-sp", action="store_true", help="tensor parallelism without sequence parallelism")
@@ -123,7 +128,11 @@ def run(args, extra) -> int:
                           heads=args.heads, kv_heads=args.kv_heads, ffn=args.ffn, vocab=args.vocab, seq=args.seq)
     knobs = dict(zero=args.zero, v=args.v, schedule=args.schedule, micro_batch=args.micro_batch,
                  recompute=args.recompute, sp=not args.no_sp, compile=not args.no_compile,
-                 cp_impl=args.cp_impl)
+                 cp_impl=args.cp_impl, fp8=args.fp8)
+    if args.zero3_fp8_gather:
+        if args.zero != 3 or args.fp8 != "tensorwise":
+            raise bad_value("--zero3-fp8-gather", True, "it gathers tensorwise FP8 weights: add --zero 3 --fp8 tensorwise")
+        knobs["zero3_fp8_gather"] = True
     if args.stage_layers:
         knobs["stage_split"] = args.stage_layers
     if args.zero3_cast_once:
@@ -149,9 +158,10 @@ def run(args, extra) -> int:
     if args.dp is not None:
         from plait.errors import UserError
         raise UserError("--dp is implied by the other degrees when searching; drop it or leave out --search")
-    if knobs.pop("zero3_cast_once", False):
-        raise bad_value("--zero3-cast-once", True, "it prices a given layout, the search does not try it: give the layout "
-                        "(--dp, --tp, ...) without --search")
+    for knob in ("zero3_cast_once", "zero3_fp8_gather"):
+        if knobs.pop(knob, False):
+            raise bad_value(f"--{knob.replace('_', '-')}", True, "it prices a given layout, the search does not try "
+                            "it: give the layout (--dp, --tp, ...) without --search")
     space = inputs.make_space(tp=args.tp, pp=args.pp, cp=args.cp, dp_replicate=args.dp_replicate, **knobs)
     res = search(d, c, args.global_batch, args.precision, space, top=args.top)
     if args.json:

@@ -108,6 +108,15 @@ def tp_share(d: ModelDims, tp: int) -> tuple[float, float, float]:
     return block, float(vocab_rows * h), h + (0.0 if d.tie_embeddings else float(vocab_rows * h))
 
 
+def block_linear_share(d: ModelDims, tp: int) -> float:
+    """One block's linear weights on one tensor-parallel rank: `tp_share`'s block less its norm gains
+    (and GPT's biases). What FP8 linears quantize and ZeRO-3's FP8 gather sends in one byte."""
+    block = tp_share(d, tp)[0]
+    if d.arch == "llama":
+        return block - 2 * d.hidden
+    return block - (d.ffn + 9 * d.hidden) / tp
+
+
 def output_share(d: ModelDims, tp: int) -> float:
     """The output matrix's parameters on one tensor-parallel rank when it is untied (0 tied): the
     head's share (`tp_share`) less the final norm's."""

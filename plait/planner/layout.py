@@ -17,6 +17,8 @@ from plait.parallel.schedules import SCHEDULES, check_args
 from plait.planner.costs import RECOMPUTE, ModelDims
 from plait.planner.hardware import Cluster
 
+FP8_RECIPES = ("off", "tensorwise", "rowwise")  # plait.fp8.RECIPES, and off
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -63,6 +65,13 @@ class Layout:
     (`parallel.zero3_cast_once`): one cast a unit a step instead of one a gather, and 2 bytes a
     parameter over the shard group more memory."""
 
+    fp8: str = "off"
+    """The blocks' linears run as FP8 GEMMs with this scaling (`train.fp8`: off, tensorwise, rowwise)."""
+
+    zero3_fp8_gather: bool = False
+    """ZeRO-3 all-gathers the blocks' linear weights in FP8 (`parallel.zero3_fp8_gather`; tensorwise):
+    a byte a parameter on the wire and in a gathered block, and no weight quantized in the block."""
+
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp_replicate", "dp_shard", "cp", "v", "micro_batch"):
             val = getattr(self, name)
@@ -76,6 +85,11 @@ class Layout:
             raise bad_value("--recompute", self.recompute, f"choose one of {', '.join(RECOMPUTE)}")
         if self.zero3_cast_once and self.zero != 3:
             raise bad_value("zero3_cast_once", True, f"it keeps ZeRO-3's casts (zero 3, not {self.zero})")
+        if self.fp8 not in FP8_RECIPES:
+            raise bad_value("--fp8", self.fp8, f"choose one of {', '.join(FP8_RECIPES)}")
+        if self.zero3_fp8_gather and (self.zero != 3 or self.fp8 != "tensorwise"):
+            raise bad_value("zero3_fp8_gather", True, f"it gathers tensorwise FP8 weights under ZeRO-3 "
+                            f"(zero 3 and fp8 tensorwise, not zero {self.zero} and fp8 {self.fp8})")
         if not 0.0 <= self.recompute_matmuls <= 1.0:
             raise bad_value("recompute_matmuls", self.recompute_matmuls, "give a share of the forward matmuls, 0 to 1")
 
@@ -117,6 +131,8 @@ class Layout:
             parts.append(self.schedule + (f"/v{self.v}" if self.v > 1 else "")
                          + (f" stages:{self.stage_split}" if self.stage_split else ""))
         parts += [f"mb{self.micro_batch}", f"rc:{self.recompute}"]
+        if self.fp8 != "off":
+            parts.append(f"fp8:{self.fp8}" + ("+gather" if self.zero3_fp8_gather else ""))
         return " ".join(parts)
 
 

@@ -135,26 +135,27 @@ def gpt_layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: b
 
 def llama_layer_activation_bytes(d: ModelDims, s: int, b: int, t: int = 1, sp: bool = False,
                                  recompute: str = "none", act_bytes: float = 2.0, compiled: bool = True,
-                                 cp: int = 1, ulysses: bool = False) -> float:
+                                 cp: int = 1, ulysses: bool = False, fp8: str = "off") -> float:
     """What plait's Llama block keeps for its backward, compiled (plait's GPU default) or eager: the
     runtime's own formula (`plait.parallel.activations.layer_bytes`, checked there against what a
     block keeps, measured both ways)."""
     from plait.parallel.activations import layer_bytes
 
-    return layer_bytes(b, s, d.hidden, d.heads, d.kv_heads, d.ffn, t, sp, recompute, act_bytes, compiled, cp, ulysses)
+    return layer_bytes(b, s, d.hidden, d.heads, d.kv_heads, d.ffn, t, sp, recompute, act_bytes, compiled, cp, ulysses,
+                       fp8)
 
 
 def layer_activation_bytes(d: ModelDims, s: int, b: int, t: int = 1, sp: bool = False,
                            recompute: str = "none", act_bytes: float = 2.0, compiled: bool = True,
-                           cp: int = 1, ulysses: bool = False) -> float:
+                           cp: int = 1, ulysses: bool = False, fp8: str = "off") -> float:
     """Per-layer activation bytes of either architecture (`s` is the sequence slice on this GPU,
-    `cp` the context-parallel degree, `ulysses` its all-to-all variant).
+    `cp` the context-parallel degree, `ulysses` its all-to-all variant, `fp8` the linears' FP8 scaling).
     GPT layers follow Korthikanti et al. (Megatron's fused kernels), compiled or not."""
     if recompute not in ("none", "selective", "full"):
         raise bad_value("--recompute", recompute, "choose none, selective or full")
     if d.arch == "gpt":
         return gpt_layer_activation_bytes(s, b, d.hidden, d.heads, t, sp, recompute, d.ffn) * act_bytes / 2
-    return llama_layer_activation_bytes(d, s, b, t, sp, recompute, act_bytes, compiled, cp, ulysses)
+    return llama_layer_activation_bytes(d, s, b, t, sp, recompute, act_bytes, compiled, cp, ulysses, fp8)
 
 
 def wgrad_fraction(d: ModelDims) -> float:

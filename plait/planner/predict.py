@@ -195,7 +195,8 @@ def _memory(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, sc: StageCos
     wfrac = memory.wgrad_fraction(d)
     # zero-bubble blocks compile whole, their deferring linears custom ops (plait/parallel/wgrad.py)
     uly = lay.cp_impl == "ulysses"
-    per_layer = memory.layer_activation_bytes(d, d.seq // cp, b, tp, sp, lay.recompute, e, lay.compile, cp, uly)
+    per_layer = memory.layer_activation_bytes(d, d.seq // cp, b, tp, sp, lay.recompute, e, lay.compile, cp, uly,
+                                              lay.fp8)
     layer_w = costs.tp_share(d, tp)[0]
     best: tuple[float, int, dict, dict] = (-1.0, 0, {}, {})
     for r in range(pp):
@@ -203,7 +204,8 @@ def _memory(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, sc: StageCos
         units, held = _held_layers(sched_name, pp, m, v, r, wfrac, sc)
         grads, gathered, kept = st.grads, 0.0, 0.0
         if lay.zero == 3 and shard > 1:
-            grads, gathered = _zero3_peak(sc.rank_params[r], sc.root_params[r], layer_w, st.grads, prec, pp, m)
+            grads, gathered = _zero3_peak(sc.rank_params[r], sc.root_params[r], layer_w, st.grads, prec, pp, m,
+                                          1.0 if lay.zero3_fp8_gather else prec.param_bytes)
             if lay.zero3_cast_once and pp == 1:  # every unit's 16-bit chunk, kept through the step
                 kept = sc.rank_params[r] / shard * prec.param_bytes
         comp = {
@@ -213,7 +215,8 @@ def _memory(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, sc: StageCos
             "zero3_gather": gathered,
             "comm_buckets": 2 * BUCKET_BYTES if (lay.grad_group > 1 and lay.zero < 3) else 0.0,
             # full recomputation rebuilds one layer's complete activations inside its backward
-            "recompute_buffer": memory.layer_activation_bytes(d, d.seq // cp, b, tp, sp, "none", e, lay.compile, cp, uly)
+            "recompute_buffer": memory.layer_activation_bytes(d, d.seq // cp, b, tp, sp, "none", e, lay.compile, cp, uly,
+                                                              lay.fp8)
             if lay.recompute == "full" else 0.0,
             "cp_ring": 2 * sc.kv_chunk_bytes if cp > 1 else 0.0,  # the block in use + the one arriving
             "loss_chunk": memory.loss_chunk_bytes(d, b * d.seq // cp, tp, lay.compile, e, lay.eager_head) if r == place(sched_name, pp, v, pp * v - 1)[0] else 0.0,
@@ -228,17 +231,19 @@ def _memory(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, sc: StageCos
 
 
 def _zero3_peak(params: float, root: float, block: float, grad_shard: float, prec: Precision, pp: int,
-                m: int) -> tuple[float, float]:
+                m: int, block_bytes: float | None = None) -> tuple[float, float]:
     """(gradient bytes, gathered parameter bytes) of plait's ZeRO-3 at a rank's activation peak, the
     end of the last forward (plait/parallel/fsdp.py). Alone, gradient chunks exist only once a
     backward has reduced into them (so from the second micro-batch on), and at the peak only the
     root unit (embedding, norm gains) and the head unit (an untied output matrix, freed when the
     forward returns) are gathered, `root` together: every block was freed after its forward.
     As a pipeline stage (`keep`) every unit stays gathered through the step and gradients accumulate
-    in full per-unit buffers, bound by the first backward."""
+    in full per-unit buffers, bound by the first backward. `block_bytes`: a gathered block's bytes a
+    parameter (1 with the FP8 gather; else the precision's)."""
+    block_bytes = prec.param_bytes if block_bytes is None else block_bytes
     if pp > 1:
-        return params * prec.grad_bytes, params * prec.param_bytes
-    return (grad_shard if m > 1 else 0.0), max(root, block) * prec.param_bytes
+        return params * prec.grad_bytes, root * prec.param_bytes + (params - root) * block_bytes
+    return (grad_shard if m > 1 else 0.0), max(root * prec.param_bytes, block * block_bytes)
 
 
 def _tp_ends(d: ModelDims, lay: Layout, prec: Precision, m: int) -> tuple[Collective, ...]:
@@ -299,8 +304,15 @@ def _traffic(d: ModelDims, lay: Layout, prec: Precision, sc: StageCosts, m: int)
             Collective("all_reduce", psi * g, lay.grad_group, 1, "gradient all-reduce"),))
     if lay.zero >= 1 and shard > 1:
         if lay.zero == 3:  # FSDP gathers and reduces again for every micro-batch
-            colls = (Collective("all_gather", psi * p, shard, 2 * m, "parameter all-gather, forward and backward"),
-                     Collective("reduce_scatter", psi * g, shard, m, "gradient reduce-scatter"))
+            if lay.zero3_fp8_gather:  # the blocks' weights in FP8: a byte a parameter
+                blocks = nl * costs.block_linear_share(d, lay.tp)
+                colls = (Collective("all_gather", blocks, shard, 2 * m, "FP8 block all-gather, forward and backward"),
+                         Collective("all_gather", (psi - blocks) * p, shard, 2 * m,
+                                    "16-bit all-gather of the rest, forward and backward"))
+            else:
+                colls = (Collective("all_gather", psi * p, shard, 2 * m, "parameter all-gather, forward and backward"),)
+            colls += (
+                      Collective("reduce_scatter", psi * g, shard, m, "gradient reduce-scatter"),)
         else:
             colls = (Collective("reduce_scatter", psi * g, shard, m if lay.zero == 2 else 1, "gradient reduce-scatter"),
                      Collective("all_gather", psi * p, shard, 1, "updated-parameter all-gather"))
@@ -379,7 +391,7 @@ def _explain(d, lay, c, prec, gb, m, sc, mem_rank, sched_name, makespan, bubble,
     """Each quantity with the formula and the numbers that produced it (`plait plan --explain`)."""
     pp, v, cp, b, tp = lay.pp, lay.v, lay.cp, lay.micro_batch, lay.tp
     per_layer = memory.layer_activation_bytes(d, d.seq // cp, b, tp, lay.seq_parallel, lay.recompute,
-                                              prec.act_bytes, lay.compile, cp, lay.cp_impl == "ulysses")
+                                              prec.act_bytes, lay.compile, cp, lay.cp_impl == "ulysses", lay.fp8)
     units, held = _held_layers(sched_name, pp, m, v, mem_rank, memory.wgrad_fraction(d), sc)
     ex = [
         ("parameters", f"N = {costs.param_count(d):,}; in matmuls N' = {costs.matmul_params(d):,}"),

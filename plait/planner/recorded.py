@@ -129,24 +129,27 @@ def _layout(bench: str, variant: str, row: dict, config: dict, n_gpus: int, comm
         return dict(row["layout"]), config["global_batch"]
     if not variant.startswith("plait"):
         return None
-    if bench == "train_step":  # one GPU; FP8 and eager variants are not priced by the planner
-        rc = {"plait": "none", "plait-selective": "selective", "plait-full": "full"}.get(variant)
+    if bench == "train_step":  # one GPU; eager variants and torchao's FP8 are not priced by the planner
+        fp8 = variant[len("plait-fp8-"):] if variant.startswith("plait-fp8-") else "off"
+        rc = "none" if fp8 in ("tensorwise", "rowwise") else \
+            {"plait": "none", "plait-selective": "selective", "plait-full": "full"}.get(variant)
         if rc is None:
             return None
-        return dict(dp=1, zero=0, micro_batch=row["micro_batch"], recompute=rc), row["micro_batch"]
+        return dict(dp=1, zero=0, micro_batch=row["micro_batch"], recompute=rc, fp8=fp8), row["micro_batch"]
     if bench == "data_parallel":
-        if config.get("fp8", "off") != "off":  # the planner prices bf16 matmuls only
-            return None
+        fp8 = config.get("fp8", "off")  # FP8 linears in every variant (bench/data_parallel.py --fp8)
         mb, rc = config["micro_batch"], config.get("recompute", "none")
         accum = config.get("accum", 1)  # micro-batches a GPU runs a step (runs before --accum ran one)
         if variant == "plait-1gpu":
-            return dict(dp=1, zero=0, micro_batch=mb, recompute=rc), mb * accum
-        zero = {"plait-ddp": 0, "plait-zero1": 1, "plait-zero2": 2, "plait-zero3": 3, "plait-zero3-cast-once": 3}.get(variant)
+            return dict(dp=1, zero=0, micro_batch=mb, recompute=rc, fp8=fp8), mb * accum
+        zero = {"plait-ddp": 0, "plait-zero1": 1, "plait-zero2": 2, "plait-zero3": 3, "plait-zero3-cast-once": 3,
+                "plait-zero3-fp8-gather": 3}.get(variant)
         if zero is None:
             raise UserError(f"recorded run {variant!r}: plait.planner.recorded does not know this data-parallel "
                             f"variant; teach _layout its layout")
         once = {"zero3_cast_once": True} if variant == "plait-zero3-cast-once" else {}
-        return dict(dp=n_gpus, zero=zero, micro_batch=mb, recompute=rc, **once), mb * n_gpus * accum
+        gather = {"zero3_fp8_gather": True} if variant == "plait-zero3-fp8-gather" else {}
+        return dict(dp=n_gpus, zero=zero, micro_batch=mb, recompute=rc, fp8=fp8, **once, **gather), mb * n_gpus * accum
     if bench == "tensor_parallel":  # one micro-batch of global_batch / dp sequences per rank
         tp, dp, gb = row["tp"], row["dp"], config["global_batch"]
         return dict(tp=tp, dp=dp, zero=row["zero"], micro_batch=gb // dp, recompute=row["recompute"],

@@ -39,6 +39,8 @@ class Space:
     schedule: tuple[str, ...] = ("1f1b", "interleaved", "zb", "zbv")
     sp: bool = True
     compile: bool = True
+    fp8: str = "off"
+    """The linears' FP8 scaling every candidate runs with (`train.fp8`): a given, not searched."""
     cp_impl: tuple[str, ...] = ("ring", "ulysses")
     """Context parallelism's two ways, tried where cp > 1 (Ulysses only where the heads split)."""
     stage_split: tuple[str, ...] = ("", "balance")
@@ -98,7 +100,7 @@ def candidates(d: ModelDims, c: Cluster, global_batch: int, space: Space = Space
                                                 yield Layout(tp=tp, pp=pp, dp_replicate=rep, dp_shard=dp // rep,
                                                              cp=cp, zero=zero, v=v, schedule=sched, micro_batch=mb,
                                                              recompute=rc, sp=space.sp, compile=space.compile,
-                                                             cp_impl=impl, stage_split=split)
+                                                             cp_impl=impl, stage_split=split, fp8=space.fp8)
 
 
 def search(d: ModelDims, c: Cluster, global_batch: int, prec: Precision | str = "mixed",

@@ -161,16 +161,21 @@ def _zero3_ends(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, link: Li
 
 
 def zero3_passes(params: float, shard: int, prec: Precision, m: int, gathers: int = 1,
-                 cast_once: bool = False) -> tuple[float, float, float]:
+                 cast_once: bool = False, fp8_gather: bool = False) -> tuple[float, float, float]:
     """HBM bytes plait's ZeRO-3 moves on the compute stream for a unit of `params` parameters
     (plait/parallel/gather.py, fsdp.py), per micro-batch of the `m` a GPU runs a step: (cast, pack,
     add). cast: each gather first casts this rank's fp32 master chunk to the wire's 16 bits (read 4,
     write 2 a parameter of the chunk), for the `gathers` a unit makes a micro-batch; kept from the
     step's first gather on (`cast_once`), once a step. pack: backward copies the unit's gradients
     into the reduce-scatter's buffer (read and write each). add: from the step's second micro-batch
-    on, the reduced chunk is added into the step's (read two, write one), averaged over the m."""
+    on, the reduced chunk is added into the step's (read two, write one), averaged over the m.
+    `fp8_gather` (plait/parallel/fp8_gather.py): each gather quantizes the chunk to one byte instead
+    (read 4, write 1), after one pass a step that finds its weights' maxima (read 4)."""
     chunk = params / shard
-    cast = chunk * (prec.master_bytes + prec.param_bytes) * (1 / m if cast_once else gathers)
+    if fp8_gather:
+        cast = chunk * (prec.master_bytes + 1) * gathers + chunk * prec.master_bytes / m
+    else:
+        cast = chunk * (prec.master_bytes + prec.param_bytes) * (1 / m if cast_once else gathers)
     return cast, 2 * params * prec.wire_grad_bytes, 3 * chunk * prec.wire_grad_bytes * (m - 1) / m
 
 
@@ -201,7 +206,8 @@ def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, m: int =
         rank_params.append(sum(layers[stage_of(lay.schedule, pp, r, ch)] for ch in range(v)) * block_t + root)
         last_params.append(min(rank_params[-1], embed_t if r == 0 else BUCKET_BYTES / prec.wire_grad_bytes))
 
-    lt = roofline.layer_times(d, tokens, c, tp)
+    fp8_gather = lay.zero3_fp8_gather and lay.zero == 3 and lay.shard_group > 1
+    lt = roofline.layer_times(d, tokens, c, tp, lay.fp8, fp8_gather)
     head_f, head_b = roofline.head_times(d, tokens, c, tp, sp, eager=lay.eager_head,
                                          eager_norm=not lay.compile)
     act = tokens * d.hidden * e  # one (b, s/cp, h) activation, bytes
@@ -242,13 +248,16 @@ def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, m: int =
     z3_f = z3_b = 0.0
     if lay.zero == 3 and shard > 1:
         link = links["shard"][0]
-        ag = Collective("all_gather", block_t * prec.param_bytes, shard, 1, "").time_s(link)
+        # the FP8 gather: a byte a parameter of the block's linears
+        lin = costs.block_linear_share(d, tp) if fp8_gather else 0.0
+        ag = Collective("all_gather", lin + (block_t - lin) * prec.param_bytes, shard, 1, "").time_s(link)
         rs = Collective("reduce_scatter", block_t * prec.wire_grad_bytes, shard, 1, "").time_s(link)
         # what does not hide, plus what hiding costs the compute beside it
         # the passes run on the compute stream: they add to it, and the transfers hide behind them too
         # (a pipeline stage keeps its units gathered over the step: no passes per micro-batch)
         # a block is gathered twice a micro-batch (forward, backward): its casts split between them
-        cast, pack, add = zero3_passes(block_t, shard, prec, m, 2, lay.zero3_cast_once) if pp == 1 else (0.0,) * 3
+        cast, pack, add = zero3_passes(block_t, shard, prec, m, 2, lay.zero3_cast_once, fp8_gather) if pp == 1 \
+            else (0.0,) * 3
         pf, pb = roofline.kernel_time_s(0.0, cast / 2, c), roofline.kernel_time_s(0.0, cast / 2 + pack + add, c)
         z3_f = pf + sum(hide((("all_gather", ag),), lt.forward_s + pf, c))
         z3_b = pb + sum(hide((("all_gather", ag), ("reduce_scatter", rs)), lt.backward_s + pb, c))

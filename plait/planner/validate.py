@@ -72,11 +72,12 @@ def measure(preset: str | None, d, lay, global_batch: int, steps: int) -> dict:
             "train": {"steps": steps, "micro_batch": lay.micro_batch, "grad_accum": global_batch // per_step,
                       "seq_len": seq, "eval_every": 0, "eval_batches": 1, "sample_tokens": 0, "progress": False,
                       "tensorboard": False, "out": str(Path(tmp) / "run"), "warmup_steps": 0,
-                      "recompute": lay.recompute},
+                      "recompute": lay.recompute, "fp8": lay.fp8},
             "checkpoint": {"at_end": False},
             "parallel": {"nproc": lay.n_gpus, "dp_shard": lay.dp_shard, "dp_replicate": lay.dp_replicate,
                          "zero": lay.zero, "tp": lay.tp, "sp": "on" if lay.seq_parallel else "off", "cp": lay.cp,
                          "cp_impl": lay.cp_impl, "zero3_cast_once": lay.zero3_cast_once,
+                         "zero3_fp8_gather": lay.zero3_fp8_gather,
                          "gpus_per_node": max(lay.n_gpus, 1)},
         })
         summary = launch_training(cfg)
