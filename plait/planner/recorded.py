@@ -91,8 +91,9 @@ class Run:
     host_share: float | None = None
     """A pipeline's busiest host: seconds issuing its actions over the GPU's seconds running them."""
     untimed: str = ""
-    """Why the row's step time is not a steady-state measurement (a run made to find what fits, its
-    first length timed right after one warm-up step), else empty: its memory is priced, its time
+    """Why the row's step time is not one the planner answers for (a run made to find what fits, its
+    first length timed right after one warm-up step; a diagnostic run on a host whose links ran the
+    same layout far slower than the profiled host's), else empty: its memory is priced, its time
     shown and left out of the step statistics."""
 
     @property
@@ -339,7 +340,8 @@ def table(checks: list[Check]) -> str:
             lines.append(f"step statistics leave out {bound} host-bound run(s): a rank's host took longer to issue "
                          f"its work than its GPU to run it, a CPU cost the planner does not model")
         if left > bound:
-            lines.append(f"and {left - bound} untimed run(s): made to find what fits, no steady step timed (the row says why)")
+            lines.append(f"and {left - bound} untimed run(s): a step time the planner does not answer for (the row "
+                         f"says why: no steady step timed, or a host unlike the profiled one)")
     return "\n".join(lines)
 
 
