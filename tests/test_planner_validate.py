@@ -37,6 +37,18 @@ def test_predicted_state_bytes_and_traffic_equal_the_run(zero, capsys):
     assert rows["step time (s)"]["comparable"] is False  # a CPU run is not a GPU prediction
 
 
+def test_the_fp8_gather_layout_runs_as_predicted(capsys):
+    """`--fp8 tensorwise --zero3-fp8-gather --validate`: the trainer runs the planned FP8 layout, and
+    every byte it sends is the planner's (the blocks' weights at one byte) but for the root unit kept
+    gathered (as above) and the FP8 weights' maxima, one all-reduce of 7 numbers a block a step."""
+    assert main(["plan", *SHAPE, "--zero", "3", "--fp8", "tensorwise", "--zero3-fp8-gather"]) == 0
+    rows = {r["quantity"]: r for r in json.loads(capsys.readouterr().out)["comparison"]}
+    sent = rows["sent per GPU per step (bytes)"]
+    root = (2 * 256 * 64 + 5 * 64) * 4 * (2 - 1) / 2
+    maxima = 2 * (4 * 7 * 2) * (2 - 1) / 2  # 7 fp32 maxima a block, 2 blocks, all-reduced over 2
+    assert sent["measured"] == sent["predicted"] - root + maxima + control(2), sent
+
+
 @pytest.mark.parametrize("zero", ["0", "3"])
 def test_tensor_parallel_prediction_equals_the_run(zero, capsys):
     """tp 2 x dp 2 with SP: model-state bytes per rank and every byte sent (the planner counts the
