@@ -12,7 +12,7 @@ import pytest
 
 from plait.cli import main
 from plait.errors import UserError
-from plait.planner import inputs, roofline
+from plait.planner import costs, inputs, roofline
 from plait.planner.layout import Layout
 from plait.planner.predict import predict
 from plait.planner.profile import load, save
@@ -65,6 +65,14 @@ def test_the_fp8_gather_moves_a_byte_a_block_weight_and_holds_a_block_in_one():
     p = {g: predict(D8, lay, c, 4) for g, lay in lays.items()}
     assert p[True].traffic["dp_shard"].bytes_per_device < 0.8 * p[False].traffic["dp_shard"].bytes_per_device
     assert p[True].memory_bytes["zero3_gather"] <= p[False].memory_bytes["zero3_gather"]
+    # kept from the first gather of a step (cast-once): the blocks' chunks in one byte, and quantized once
+    once = {g: predict(D8, dataclasses.replace(lay, zero3_cast_once=True, micro_batch=1), c, 16)
+            for g, lay in lays.items()}
+    per_gather = {g: predict(D8, dataclasses.replace(lay, micro_batch=1), c, 16) for g, lay in lays.items()}
+    blocks = D8.layers * (costs.block_linear_share(D8, 1)) / 4
+    kept = {g: once[g].memory_bytes["parameters"] - per_gather[g].memory_bytes["parameters"] for g in (False, True)}
+    assert kept[False] - kept[True] == pytest.approx(blocks)
+    assert once[True].step_time_s < per_gather[True].step_time_s
 
 
 def test_a_profiles_fp8_groups_survive_a_round_trip_and_a_bad_row_is_one_line(tmp_path):

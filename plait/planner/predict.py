@@ -206,8 +206,9 @@ def _memory(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, sc: StageCos
         if lay.zero == 3 and shard > 1:
             grads, gathered = _zero3_peak(sc.rank_params[r], sc.root_params[r], layer_w, st.grads, prec, pp, m,
                                           1.0 if lay.zero3_fp8_gather else prec.param_bytes)
-            if lay.zero3_cast_once and pp == 1:  # every unit's 16-bit chunk, kept through the step
-                kept = sc.rank_params[r] / shard * prec.param_bytes
+            if lay.zero3_cast_once and pp == 1:  # every unit's 16-bit (FP8-gathered: 8-bit) chunk, kept
+                lin = d.layers * costs.block_linear_share(d, tp) if lay.zero3_fp8_gather else 0.0
+                kept = (lin + (sc.rank_params[r] - lin) * prec.param_bytes) / shard
         comp = {
             "parameters": st.params + kept, "gradients": grads, "master_weights": st.master,
             "optimizer_states": st.optimizer,

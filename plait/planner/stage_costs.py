@@ -172,10 +172,11 @@ def zero3_passes(params: float, shard: int, prec: Precision, m: int, gathers: in
     `fp8_gather` (plait/parallel/fp8_gather.py): each gather quantizes the chunk to one byte instead
     (read 4, write 1), after one pass a step that finds its weights' maxima (read 4)."""
     chunk = params / shard
+    per = 1 / m if cast_once else gathers
     if fp8_gather:
-        cast = chunk * (prec.master_bytes + 1) * gathers + chunk * prec.master_bytes / m
+        cast = chunk * (prec.master_bytes + 1) * per + chunk * prec.master_bytes / m
     else:
-        cast = chunk * (prec.master_bytes + prec.param_bytes) * (1 / m if cast_once else gathers)
+        cast = chunk * (prec.master_bytes + prec.param_bytes) * per
     return cast, 2 * params * prec.wire_grad_bytes, 3 * chunk * prec.wire_grad_bytes * (m - 1) / m
 
 
