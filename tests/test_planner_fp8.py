@@ -109,3 +109,17 @@ def test_plan_prices_fp8_from_the_command_line(capsys):
     assert main(args[:-1] + ["--zero", "2", "--fp8", "tensorwise", "--zero3-fp8-gather"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("plait plan: error: --zero3-fp8-gather = True") and "\n" not in err
+
+
+def test_the_search_ranks_fp8_layouts_when_asked(capsys):
+    """`plan --search --fp8 tensorwise`: every ranked layout runs FP8 linears, and the best is
+    faster than the best bf16 layout of the same search."""
+    args = ["plan", "--model", "8b", "--seq", "2048", "--gpu", "h100", "--gpus-per-node", "4", "--global-batch", "8",
+            "--top", "3", "--json"]
+    best = {}
+    for fp8 in ("off", "tensorwise"):
+        assert main(args + ["--fp8", fp8]) == 0
+        ranked = json.loads(capsys.readouterr().out)["ranked"]
+        assert ranked and all(r["layout"]["fp8"] == fp8 for r in ranked)
+        best[fp8] = ranked[0]["step_time_s"]
+    assert best["tensorwise"] < best["off"]
