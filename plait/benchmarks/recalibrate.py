@@ -78,8 +78,9 @@ def only(args, device: str, nproc: int, t0: float) -> int:
         fields = {"step_gap_s": step_gap(device)}
     elif args.only == "fp8":  # a table of shapes: those measured now replace their old rows, the rest stay
         new = fp8(args, device)
-        fresh = {tuple(r[:4]) + (tuple(r[4]),) for r in new}
-        fields = {"fp8_linear": tuple(r for r in old.fp8_linear if tuple(r[:4]) + (tuple(r[4]),) not in fresh) + new}
+        shape = lambda r: (*r[:4], tuple(r[4]))  # noqa: E731 - (recipe, gathered, tokens, in, outs)
+        fresh = {shape(r) for r in new}
+        fields = {"fp8_linear": tuple(r for r in old.fp8_linear if shape(r) not in fresh) + new}
     elif args.only == "lockstep":
         fields = {"lockstep": lockstep(device, nproc)}
     elif args.only == "collectives":

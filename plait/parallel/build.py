@@ -75,7 +75,7 @@ def apply_compile(model: Transformer, hooks_outside: bool = False) -> None:
             block.forward = torch.compile(block.forward, options=options)
         else:
             block.compile(options=options)
-    if model.norm is not None:  # the final norm: eager, its fp32 arithmetic is ~15 passes over (tokens, dim)
+    if model.norm is not None:  # the final norm too: eager, its fp32 arithmetic is ~15 passes over (tokens, dim)
         if hooks_outside:
             model.norm.forward = torch.compile(model.norm.forward)
         else:

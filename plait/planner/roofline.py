@@ -129,7 +129,8 @@ def fp8_linear_times(d: ModelDims, tokens: float, c: Cluster, tp: int, recipe: s
     On a cluster whose profile measured them (`plait bench calibrate --only fp8`) each group costs
     what it measured, scaled by FLOPs from the nearest measured shape; otherwise its GEMMs run at the
     card's FP8 peak times the matmul efficiency and its scaling passes move FP8_PASS_BYTES. Backward
-    splits evenly between its two GEMMs of equal FLOPs."""
+    splits evenly between its two GEMMs of equal FLOPs. Both are compiled blocks' costs: eager FP8
+    linears, whose scaling runs as separate kernels, cost more than this prices them."""
     fwd = bwd = 0.0
     peak8 = c.gpu.tflops.get("fp8", 2 * c.gpu.tflops.get(c.dtype, 0.0)) * 1e12
     pb = FP8_PASS_BYTES[recipe]
