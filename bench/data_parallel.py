@@ -204,7 +204,7 @@ def _measure(a, variant, step, device, ledger=None, tokens_per_gpu_step: float |
         row["comm_gb_per_step"] = sum(d["sent_bytes"] for d in ledger.summary().values()) / 1e9
     if getattr(a, "profile", 0) and cuda:
         try:  # a profiler failure must not cost the row its timing
-            row["gpu_time"] = _profile(a, step)
+            row["gpu_time"] = _profile(a, step, variant)
         except Exception as e:  # noqa: BLE001 (reported in the row)
             row["gpu_time_error"] = f"{type(e).__name__}: {str(e)[:200]}"
     return row
@@ -222,7 +222,7 @@ def _allocator_counts(device) -> dict | None:
             "alloc_retries": st.get("num_alloc_retries", 0)}
 
 
-def _profile(a, step) -> dict:
+def _profile(a, step, variant: str = "step") -> dict:
     """`a.profile` more steps under torch.profiler -> this rank's GPU time per step split into
     compute, exposed and overlapped communication, and idle (plait.gpu_time)."""
     import torch
@@ -234,7 +234,21 @@ def _profile(a, step) -> dict:
         for _ in range(a.profile):
             step().item()
         torch.cuda.synchronize()
+    if getattr(a, "trace_dir", None) and torch.distributed.get_rank() == 0:
+        _write_trace(prof, Path(a.trace_dir) / f"{variant}.json.gz")
     return split(kernels_of(prof), a.profile)
+
+
+def _write_trace(prof, path: Path) -> None:
+    """The profiled steps' Chrome trace (streams as rows: when each gather ran against the compute
+    beside it), gzipped; open it in https://ui.perfetto.dev."""
+    import gzip
+    import tempfile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+        prof.export_chrome_trace(tmp.name)
+        path.write_bytes(gzip.compress(Path(tmp.name).read_bytes()))
 
 
 def run_variants(worker, a, variants, result: dict, out: Path, failed, table, timeout_s: float = 900,
@@ -381,6 +395,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", type=int, default=0, metavar="K",
                     help="after timing, profile K more steps: GPU time split into compute, exposed and "
                          "overlapped communication, idle (a 'gpu_time' entry in each row)")
+    ap.add_argument("--trace-dir", help="with --profile: rank 0's Chrome trace of the profiled steps, one "
+                    "gzipped file a variant, here")
     ap.add_argument("--variants", default=",".join(DEFAULT))
     ap.add_argument("--no-compile", dest="compile", action="store_false")
     ap.add_argument("--no-single", dest="single", action="store_false", help="skip the 1-GPU baseline")
