@@ -234,8 +234,8 @@ def _profile(a, step, variant: str = "step") -> dict:
         for _ in range(a.profile):
             step().item()
         torch.cuda.synchronize()
-    if getattr(a, "trace_dir", None) and torch.distributed.get_rank() == 0:
-        _write_trace(prof, Path(a.trace_dir) / f"{variant}.json.gz")
+    if getattr(a, "trace_dir", None):  # every rank's: a collective waits for the last rank to reach it
+        _write_trace(prof, Path(a.trace_dir) / f"{variant}-rank{torch.distributed.get_rank()}.json.gz")
     return split(kernels_of(prof), a.profile)
 
 
@@ -395,8 +395,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", type=int, default=0, metavar="K",
                     help="after timing, profile K more steps: GPU time split into compute, exposed and "
                          "overlapped communication, idle (a 'gpu_time' entry in each row)")
-    ap.add_argument("--trace-dir", help="with --profile: rank 0's Chrome trace of the profiled steps, one "
-                    "gzipped file a variant, here")
+    ap.add_argument("--trace-dir", help="with --profile: each rank's Chrome trace of the profiled steps, one "
+                    "gzipped file a variant and rank, here")
     ap.add_argument("--variants", default=",".join(DEFAULT))
     ap.add_argument("--no-compile", dest="compile", action="store_false")
     ap.add_argument("--no-single", dest="single", action="store_false", help="skip the 1-GPU baseline")
