@@ -317,7 +317,7 @@ def worker(a) -> list[dict]:
     from plait.config import ParallelConfig
     from plait.launch import init_distributed
 
-    dims = init_distributed(ParallelConfig(nproc=a.gpus, timeout_s=300), a.device)
+    dims = init_distributed(ParallelConfig(nproc=a.gpus, timeout_s=300, bind_cpus=a.bind_cpus), a.device)
     device = dims.device
     rows = []
     for variant in a.variants:
@@ -336,6 +336,7 @@ def worker(a) -> list[dict]:
             row = {"variant": variant, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
             row["peak_mem_gb"] = 0.0
         row["leftover_gb_at_start"] = leftover
+        row["cpus_rank0"] = len(os.sched_getaffinity(0)) if dims.rank == 0 else None  # the binding it ran under
         peak = torch.tensor([row["peak_mem_gb"]], dtype=torch.float64, device=device)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         row["peak_mem_gb_max_rank"] = peak.item()
@@ -395,6 +396,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", type=int, default=0, metavar="K",
                     help="after timing, profile K more steps: GPU time split into compute, exposed and "
                          "overlapped communication, idle (a 'gpu_time' entry in each row)")
+    ap.add_argument("--bind-cpus", default="auto", choices=["auto", "off"],
+                    help="parallel.bind_cpus: each rank's host threads on cores of their own (auto) or the OS's choice")
     ap.add_argument("--trace-dir", help="with --profile: each rank's Chrome trace of the profiled steps, one "
                     "gzipped file a variant and rank, here")
     ap.add_argument("--variants", default=",".join(DEFAULT))
@@ -434,7 +437,7 @@ def main(argv=None) -> int:
     result = {"benchmark": "data_parallel", "head": HEAD_RUNTIME, "card": card, "gpus": a.gpus, "torch": torch.__version__, "nccl": nccl,
               "date": time.strftime("%Y-%m-%d"), "config": {"preset": a.preset, "model": a.model, "seq": a.seq, "micro_batch": a.micro_batch,
               "accum": a.accum, "steps": a.steps, "warmup": a.warmup, "bucket_mb": a.bucket_mb, "overlap_ctas": a.overlap_ctas,
-              "compile": a.compile, "recompute": a.recompute, "fp8": a.fp8,
+              "compile": a.compile, "recompute": a.recompute, "fp8": a.fp8, "bind_cpus": a.bind_cpus,
               "nccl_env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}}, "rows": []}
     t0 = time.perf_counter()
     if a.single:  # its own process: nothing of it stays on GPU 0 while the workers run

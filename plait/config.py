@@ -219,6 +219,8 @@ class ParallelConfig:
     """GPUs per node, used to keep tensor-parallel groups inside a node."""
     allow_cross_node_tp: bool = False
     """Warn instead of refusing when a tensor-parallel group would span nodes."""
+    bind_cpus: str = "auto"
+    """auto: on GPUs, each local rank's threads run on physical cores of their own, from its GPU's NUMA node, split evenly among the ranks whose GPUs share it (a process a launcher already bound is left as it is); off: leave placement to the OS. A rank's host issues its step: sharing a core with another rank slows every collective to that rank's pace."""
     timeout_s: float = 600.0
     """A collective that does not finish within this many seconds ends the run with an error."""
     bucket_mb: float = 25.0

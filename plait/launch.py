@@ -125,6 +125,10 @@ def init_distributed(parallel, device_type: str = "cpu", env=None):
         # srun may hand each task one visible GPU (local rank 3 sees only device 0), hence the modulo
         device = torch.device("cuda", le.local_rank % count)
         torch.cuda.set_device(device)
+        if getattr(parallel, "bind_cpus", "auto") == "auto" and le.local_world_size > 1:
+            from plait.affinity import bind
+
+            bind(le.local_rank, le.local_world_size)  # before NCCL starts its threads: they inherit it
         kwargs["device_id"] = device  # eager NCCL init: DeviceMesh then splits groups in one call per dim
         backend = "nccl"
     else:

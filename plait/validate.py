@@ -179,6 +179,8 @@ def validate_parallel(cfg: Config):
     if p.zero3_fp8_gather:
         _check_fp8_gather(cfg)
     _positive("parallel.microbatches", p.microbatches, allow_zero=True)
+    if p.bind_cpus not in ("auto", "off"):
+        raise bad_value("parallel.bind_cpus", p.bind_cpus, "choose auto or off")
     if p.reduce_dtype not in ("auto", "fp32", "bf16"):
         raise bad_value("parallel.reduce_dtype", p.reduce_dtype, "choose auto, fp32 or bf16")
     if p.reduce_dtype != "auto" and p.zero < 2:
