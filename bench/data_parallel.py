@@ -230,7 +230,9 @@ def _profile(a, step, variant: str = "step") -> dict:
 
     from plait.gpu_time import kernels_of, split
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    host = bool(getattr(a, "trace_host", False))  # the host's side too: its ops and Python calls
+    acts = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if host else [])
+    with profile(activities=acts, with_stack=host) as prof:
         for _ in range(a.profile):
             step().item()
         torch.cuda.synchronize()
@@ -400,6 +402,8 @@ def main(argv=None) -> int:
                     help="parallel.bind_cpus: each rank's host threads on cores of their own (auto) or the OS's choice")
     ap.add_argument("--trace-dir", help="with --profile: each rank's Chrome trace of the profiled steps, one "
                     "gzipped file a variant and rank, here")
+    ap.add_argument("--trace-host", action="store_true",
+                    help="with --trace-dir: record the host's ops and Python calls too (where issuing a step goes)")
     ap.add_argument("--variants", default=",".join(DEFAULT))
     ap.add_argument("--no-compile", dest="compile", action="store_false")
     ap.add_argument("--no-single", dest="single", action="store_false", help="skip the 1-GPU baseline")
