@@ -143,13 +143,13 @@ def test_every_bound_weight_and_scale_starts_16_byte_aligned():
 
 
 def test_the_chunk_is_quantized_and_its_maxima_found_in_one_pass_as_the_linear_would():
-    """The FP8 gather's two per-chunk kernels, eager and compiled (as with `train.compile`): each
+    """The FP8 gather's per-chunk kernels, eager and compiled (as with `train.compile`): each
     weight's |max| over the chunk, taken over the fp32 values and rounded once, is the |max| of the
     16-bit values (rounding is monotonic and odd); the bits are the linear's own quantization of the
     16-bit values; the unit's padding is zero bits. Values sit just either side of bf16 rounding
     boundaries, where a max taken before rounding and one after could differ."""
     from plait.fp8 import scale_for, scaled
-    from plait.parallel.fp8_gather import compiled, slot_amax, slot_quantize
+    from plait.parallel.fp8_gather import compiled, slot_quantize, weights_amax
 
     torch.manual_seed(0)
     src = torch.randn(100) * torch.logspace(-3, 2, 100)
@@ -157,12 +157,18 @@ def test_the_chunk_is_quantized_and_its_maxima_found_in_one_pass_as_the_linear_w
     src[60] = -(3 - 2 ** -10)
     ranges = ((0, 0, 40), (2, 40, 96))  # weight 1 has no part in this chunk; 4 elements of padding
     scale = scale_for(torch.tensor([3.0, 1.0, 50.0]), E4M3)
-    for amax_fn, quant_fn in ((slot_amax, slot_quantize),
-                              (compiled(slot_amax), compiled(slot_quantize))):
-        got = amax_fn(src, ranges, 3, torch.bfloat16)
-        want = torch.stack([src[0:40].to(torch.bfloat16).abs().amax().float(), torch.tensor(0.0),
-                            src[40:96].to(torch.bfloat16).abs().amax().float()])
-        assert torch.equal(got, want), (got, want)
+    # the maxima of every weight's slices at once; weight 2's two slices (one of another unit's
+    # chunk) give one |max|
+    other = torch.tensor([-60.0, 1.0])
+    slices, index = [src[0:40], src[40:96], other], torch.tensor([0, 2, 2])
+    got = weights_amax(slices, index, 3, torch.bfloat16)
+    want = torch.stack([src[0:40].to(torch.bfloat16).abs().amax().float(), torch.tensor(0.0),
+                        torch.tensor(60.0)])
+    assert torch.equal(got, want), (got, want)
+    got = weights_amax(slices[:2], index[:2], 3, torch.bfloat16)
+    want[2] = src[40:96].to(torch.bfloat16).abs().amax().float()
+    assert torch.equal(got, want), (got, want)
+    for quant_fn in (slot_quantize, compiled(slot_quantize)):
         q = quant_fn(src, scale, ranges, torch.bfloat16)
         assert q.dtype == E4M3 and q.shape == (100,)
         want_q = torch.cat([scaled(src[0:40].to(torch.bfloat16), scale[0], E4M3),

@@ -11,8 +11,8 @@ instead). Here each rank quantizes its own chunk before the all-gather, with the
   same bits), so nothing is kept from forward to backward but the activations.
 
 The scale of a weight needs its |max| over every rank's chunk: found once after each update, for
-all FP8 units at once, by one all-reduce (max) of each weight's chunk maxima over the shard group
-(7 numbers a block). The bits are those the FP8 linear would have made from the gathered weight:
+all FP8 units at once - every weight's slice of this rank's chunks in one multi-tensor pass, then one
+all-reduce (max) of the maxima over the shard group (7 numbers a block). The bits are those the FP8 linear would have made from the gathered weight:
 a maximum is exact, and the scale and the rounding are `plait.fp8.scale_for` and `scaled` applied to
 the same 16-bit values - training is bit for bit that of the 16-bit gather (tests/test_fp8_gather.py).
 """
@@ -56,10 +56,9 @@ class FP8Gather:
 
     def __init__(self, gathers, units: tuple[int, ...], compile: bool = False):
         self.g, self.units = gathers, tuple(units)
-        # per weight, eager, these are half a dozen passes over the chunk each (6 kernels a weight, 7
-        # weights a block, twice a micro-batch): compiled, one kernel reads the fp32 chunk once
-        self._amax, self._quantize = (tuple(compiled(f) for f in (slot_amax, slot_quantize)) if compile
-                                      else (slot_amax, slot_quantize))
+        # per weight, eager, the quantization is half a dozen passes over the chunk (6 kernels a weight,
+        # 7 weights a block, twice a micro-batch): compiled, one kernel reads the fp32 chunk once
+        self._quantize = compiled(slot_quantize) if compile else slot_quantize
         self.on = True  # off for inference, whose plain matmuls read the 16-bit weights
         self.stale = True  # the shards changed since the scales were found
         dev = gathers.shards.device
@@ -73,6 +72,16 @@ class FP8Gather:
             self.scale[i] = _spaced(len(u.params), dev)
             self.inv[i] = _spaced(len(u.params), dev)
         self.ranges = {i: self._slot_ranges(i) for i in self.units}  # fixed by the layout: found once
+        # find_scales' inputs, fixed too: every weight's slice of this rank's chunks (views of the
+        # shards, which are updated in place) and where its |max| goes among all FP8 weights
+        self.slices, index, at = [], [], 0
+        for i in self.units:
+            src = gathers.shards[gathers.layout.owned_slice(gathers.layout.units[i])]
+            for j, a, b in self.ranges[i]:
+                self.slices.append(src[a:b])
+                index.append(at + j)
+            at += len(self.scale[i])
+        self.n_weights, self.index = at, torch.tensor(index, dtype=torch.long, device=dev)
 
     def applies(self, i: int) -> bool:
         return self.on and i in self.full
@@ -113,11 +122,7 @@ class FP8Gather:
     def find_scales(self) -> None:
         """Every FP8 weight's |max| over the shard group (one all-reduce), its scale and inverse."""
         g = self.g
-        amax = []
-        for i in self.units:
-            src = g.shards[g.layout.owned_slice(g.layout.units[i])]
-            amax.append(self._amax(src, self.ranges[i], len(self.scale[i]), g.dtype))
-        amax = torch.cat(amax)
+        amax = weights_amax(self.slices, self.index, self.n_weights, g.dtype)
         g.comm.all_reduce(amax, g.group, op="max")
         scale = scale_for(amax, E4M3)
         inv = scale.reciprocal()
@@ -143,14 +148,16 @@ def compiled(fn):
     return torch.compile(fn, dynamic=False, options={"emulate_precision_casts": True})
 
 
-def slot_amax(src: torch.Tensor, ranges: tuple, n: int, dtype: torch.dtype) -> torch.Tensor:
-    """(n,) fp32: each weight's |max| over its part of the chunk, as the `dtype` value it is gathered
-    as (0 where the chunk holds none of it). Rounding is monotonic and odd, so the |max| of the
-    rounded values is the rounded |max|: one pass over the fp32 chunk."""
-    out = [torch.zeros((), dtype=torch.float32, device=src.device)] * n
-    for j, a, b in ranges:
-        out[j] = src[a:b].abs().amax().to(dtype).float()
-    return torch.stack(out)
+def weights_amax(slices: list, index: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """(n,) fp32: each weight's |max| over its slices (`slices[k]` is part of weight `index[k]`), as
+    the `dtype` value it is gathered as; 0 for a weight this rank holds none of. Rounding is monotonic
+    and odd, so the |max| of the rounded values is the rounded |max|: one pass over the fp32 values.
+    All slices go through one multi-tensor launch: a launch a unit (32 on 8b) left the GPU idle
+    between them, waiting on the host (8 ms at every step's start on 4 x H200, one sequence a GPU)."""
+    out = torch.zeros(n, dtype=torch.float32, device=index.device)
+    if slices:
+        out[index] = torch.stack(torch._foreach_norm(slices, float("inf"))).float()
+    return out.to(dtype).float()
 
 
 def slot_quantize(src: torch.Tensor, scale: torch.Tensor, ranges: tuple, dtype: torch.dtype) -> torch.Tensor:
