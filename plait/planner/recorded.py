@@ -260,6 +260,9 @@ class Check:
     predicted_peak_gb: float
     predicted_bubble: float = 0.0
     """The bubble the planner simulates for the split that ran (stage costs from the profile)."""
+    unmeasured: str = ""
+    """What the card's profile did not measure that the run's step needs (FP8 linears), else empty:
+    the planner then prices it from the card's data sheet, which it does not answer for."""
 
     @property
     def step_error(self) -> float:
@@ -292,7 +295,8 @@ def check(runs: list[Run], hardware: dict[str, object] | None = None) -> list[Ch
         peak = p.memory_total_bytes - p.memory_bytes["reserved"]
         if r.source.split(":")[0] in LOSS_HELD_THIRD_CHUNK:
             peak += _old_loss_extra(d, lay)
-        out.append(Check(r, p.step_time_s, peak / 1e9, p.bubble))
+        fp8 = r.layout.get("fp8", "off") != "off" and prof is not None and not prof.fp8_linear
+        out.append(Check(r, p.step_time_s, peak / 1e9, p.bubble, "FP8 linears" if fp8 else ""))
     return out
 
 
@@ -318,8 +322,8 @@ def _old_loss_extra(d, lay) -> float:
 
 def priced(checks: list[Check]) -> list[Check]:
     """The checks whose step time the planner answers for: not those whose GPUs waited on the host,
-    nor rows that did not time a steady step."""
-    return [c for c in checks if not c.run.host_bound and not c.run.untimed]
+    nor rows that did not time a steady step, nor runs of what their card's profile did not measure."""
+    return [c for c in checks if not c.run.host_bound and not c.run.untimed and not c.unmeasured]
 
 
 def table(checks: list[Check]) -> str:
@@ -328,6 +332,7 @@ def table(checks: list[Check]) -> str:
     lines = [f"{'run':<58} {'step ms pred/meas':>19} {'err':>7} {'peak GB pred/meas':>19} {'err':>7}"]
     for c in checks:
         mark = f"  host-bound ({c.run.host_share:.2f})" if c.run.host_bound else ("  untimed" if c.run.untimed else "")
+        mark = mark or (f"  {c.unmeasured} unmeasured on this card" if c.unmeasured else "")
         lines.append(f"{c.run.source:<58} {c.predicted_step_s * 1e3:>8.1f} / {c.run.step_s * 1e3:<8.1f} "
                      f"{c.step_error:>+7.1%} {c.predicted_peak_gb:>8.2f} / {c.run.peak_gb:<8.2f} {c.memory_error:>+7.1%}{mark}")
     if checks:
@@ -339,9 +344,13 @@ def table(checks: list[Check]) -> str:
         if bound:
             lines.append(f"step statistics leave out {bound} host-bound run(s): a rank's host took longer to issue "
                          f"its work than its GPU to run it, a CPU cost the planner does not model")
-        if left > bound:
-            lines.append(f"and {left - bound} untimed run(s): a step time the planner does not answer for (the row "
-                         f"says why: no steady step timed, or a host unlike the profiled one)")
+        unmeasured = sum(bool(c.unmeasured) and not c.run.host_bound and not c.run.untimed for c in checks)
+        if left - bound - unmeasured:
+            lines.append(f"and {left - bound - unmeasured} untimed run(s): a step time the planner does not answer "
+                         f"for (the row says why: no steady step timed, or a host unlike the profiled one)")
+        if unmeasured:
+            lines.append(f"and {unmeasured} run(s) of FP8 linears on a card whose profile has none measured: priced "
+                         f"from its data sheet (`plait bench calibrate --only fp8` there measures them)")
     return "\n".join(lines)
 
 
