@@ -26,7 +26,8 @@ Every variant clips at 1.0 and logs its loss each step (one host sync), as the t
 
 Writes bench/results/dp-<card>-<G>gpu.json (card, torch and NCCL versions, date, config, one row per
 variant: tokens/s/GPU, MFU at 989 TFLOP/s bf16 (plait.metrics), peak memory per GPU, bytes sent per
-GPU per step for plait), then prints a table. Budget on 2 GPUs: under 8 minutes (compile included).
+GPU per step for plait; on GPUs each rank's host share of the blocks' forwards, `plait.host_share`,
+which `plait plan --check` reads as the pipeline's), then prints a table. Budget on 2 GPUs: under 8 minutes (compile included).
 `--device cpu --preset tiny --no-compile` runs the same code over gloo on a CPU as a smoke test.
 """
 
@@ -306,8 +307,26 @@ def single(a) -> dict:
     if device.type == "cuda":
         torch.cuda.set_device(device)  # memory statistics need an initialised device
         torch.cuda.reset_peak_memory_stats(device)
-    step, _ = _plait_step(a, "plait-1gpu", device, None)
-    return _measure(a, "plait-1gpu", step, device)
+    step, (model, _) = _plait_step(a, "plait-1gpu", device, None)
+    row = _measure(a, "plait-1gpu", step, device)
+    share = _forward_host_share(a, step, model, device)
+    if share is not None:
+        row["host_share"] = [share]
+    return row
+
+
+def _forward_host_share(a, step, model, device) -> float | None:
+    """After the timed steps, `a.host_share_steps` more with each block's forward bracketed
+    (`plait.host_share`): this rank's host seconds issuing the blocks' forwards over the GPU's
+    seconds running them. GPUs only: on a CPU both clocks are the host's."""
+    from plait.host_share import ForwardHostShare
+
+    if device.type != "cuda" or not getattr(a, "host_share_steps", 0):
+        return None
+    with ForwardHostShare(model.layers.values(), device) as hs:
+        for _ in range(a.host_share_steps):
+            step().item()
+    return hs.share()
 
 
 def worker(a) -> list[dict]:
@@ -332,6 +351,13 @@ def worker(a) -> list[dict]:
             else:
                 step, keep = _torch_step(a, variant, device, dims)
             row = _measure(a, variant, step, device, ledger)
+            if variant in PLAIT and device.type == "cuda" and a.host_share_steps:
+                # every rank's, as the pipeline's: the slowest host paces the collectives
+                share = _forward_host_share(a, step, keep[0], device)
+                got = torch.zeros(dist.get_world_size(), dtype=torch.float64, device=device)
+                mine = float("nan") if share is None else share
+                dist.all_gather_into_tensor(got, torch.tensor([mine], dtype=torch.float64, device=device))
+                row["host_share"] = [round(x, 3) for x in got.tolist()]
             _release(keep)
             del step, keep
         except Exception as e:  # noqa: BLE001 (reported in the row)
@@ -400,6 +426,9 @@ def main(argv=None) -> int:
                          "overlapped communication, idle (a 'gpu_time' entry in each row)")
     ap.add_argument("--bind-cpus", default="auto", choices=["auto", "off"],
                     help="parallel.bind_cpus: each rank's host threads on cores of their own (auto) or the OS's choice")
+    ap.add_argument("--host-share-steps", type=int, default=2, metavar="K",
+                    help="after timing, K more steps measuring each rank's host share of the blocks' forwards "
+                    "(host seconds issuing over GPU seconds running; >= ~1: host-bound, as plan --check marks it); 0: skip")
     ap.add_argument("--trace-dir", help="with --profile: each rank's Chrome trace of the profiled steps, one "
                     "gzipped file a variant and rank, here")
     ap.add_argument("--trace-host", action="store_true",
