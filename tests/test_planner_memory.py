@@ -228,7 +228,7 @@ def test_a_ranks_peak_in_flight_stops_growing_once_the_steady_state_begins(name)
     from plait.parallel.schedules import peak_activation_units
     from plait.parallel.stages import stage_work
     from plait.planner import inputs
-    from plait.planner.predict import saturated
+    from plait.planner.rank_memory import saturated
 
     for pp in (2, 3, 4, 8):
         v = 2 if name == "interleaved" else 1

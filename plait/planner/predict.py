@@ -12,6 +12,7 @@ How a step is timed
      cost; what sticks out, ZeRO-1's reduce-scatter, ZeRO-1/2's all-gather of the updated
      parameters and HSDP's all-reduce across replicas add to the step.
   4. The optimizer update is memory-bound: its bytes over HBM bandwidth.
+Memory per GPU is the fullest pipeline rank's peak (`plait.planner.rank_memory`).
 """
 
 from __future__ import annotations
@@ -19,14 +20,15 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
-from plait.parallel.schedules import SPLIT_BACKWARD, Action, build_schedule, peak_activation_units, place, stage_of
+from plait.parallel.schedules import SPLIT_BACKWARD, Action, build_schedule, stage_of
 from plait.planner import costs, memory
 from plait.planner.costs import ModelDims
 from plait.planner.hardware import GIB, Cluster
 from plait.planner.layout import Layout, check_layout
 from plait.planner.memory import Precision
+from plait.planner.rank_memory import held_layers, rank_memory
 from plait.planner.simulate import simulate
-from plait.planner.stage_costs import BUCKET_BYTES, StageCosts, hide, stage_costs
+from plait.planner.stage_costs import StageCosts, hide, stage_costs
 from plait.planner.traffic import Collective, DimTraffic
 
 MEMORY_PARTS = ("parameters", "gradients", "master_weights", "optimizer_states", "activations",
@@ -88,37 +90,6 @@ class Prediction:
 def schedule(name: str, pp: int, m: int, v: int, costs: tuple | None = None):
     """Schedules are immutable: build each shape once (`costs`: ZB-V's, `StageCosts.order_costs`)."""
     return build_schedule(name, pp, m, v, costs)
-
-
-def saturated(name: str, pp: int, m: int) -> int:
-    """The micro-batch count past which a rank's peak of held activations no longer grows: by 4 pp
-    (a multiple of pp, as interleaving needs) 1F1B, interleaved 1F1B and ZB-H1 have begun their
-    steady state, and more micro-batches only lengthen it (tests/test_planner_memory.py checks
-    this). Building those schedules for no more keeps a search's memory screening cheap. GPipe
-    holds all m; ZB-V's cost-driven order can keep admitting micro-batches where its stages are
-    uneven: both are built in full."""
-    return m if name in ("gpipe", "zbv") else min(m, 4 * pp)
-
-
-def _peak_units(name: str, pp: int, m: int, v: int, rank: int, wfrac: float, costs: tuple | None = None,
-                chunk_layers: tuple | None = None) -> float:
-    return _peak_units_at(name, pp, saturated(name, pp, m), v, rank, wfrac, costs, chunk_layers)
-
-
-@functools.lru_cache(maxsize=8192)
-def _peak_units_at(name: str, pp: int, m: int, v: int, rank: int, wfrac: float, costs: tuple | None,
-                   chunk_layers: tuple | None) -> float:
-    return peak_activation_units(name, pp, m, v, rank, wfrac, costs, chunk_layers)
-
-
-def _held_layers(sched_name: str, pp: int, m: int, v: int, rank: int, wfrac: float, sc: StageCosts) -> tuple[float, float]:
-    """(micro-batches in flight, layers' activations held) at the rank's peak: in-flight chunks times
-    the rank's largest chunk, or for ZB-V, whose two chunks differ in size, each chunk by its own."""
-    layers = tuple(sc.layers[stage_of(sched_name, pp, rank, ch)] for ch in range(v))
-    units = _peak_units(sched_name, pp, m, v, rank, wfrac, sc.order_costs)
-    if sched_name == "zbv":
-        return units, _peak_units(sched_name, pp, m, v, rank, wfrac, sc.order_costs, layers)
-    return units, units * max(layers)
 
 
 def estimate_makespan(name: str, pp: int, m: int, v: int, durs: tuple, p2p_s: float, costs: tuple | None = None):
@@ -185,66 +156,6 @@ def _sync_s(lay: Layout, psi: float, last: float, m: int, prec: Precision,
         after += Collective("all_reduce", psi / shard * prec.wire_grad_bytes, lay.dp_replicate, 1, "").time_s(
             sc.links["replicate"][0])
     return hidden, after
-
-
-def _memory(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, sc: StageCosts, sched_name: str,
-            m: int) -> tuple[int, dict[str, float], dict[str, float]]:
-    """Peak memory by component on every pipeline rank; return the fullest rank's (and its state)."""
-    tp, pp, v, cp, b, e = lay.tp, lay.pp, lay.v, lay.cp, lay.micro_batch, prec.act_bytes
-    sp, shard = lay.seq_parallel, lay.shard_group
-    wfrac = memory.wgrad_fraction(d)
-    # zero-bubble blocks compile whole, their deferring linears custom ops (plait/parallel/wgrad.py)
-    uly = lay.cp_impl == "ulysses"
-    per_layer = memory.layer_activation_bytes(d, d.seq // cp, b, tp, sp, lay.recompute, e, lay.compile, cp, uly,
-                                              lay.fp8)
-    layer_w = costs.tp_share(d, tp)[0]
-    best: tuple[float, int, dict, dict] = (-1.0, 0, {}, {})
-    for r in range(pp):
-        st = memory.state_bytes(sc.rank_params[r], lay.zero, shard, prec, shard_is_master=True)  # plait's ZeRO-3
-        units, held = _held_layers(sched_name, pp, m, v, r, wfrac, sc)
-        grads, gathered, kept = st.grads, 0.0, 0.0
-        if lay.zero == 3 and shard > 1:
-            grads, gathered = _zero3_peak(sc.rank_params[r], sc.root_params[r], layer_w, st.grads, prec, pp, m,
-                                          1.0 if lay.zero3_fp8_gather else prec.param_bytes)
-            if lay.zero3_cast_once and pp == 1:  # every unit's 16-bit (FP8-gathered: 8-bit) chunk, kept
-                lin = d.layers * costs.block_linear_share(d, tp) if lay.zero3_fp8_gather else 0.0
-                kept = (lin + (sc.rank_params[r] - lin) * prec.param_bytes) / shard
-        comp = {
-            "parameters": st.params + kept, "gradients": grads, "master_weights": st.master,
-            "optimizer_states": st.optimizer,
-            "activations": held * per_layer,
-            "zero3_gather": gathered,
-            "comm_buckets": 2 * BUCKET_BYTES if (lay.grad_group > 1 and lay.zero < 3) else 0.0,
-            # full recomputation rebuilds one layer's complete activations inside its backward
-            "recompute_buffer": memory.layer_activation_bytes(d, d.seq // cp, b, tp, sp, "none", e, lay.compile, cp, uly,
-                                                              lay.fp8)
-            if lay.recompute == "full" else 0.0,
-            "cp_ring": 2 * sc.kv_chunk_bytes if cp > 1 else 0.0,  # the block in use + the one arriving
-            "loss_chunk": memory.loss_chunk_bytes(d, b * d.seq // cp, tp, lay.compile, e, lay.eager_head) if r == place(sched_name, pp, v, pp * v - 1)[0] else 0.0,
-            "reserved": c.reserved_gib * GIB,
-        }
-        total = sum(comp.values())
-        if total > best[0]:
-            state = {"parameters": st.params + kept, "gradients": st.grads, "master_weights": st.master,
-                     "optimizer_states": st.optimizer}
-            best = (total, r, comp, state)
-    return best[1], best[2], best[3]
-
-
-def _zero3_peak(params: float, root: float, block: float, grad_shard: float, prec: Precision, pp: int,
-                m: int, block_bytes: float | None = None) -> tuple[float, float]:
-    """(gradient bytes, gathered parameter bytes) of plait's ZeRO-3 at a rank's activation peak, the
-    end of the last forward (plait/parallel/fsdp.py). Alone, gradient chunks exist only once a
-    backward has reduced into them (so from the second micro-batch on), and at the peak only the
-    root unit (embedding, norm gains) and the head unit (an untied output matrix, freed when the
-    forward returns) are gathered, `root` together: every block was freed after its forward.
-    As a pipeline stage (`keep`) every unit stays gathered through the step and gradients accumulate
-    in full per-unit buffers, bound by the first backward. `block_bytes`: a gathered block's bytes a
-    parameter (1 with the FP8 gather; else the precision's)."""
-    block_bytes = prec.param_bytes if block_bytes is None else block_bytes
-    if pp > 1:
-        return params * prec.grad_bytes, root * prec.param_bytes + (params - root) * block_bytes
-    return (grad_shard if m > 1 else 0.0), max(root * prec.param_bytes, block * block_bytes)
 
 
 def _tp_ends(d: ModelDims, lay: Layout, prec: Precision, m: int) -> tuple[Collective, ...]:
@@ -369,7 +280,7 @@ def predict(d: ModelDims, lay: Layout, c: Cluster, global_batch: int,
     time_s = {**parts, "bubble": max(0.0, makespan - busy), "dp_sync": tail - min(opt_s, tail),
               "optimizer": min(opt_s, tail), "host": gap}
 
-    mem_rank, mem, state = _memory(d, lay, c, prec, sc, sched_name, m)
+    mem_rank, mem, state = rank_memory(d, lay, c, prec, sc, sched_name, m)
     traffic = _traffic(d, lay, prec, sc, m)
 
     tokens_step = global_batch * d.seq
@@ -393,7 +304,7 @@ def _explain(d, lay, c, prec, gb, m, sc, mem_rank, sched_name, makespan, bubble,
     pp, v, cp, b, tp = lay.pp, lay.v, lay.cp, lay.micro_batch, lay.tp
     per_layer = memory.layer_activation_bytes(d, d.seq // cp, b, tp, lay.seq_parallel, lay.recompute,
                                               prec.act_bytes, lay.compile, cp, lay.cp_impl == "ulysses", lay.fp8)
-    units, held = _held_layers(sched_name, pp, m, v, mem_rank, memory.wgrad_fraction(d), sc)
+    units, held = held_layers(sched_name, pp, m, v, mem_rank, memory.wgrad_fraction(d), sc)
     ex = [
         ("parameters", f"N = {costs.param_count(d):,}; in matmuls N' = {costs.matmul_params(d):,}"),
         ("model FLOPs/token", f"6N' + 12LHQT = 6 x {costs.matmul_params(d):.4g} + 12 x {d.layers} x {d.heads} x "
