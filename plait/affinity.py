@@ -3,14 +3,16 @@
 A rank's host thread issues every kernel, collective and hook of its step. Where a step's GPU work
 is short - a ZeRO-3 block at one sequence, a pipeline stage's micro-batch - that thread is on the
 critical path, and every collective runs at the pace of the slowest rank's host. Left to the OS,
-two ranks' threads can share a physical core (SMT siblings) or sit on the socket away from their
-GPU: measured on 4 x H200 (8b, ZeRO-3, one sequence a GPU), one rank's host took 3.5 ms to issue a
-block's forward where the others took 1.8, and the other three GPUs waited in every all-gather.
+the ranks' threads share cores (on other machines also SMT siblings, or the socket away from their
+GPU): measured on 4 x H200 with 64 cores (8b, ZeRO-3, one sequence a GPU), one rank's host took
+3.5 ms to issue a block's forward where the others took 1.8, which rank changed from run to run, and
+the other GPUs waited in every all-gather.
 
-So each local rank gets physical cores of its own, with their SMT siblings: the cores of its GPU's
-NUMA node, split evenly (in order) among the local ranks whose GPUs sit on that node. A process a
-launcher already restricted (srun's --cpu-bind, numactl, taskset: fewer CPUs allowed than the
-machine has) is left as it is.
+So each GPU of the machine gets physical cores of its own, with their SMT siblings: the cores of its
+NUMA node, split evenly (in PCI order) among the node's GPUs, and a rank runs on its GPU's share.
+The slices are per GPU, whichever job uses it, so two jobs on different GPUs of one machine do not
+share cores. A process a launcher already restricted (srun's --cpu-bind, numactl, taskset: fewer
+CPUs allowed than the machine has) is left as it is.
 """
 
 from __future__ import annotations
@@ -72,24 +74,36 @@ def gpu_numa_node(pci_bus_id: str | None, sys_pci: Path = SYS_PCI) -> int | None
     return node if node >= 0 else None
 
 
-def plan(local_rank: int, gpu_nodes: list[int | None], allowed: set[int], nodes: dict[int, set[int]],
+def machine_gpus(sys_pci: Path = SYS_PCI) -> list[str]:
+    """PCI addresses of every NVIDIA GPU of the machine (display or 3D controller), sorted: visible to
+    this process or not, so that jobs sharing a machine slice its cores alike."""
+    out = []
+    for d in sorted(sys_pci.glob("*")):
+        vendor, cls = _read(d / "vendor"), _read(d / "class")
+        if vendor and cls and vendor.strip() == "0x10de" and cls.strip()[:6] in ("0x0300", "0x0302"):
+            out.append(d.name.lower())
+    return out
+
+
+def plan(mine: int, gpu_nodes: list[int | None], allowed: set[int], nodes: dict[int, set[int]],
          cores_of=physical_cores) -> list[int] | None:
-    """The CPUs local rank `local_rank` should run on, given every local rank's GPU NUMA node
-    (`gpu_nodes`, None = unknown), the CPUs this process may use and the machine's NUMA nodes; None
-    where no split gives each rank a physical core of its own."""
-    node = gpu_nodes[local_rank]
+    """The CPUs for the GPU at position `mine` of `gpu_nodes` (every GPU of the machine in PCI order,
+    each with its NUMA node, None = unknown), given the CPUs this process may use and the machine's
+    NUMA nodes: that GPU's even share of its node's physical cores (of the whole machine's where
+    NUMA is unknown). A slice per GPU, not per rank of this job: two jobs on one machine, on
+    different GPUs, get different cores. None where the GPUs outnumber the cores."""
+    node = gpu_nodes[mine]
     if node is not None and nodes.get(node, set()) & allowed and all(n is not None for n in gpu_nodes):
         pool = nodes[node] & allowed
-        peers = [r for r, n in enumerate(gpu_nodes) if n == node]
-    else:  # NUMA unknown: all ranks share the whole machine
+        peers = [g for g, n in enumerate(gpu_nodes) if n == node]
+    else:  # NUMA unknown: every GPU shares the whole machine
         pool, peers = allowed, list(range(len(gpu_nodes)))
     cores = cores_of(pool)
-    k, i = len(peers), peers.index(local_rank)
+    k, i = len(peers), peers.index(mine)
     if len(cores) < k:
         return None
     per = len(cores) // k
-    mine = cores[i * per:(i + 1) * per]
-    return sorted(c for core in mine for c in core)
+    return sorted(c for core in cores[i * per:(i + 1) * per] for c in core)
 
 
 def pci_bus_id(device_index: int) -> str | None:
@@ -105,17 +119,20 @@ def pci_bus_id(device_index: int) -> str | None:
 
 def bind(local_rank: int, local_world_size: int) -> list[int] | None:
     """Restrict the calling thread, and every thread it starts later (NCCL's, the process group's), to
-    this rank's share of cores; the CPUs chosen, or None where it was left alone (already restricted,
-    or too few cores). Call it before the process group starts its threads."""
+    this rank's GPU's share of cores; the CPUs chosen, or None where it was left alone (already
+    restricted, or too few cores). Call it before the process group starts its threads."""
     import torch
 
     allowed = set(os.sched_getaffinity(0))
     if len(allowed) < (os.cpu_count() or 0):
         return None  # a launcher chose already: keep its binding
     count = torch.cuda.device_count()
-    gpus = [r % count for r in range(local_world_size)]
-    gpu_nodes = [gpu_numa_node(pci_bus_id(g)) for g in gpus]
-    cpus = plan(local_rank, gpu_nodes, allowed, node_cpus())
+    everyone, me = machine_gpus(), pci_bus_id(local_rank % count)
+    if me in everyone:
+        gpus, mine = everyone, everyone.index(me)
+    else:  # no PCI address from torch or sysfs: slice among this job's local ranks
+        gpus, mine = [pci_bus_id(r % count) for r in range(local_world_size)], local_rank
+    cpus = plan(mine, [gpu_numa_node(g) for g in gpus], allowed, node_cpus())
     if cpus:
         os.sched_setaffinity(0, cpus)
     return cpus

@@ -220,7 +220,7 @@ class ParallelConfig:
     allow_cross_node_tp: bool = False
     """Warn instead of refusing when a tensor-parallel group would span nodes."""
     bind_cpus: str = "auto"
-    """auto: on GPUs, each local rank's threads run on physical cores of their own, from its GPU's NUMA node, split evenly among the ranks whose GPUs share it (a process a launcher already bound is left as it is); off: leave placement to the OS. A rank's host issues its step: sharing a core with another rank slows every collective to that rank's pace."""
+    """auto: on GPUs, each local rank's threads run on physical cores of their own, its GPU's share of the cores of the GPU's NUMA node (split evenly among that node's GPUs, whichever job uses them; a process a launcher already bound is left as it is); off: leave placement to the OS. A rank's host issues its step: sharing a core with another rank slows every collective to that rank's pace."""
     timeout_s: float = 600.0
     """A collective that does not finish within this many seconds ends the run with an error."""
     bucket_mb: float = 25.0

@@ -60,12 +60,37 @@ def test_ranks_split_their_gpus_numa_node(tmp_path):
             assert c in nodes[gpu_nodes[r]]
 
 
+def test_every_gpu_of_the_machine_has_its_slice_whichever_job_uses_it(tmp_path):
+    """Two 4-GPU jobs on one 8-GPU node: the second job's local rank 0 runs on GPU 4, whose cores
+    are not the first job's rank 0's."""
+    cpu_dir, node_dir = _fake_sys(tmp_path, 32, 2, {0: "0-7,16-23", 1: "8-15,24-31"})
+    nodes = affinity.node_cpus(node_dir)
+    cores = functools.partial(affinity.physical_cores, sys_cpu=cpu_dir)
+    gpu_nodes = [0, 0, 0, 0, 1, 1, 1, 1]
+    slices = [affinity.plan(g, gpu_nodes, set(range(32)), nodes, cores) for g in range(8)]
+    assert all(len(s) == 4 for s in slices)  # 8 physical cores a node, 4 GPUs: 2 cores (4 CPUs) each
+    seen = [c for s in slices for c in s]
+    assert len(seen) == len(set(seen)) == 32
+
+
+def test_the_machines_gpus_come_from_pci(tmp_path):
+    for addr, vendor, cls in [("0000:1b:00.0", "0x10de", "0x030200"), ("0000:0a:00.0", "0x10de", "0x030000"),
+                              ("0000:05:00.0", "0x10de", "0x068000"),  # an NVSwitch: a bridge, not a GPU
+                              ("0000:03:00.0", "0x8086", "0x030000")]:  # another vendor's display
+        d = tmp_path / addr
+        d.mkdir()
+        (d / "vendor").write_text(vendor + "\n")
+        (d / "class").write_text(cls + "\n")
+    assert affinity.machine_gpus(tmp_path) == ["0000:0a:00.0", "0000:1b:00.0"]
+    assert affinity.machine_gpus(tmp_path / "nowhere") == []
+
+
 def test_unknown_numa_splits_the_machine(tmp_path):
     cpu_dir, _ = _fake_sys(tmp_path, 8, 2, {0: "0-7"})
     cores = functools.partial(affinity.physical_cores, sys_cpu=cpu_dir)
     got = [affinity.plan(r, [None, None], set(range(8)), {}, cores) for r in range(2)]
     assert got == [[0, 1, 4, 5], [2, 3, 6, 7]]
-    # more ranks than physical cores: no binding rather than two ranks on one core
+    # more GPUs than physical cores: no binding rather than two ranks on one core
     assert affinity.plan(0, [None] * 5, set(range(8)), {}, cores) is None
 
 
