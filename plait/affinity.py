@@ -133,6 +133,10 @@ def bind(local_rank: int, local_world_size: int) -> list[int] | None:
     else:  # no PCI address from torch or sysfs: slice among this job's local ranks
         gpus, mine = [pci_bus_id(r % count) for r in range(local_world_size)], local_rank
     cpus = plan(mine, [gpu_numa_node(g) for g in gpus], allowed, node_cpus())
-    if cpus:
+    if not cpus:
+        return None
+    try:
         os.sched_setaffinity(0, cpus)
+    except OSError:  # a container's cpuset narrower than it reports: run where the OS puts us
+        return None
     return cpus
