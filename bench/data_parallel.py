@@ -26,8 +26,9 @@ Every variant clips at 1.0 and logs its loss each step (one host sync), as the t
 
 Writes bench/results/dp-<card>-<G>gpu.json (card, torch and NCCL versions, date, config, one row per
 variant: tokens/s/GPU, MFU at 989 TFLOP/s bf16 (plait.metrics), peak memory per GPU, bytes sent per
-GPU per step for plait; on GPUs each rank's host share of the blocks' forwards, `plait.host_share`,
-which `plait plan --check` reads as the pipeline's), then prints a table. Budget on 2 GPUs: under 8 minutes (compile included).
+GPU per step for plait; on GPUs each rank's host share of the blocks' forwards under ZeRO-3,
+`plait.host_share`, which `plait plan --check` reads as the pipeline's), then prints a table.
+Budget on 2 GPUs: under 8 minutes (compile included).
 `--device cpu --preset tiny --no-compile` runs the same code over gloo on a CPU as a smoke test.
 """
 
@@ -307,12 +308,15 @@ def single(a) -> dict:
     if device.type == "cuda":
         torch.cuda.set_device(device)  # memory statistics need an initialised device
         torch.cuda.reset_peak_memory_stats(device)
-    step, (model, _) = _plait_step(a, "plait-1gpu", device, None)
-    row = _measure(a, "plait-1gpu", step, device)
-    share = _forward_host_share(a, step, model, device)
-    if share is not None:
-        row["host_share"] = [share]
-    return row
+    step, _ = _plait_step(a, "plait-1gpu", device, None)
+    return _measure(a, "plait-1gpu", step, device)
+
+
+def _brackets_hooks(a, variant: str) -> bool:
+    """Whether a block's module hooks run outside its compiled graph, where `plait.host_share` can
+    bracket them: ZeRO-3 compiles each block's `forward` only (its gathers are hooks); the other
+    engines compile the whole module call, whose hooks a bracket added now would recompile."""
+    return variant.startswith("plait-zero3") or not a.compile
 
 
 def _forward_host_share(a, step, model, device) -> float | None:
@@ -351,7 +355,7 @@ def worker(a) -> list[dict]:
             else:
                 step, keep = _torch_step(a, variant, device, dims)
             row = _measure(a, variant, step, device, ledger)
-            if variant in PLAIT and device.type == "cuda" and a.host_share_steps:
+            if variant in PLAIT and device.type == "cuda" and a.host_share_steps and _brackets_hooks(a, variant):
                 # every rank's, as the pipeline's: the slowest host paces the collectives
                 share = _forward_host_share(a, step, keep[0], device)
                 got = torch.zeros(dist.get_world_size(), dtype=torch.float64, device=device)
@@ -427,7 +431,7 @@ def main(argv=None) -> int:
     ap.add_argument("--bind-cpus", default="auto", choices=["auto", "off"],
                     help="parallel.bind_cpus: each rank's host threads on cores of their own (auto) or the OS's choice")
     ap.add_argument("--host-share-steps", type=int, default=2, metavar="K",
-                    help="after timing, K more steps measuring each rank's host share of the blocks' forwards "
+                    help="after timing, K more steps measuring each rank's host share of the blocks' forwards (ZeRO-3) "
                     "(host seconds issuing over GPU seconds running; >= ~1: host-bound, as plan --check marks it); 0: skip")
     ap.add_argument("--trace-dir", help="with --profile: each rank's Chrome trace of the profiled steps, one "
                     "gzipped file a variant and rank, here")
