@@ -43,14 +43,23 @@ def _read(path: Path) -> str | None:
         return None
 
 
+def _int(path: Path) -> int | None:
+    """The integer a sysfs file holds (None: unreadable or not one)."""
+    text = _read(path)
+    try:
+        return int(text) if text is not None else None
+    except ValueError:
+        return None
+
+
 def physical_cores(cpus, sys_cpu: Path = SYS_CPU) -> list[list[int]]:
     """`cpus` grouped by physical core (package, core id), each group's logical CPUs sorted, groups
     in the order of their first CPU; a CPU whose topology is unreadable is a core of its own."""
     cores: dict[tuple, list[int]] = {}
     for c in sorted(cpus):
-        pkg = _read(sys_cpu / f"cpu{c}" / "topology" / "physical_package_id")
-        core = _read(sys_cpu / f"cpu{c}" / "topology" / "core_id")
-        key = (int(pkg), int(core)) if pkg is not None and core is not None else ("cpu", c)
+        pkg = _int(sys_cpu / f"cpu{c}" / "topology" / "physical_package_id")
+        core = _int(sys_cpu / f"cpu{c}" / "topology" / "core_id")
+        key = (pkg, core) if pkg is not None and core is not None else ("cpu", c)
         cores.setdefault(key, []).append(c)
     return sorted(cores.values(), key=lambda g: g[0])
 
@@ -69,9 +78,8 @@ def gpu_numa_node(pci_bus_id: str | None, sys_pci: Path = SYS_PCI) -> int | None
     """The NUMA node of the GPU at PCI address `pci_bus_id` (e.g. 0000:1b:00.0); None if unknown."""
     if not pci_bus_id:
         return None
-    text = _read(sys_pci / pci_bus_id.lower() / "numa_node")
-    node = int(text) if text is not None and text.strip().lstrip("-").isdigit() else -1
-    return node if node >= 0 else None
+    node = _int(sys_pci / pci_bus_id.lower() / "numa_node")
+    return node if node is not None and node >= 0 else None
 
 
 def machine_gpus(sys_pci: Path = SYS_PCI) -> list[str]:
