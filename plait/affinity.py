@@ -128,23 +128,27 @@ def pci_bus_id(device_index: int) -> str | None:
 def bind(local_rank: int, local_world_size: int) -> list[int] | None:
     """Restrict the calling thread, and every thread it starts later (NCCL's, the process group's), to
     this rank's GPU's share of cores; the CPUs chosen, or None where it was left alone (already
-    restricted, or too few cores). Call it before the process group starts its threads."""
-    import torch
-
+    restricted, too few cores, or a topology it could not read: placement is a speed-up, never a
+    reason for a run to fail). Call it before the process group starts its threads."""
     allowed = set(os.sched_getaffinity(0))
     if len(allowed) < (os.cpu_count() or 0):
         return None  # a launcher chose already: keep its binding
+    try:
+        cpus = _choose(local_rank, local_world_size, allowed)
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+        return cpus or None
+    except (OSError, ValueError, RuntimeError):  # e.g. a container's cpuset narrower than it reports
+        return None
+
+
+def _choose(local_rank: int, local_world_size: int, allowed: set[int]) -> list[int] | None:
+    import torch
+
     count = torch.cuda.device_count()
     everyone, me = machine_gpus(), pci_bus_id(local_rank % count)
     if me in everyone:
         gpus, mine = everyone, everyone.index(me)
     else:  # no PCI address from torch or sysfs: slice among this job's local ranks
         gpus, mine = [pci_bus_id(r % count) for r in range(local_world_size)], local_rank
-    cpus = plan(mine, [gpu_numa_node(g) for g in gpus], allowed, node_cpus())
-    if not cpus:
-        return None
-    try:
-        os.sched_setaffinity(0, cpus)
-    except OSError:  # a container's cpuset narrower than it reports: run where the OS puts us
-        return None
-    return cpus
+    return plan(mine, [gpu_numa_node(g) for g in gpus], allowed, node_cpus())

@@ -116,3 +116,26 @@ def test_bad_value_is_one_line():
     cfg = build_config({"parallel": {"bind_cpus": "yes"}})
     with pytest.raises(UserError, match="parallel.bind_cpus.*auto or off"):
         validate_config(cfg)
+
+
+def test_binding_never_fails_a_run(monkeypatch):
+    """Placement is a speed-up: a topology it cannot read or an affinity the OS refuses leaves the
+    rank where it is, and otherwise the chosen CPUs are applied."""
+    monkeypatch.setattr(affinity.os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(affinity.os, "cpu_count", lambda: 8)
+    applied = []
+    monkeypatch.setattr(affinity.os, "sched_setaffinity", lambda pid, cpus: applied.append(sorted(cpus)))
+    monkeypatch.setattr(affinity, "_choose", lambda *a: [2, 3])
+    assert affinity.bind(1, 4) == [2, 3] and applied == [[2, 3]]
+
+    def refuse(pid, cpus):
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(affinity.os, "sched_setaffinity", refuse)
+    assert affinity.bind(1, 4) is None
+
+    def unreadable(*a):
+        raise ValueError("odd sysfs")
+
+    monkeypatch.setattr(affinity, "_choose", unreadable)
+    assert affinity.bind(1, 4) is None
