@@ -8,7 +8,7 @@ Host seconds are the bracket's length on the host clock; device seconds the time
 events on the stream: when the GPU reached the block, to when it finished what the block issued,
 waits for a gather included. Near or above 1 the GPU waits on the CPU, as with the pipeline's
 `plait.timeline.host_share`: at one sequence a GPU, 8b's ZeRO-3 forward with FP8 linears issues a
-block in 1.45-2.4 ms of host time that its GPU runs in 1.4-1.8 ms (4 x H200), and every all-gather
+block in 1.45-2.4 ms of host time that its GPU runs in 1.4-2.1 ms (4 x H200), and every all-gather
 then waits for the slowest rank's host. On a CPU both clocks are the host's: it reads 1.
 """
 
