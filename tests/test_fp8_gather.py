@@ -159,13 +159,13 @@ def test_the_chunk_is_quantized_and_its_maxima_found_in_one_pass_as_the_linear_w
     scale = scale_for(torch.tensor([3.0, 1.0, 50.0]), E4M3)
     # the maxima of every weight's slices at once; weight 2's two slices (one of another unit's
     # chunk) give one |max|
-    other = torch.tensor([-60.0, 1.0])
-    slices, index = [src[0:40], src[40:96], other], torch.tensor([0, 2, 2])
+    other = torch.tensor([-600.0, 1.0])  # larger than any of src: the max, though not the last slice
+    slices, index = [src[0:40], other, src[40:96]], torch.tensor([0, 2, 2])
     got = weights_amax(slices, index, 3, torch.bfloat16)
     want = torch.stack([src[0:40].to(torch.bfloat16).abs().amax().float(), torch.tensor(0.0),
-                        torch.tensor(60.0)])
+                        torch.tensor(600.0)])
     assert torch.equal(got, want), (got, want)
-    got = weights_amax(slices[:2], index[:2], 3, torch.bfloat16)
+    got = weights_amax([src[0:40], src[40:96]], torch.tensor([0, 2]), 3, torch.bfloat16)
     want[2] = src[40:96].to(torch.bfloat16).abs().amax().float()
     assert torch.equal(got, want), (got, want)
     for quant_fn in (slot_quantize, compiled(slot_quantize)):

@@ -158,7 +158,8 @@ def weights_amax(slices: list, index: torch.Tensor, n: int, dtype: torch.dtype) 
     the host is freed for the forward that follows, and one graph fewer is compiled."""
     out = torch.zeros(n, dtype=torch.float32, device=index.device)
     if slices:
-        out[index] = torch.stack(torch._foreach_norm(slices, float("inf"))).float()
+        # several slices of one weight (in other units' chunks) keep the largest
+        out.scatter_reduce_(0, index, torch.stack(torch._foreach_norm(slices, float("inf"))).float(), "amax")
     return out.to(dtype).float()
 
 
