@@ -19,30 +19,33 @@ import time
 import torch
 
 
+def mark(cuda: bool):
+    """(device mark, host time): a CUDA event recorded on the current stream, or the host clock twice
+    (a CPU's device is its host). The pipeline's timeline marks its actions with it too."""
+    host = time.perf_counter()
+    if not cuda:
+        return host, host
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record()
+    return ev, host
+
+
 class ForwardHostShare:
     """`with ForwardHostShare(blocks, device) as hs: <steps>`, then `hs.share()`."""
 
     def __init__(self, blocks, device: torch.device):
         self.blocks, self.cuda = list(blocks), device.type == "cuda"
-        self.spans: list = []  # (host start, device start, host end, device end) per block forward
+        self.spans: list = []  # (device start, host start, device end, host end) per block forward
         self._open: dict[int, tuple] = {}
         self._handles: list = []
 
-    def _mark(self):
-        host = time.perf_counter()
-        if not self.cuda:
-            return host, host
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
-        return host, ev
-
     def _pre(self, i, module, args):
-        self._open[i] = self._mark()
+        self._open[i] = mark(self.cuda)
 
     def _post(self, i, module, args, out):
         start = self._open.pop(i, None)
         if start is not None:
-            self.spans.append(start + self._mark())
+            self.spans.append(start + mark(self.cuda))
 
     def __enter__(self):
         for i, b in enumerate(self.blocks):
@@ -62,8 +65,8 @@ class ForwardHostShare:
             return None
         if self.cuda:
             torch.cuda.synchronize()
-            device = sum(a.elapsed_time(b) / 1e3 for _, a, _, b in self.spans)
+            device = sum(a.elapsed_time(b) / 1e3 for a, _, b, _ in self.spans)
         else:
-            device = sum(b - a for _, a, _, b in self.spans)
-        host = sum(b - a for a, _, b, _ in self.spans)
+            device = sum(b - a for a, _, b, _ in self.spans)
+        host = sum(b - a for _, a, _, b in self.spans)
         return host / device if device > 0 else None

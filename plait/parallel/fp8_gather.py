@@ -12,9 +12,10 @@ instead). Here each rank quantizes its own chunk before the all-gather, with the
 
 The scale of a weight needs its |max| over every rank's chunk: found once after each update, for
 all FP8 units at once - every weight's slice of this rank's chunks in one multi-tensor pass, then one
-all-reduce (max) of the maxima over the shard group (7 numbers a block). The bits are those the FP8 linear would have made from the gathered weight:
-a maximum is exact, and the scale and the rounding are `plait.fp8.scale_for` and `scaled` applied to
-the same 16-bit values - training is bit for bit that of the 16-bit gather (tests/test_fp8_gather.py).
+all-reduce (max) of the maxima over the shard group (7 numbers a block). The bits are those the FP8
+linear would have made from the gathered weight: a maximum is exact, and the scale and the rounding
+are `plait.fp8.scale_for` and `scaled` applied to the same 16-bit values - training is bit for bit
+that of the 16-bit gather (tests/test_fp8_gather.py).
 """
 
 from __future__ import annotations

@@ -33,11 +33,11 @@ both take the same update (ZB-V holds both stages on rank 0: one matrix, nothing
 from __future__ import annotations
 
 import functools
-import time
 from dataclasses import dataclass, field
 
 import torch
 
+from plait.host_share import mark
 from plait.parallel.schedules import COMPUTE, Schedule, build_schedule, check, place, stage_of
 
 
@@ -75,12 +75,7 @@ class Timeline:
 
     def now(self):
         """(device mark, host time): a CUDA event recorded on the current stream, or the host clock."""
-        host = time.perf_counter()
-        if self._cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev, host
-        return host, host
+        return mark(self._cuda)
 
     def record(self, action, start) -> None:
         self.current.append((action.kind, action.microbatch, action.chunk, start, self.now()))
