@@ -387,21 +387,27 @@ def _train(cfg: Config, dims, stop: StopRequest) -> dict:
 
 
 def describe_layout(cfg: Config, world: int) -> str:
-    """The header's layout, e.g. ', 8 ranks: dp 4 (2 replicas x 2 shards, HSDP) x tp 2, zero 3'; empty
-    on one process. Replicas are named only where ZeRO shards within them: under DDP (zero 0)
-    every data-parallel rank holds everything, whatever dp_replicate says."""
+    """The header's layout, e.g. ', 8 ranks: dp 4 (2 replicas x 2 shards, HSDP) x tp 2, zero 3' or
+    ', 8 ranks: dp 1 x cp 2 (ring) x tp 2 + sp x pp 2 (1f1b, 4 micro-batches), zero 1'; empty on one
+    process. Replicas are named only where ZeRO shards within them: under DDP (zero 0) every
+    data-parallel rank holds everything, whatever dp_replicate says."""
     p = cfg.parallel
     if world == 1:
         return ""
-    tp = p.tp
-    dp = world // tp
+    tp, pp, cp = p.tp, p.pp, p.cp
+    dp = world // (tp * pp * cp)
     shard = dp // p.dp_replicate
     hsdp = p.dp_replicate > 1 and p.zero >= 1
     dp_s = f"dp {dp} ({p.dp_replicate} replicas x {shard} shards, HSDP)" if hsdp else f"dp {dp}"
     from plait.parallel.rules import sequence_parallel
 
+    cp_s = f" x cp {cp} ({p.cp_impl})" if cp > 1 else ""
     tp_s = f" x tp {tp}{' + sp' if sequence_parallel(p.sp, tp) else ''}" if tp > 1 else ""
-    return f", {world} ranks: {dp_s}{tp_s}, zero {p.zero}"
+    # in a pipelined run train.grad_accum is the micro-batch count every pipeline runs a step
+    v_s = f", v {p.v}" if p.v > 1 else ""
+    m = cfg.train.grad_accum
+    pp_s = f" x pp {pp} ({p.schedule}, {m} micro-batch{'es' if m > 1 else ''}{v_s})" if pp > 1 else ""
+    return f", {world} ranks: {dp_s}{cp_s}{tp_s}{pp_s}, zero {p.zero}"
 
 
 def model_from_checkpoint(path: str, device: str = "cpu") -> tuple[Transformer, object, Config]:

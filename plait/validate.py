@@ -113,7 +113,7 @@ def validate_pipeline(cfg: Config) -> None:
             raise bad_value("parallel.microbatches", p.microbatches, f"contradicts train.global_batch = "
                             f"{t.global_batch}, which makes {t.grad_accum} micro-batches a step here: give one of them")
         t.grad_accum = p.microbatches
-    p.schedule = check_args(p.schedule, p.pp, t.grad_accum, p.v)
+    p.schedule = check_args(p.schedule, p.pp, t.grad_accum, p.v, v_flag="parallel.v")
     counts = resolve_counts(p.stage_layers, m, t.seq_len, p.pp * p.v, p.schedule)
     if counts is None and m.n_layers % (p.pp * p.v) and p.v > 1:
         raise bad_value("parallel.v", p.v, f"pp x v = {p.pp * p.v} stages do not divide the {m.n_layers} layers "

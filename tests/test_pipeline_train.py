@@ -86,7 +86,7 @@ def test_schedule_png(tmp_path, capsys):
     (["--schedule", "zb"], "parallel.schedule = 'zb': orders a pipeline's stages: it needs --pp > 1"),
     (["--schedule", "interleaved"], "parallel.schedule = 'interleaved': orders a pipeline's stages"),
     (["--microbatches", "4"], "parallel.microbatches = 4: counts a pipeline's micro-batches: it needs --pp > 1"),
-    (["--nproc", "2", "--pp", "2", "--schedule", "zbv"], "--v = 1: ZB-V runs two model chunks per rank"),
+    (["--nproc", "2", "--pp", "2", "--schedule", "zbv"], "parallel.v = 1: ZB-V runs two model chunks per rank"),
 ])
 def test_bad_pipeline_input_is_one_line(corpus, tmp_path, capfd, extra, needle):
     assert main(_args(corpus, tmp_path / "r", extra=extra)) == 2

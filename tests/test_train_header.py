@@ -1,10 +1,12 @@
-"""The run header's layout: HSDP shows its replicas x shards, tensor parallelism its degree, and a
-replicate degree under plain DDP (nothing sharded) claims no HSDP."""
+"""The run header's layout: HSDP shows its replicas x shards, tensor, context and pipeline
+parallelism their degrees (a pipeline its schedule and micro-batches), and a replicate degree under
+plain DDP (nothing sharded) claims no HSDP."""
 
 import pytest
 
 from plait.config import build_config
 from plait.train import describe_layout
+from plait.validate import validate_config
 
 
 @pytest.mark.parametrize("parallel, world, want", [
@@ -13,8 +15,14 @@ from plait.train import describe_layout
     ({"nproc": 8, "dp_replicate": 2, "tp": 2, "zero": 3}, 8, ", 8 ranks: dp 4 (2 replicas x 2 shards, HSDP) x tp 2 + sp, zero 3"),
     ({"nproc": 4, "dp_replicate": 2, "zero": 0}, 4, ", 4 ranks: dp 4, zero 0"),  # DDP: every rank holds all
     ({"nproc": 4, "tp": 2, "sp": "off", "zero": 1}, 4, ", 4 ranks: dp 2 x tp 2, zero 1"),
+    ({"nproc": 4, "tp": 2, "pp": 2}, 4, ", 4 ranks: dp 1 x tp 2 + sp x pp 2 (1f1b, 1 micro-batch), zero 0"),
+    ({"nproc": 8, "cp": 2, "tp": 2, "pp": 2, "microbatches": 4, "zero": 1}, 8,
+     ", 8 ranks: dp 1 x cp 2 (ring) x tp 2 + sp x pp 2 (1f1b, 4 micro-batches), zero 1"),
+    ({"nproc": 8, "dp_shard": 2, "pp": 4, "schedule": "interleaved", "v": 2, "microbatches": 8, "zero": 1}, 8,
+     ", 8 ranks: dp 2 x pp 4 (interleaved, 8 micro-batches, v 2), zero 1"),
+    ({"nproc": 4, "cp": 4, "cp_impl": "ulysses", "zero": 3}, 4, ", 4 ranks: dp 1 x cp 4 (ulysses), zero 3"),
     ({}, 1, ""),
 ])
 def test_the_header_names_the_layout(parallel, world, want):
-    cfg = build_config({"parallel": parallel})
+    cfg = validate_config(build_config({"model": {"preset": "tiny", "n_layers": 8}, "parallel": parallel}))
     assert describe_layout(cfg, world) == want

@@ -110,17 +110,18 @@ def canonical(name: str) -> str:
     return name
 
 
-def check_args(name: str, pp: int, microbatches: int, v: int = 1) -> str:
+def check_args(name: str, pp: int, microbatches: int, v: int = 1, v_flag: str = "--v") -> str:
     """Validate a schedule request without building it; return the canonical name.
 
-    Every bad input is one UserError line naming the flag, the value and the fix."""
+    Every bad input is one UserError line naming the flag, the value and the fix (`v_flag`: what the
+    caller's command line calls v: `plait train` has no --v of its own, only --parallel.v)."""
     name = canonical(name)
-    for flag, value in (("--pp", pp), ("--microbatches", microbatches), ("--v", v)):
+    for flag, value in (("--pp", pp), ("--microbatches", microbatches), (v_flag, v)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise bad_value(flag, value, "must be a positive integer")
     if name == "interleaved":
         if v < 2:
-            raise bad_value("--v", v, "the interleaved schedule needs v >= 2 model chunks per rank "
+            raise bad_value(v_flag, v, "the interleaved schedule needs v >= 2 model chunks per rank "
                             "(v = 1 is plain 1f1b)")
         if pp < 2:
             raise bad_value("--pp", pp, "the interleaved schedule needs pp >= 2 (with one rank there is "
@@ -131,11 +132,11 @@ def check_args(name: str, pp: int, microbatches: int, v: int = 1) -> str:
                             f"in groups of pp = {pp}: use a multiple of {pp} (e.g. {near})")
     elif name == "zbv":
         if v != 2:
-            raise bad_value("--v", v, "ZB-V runs two model chunks per rank, placed in a V: set v = 2")
+            raise bad_value(v_flag, v, "ZB-V runs two model chunks per rank, placed in a V: set v = 2")
         if pp < 2:
             raise bad_value("--pp", pp, "ZB-V needs pp >= 2 (with one rank there is no bubble to fill)")
     elif v != 1:
-        raise bad_value("--v", v, f"only the interleaved and zbv schedules have virtual stages; use v = 1 with "
+        raise bad_value(v_flag, v, f"only the interleaved and zbv schedules have virtual stages; use v = 1 with "
                         f"{name} or --schedule interleaved")
     return name
 
