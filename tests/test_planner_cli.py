@@ -88,6 +88,9 @@ def test_fleet_comparison(capsys):
     (["--model", "huge"], "--model"),
     (["--hidden", "128"], "--model is not set"),
     (["--model", "70b", "--nodes", "0"], "--nodes"),
+    # no FP8 tensor cores: the search must not price FP8 at twice the bf16 rate, nor reject every layout
+    (["--model", "8b", "--gpu", "a100", "--fp8", "tensorwise"], "the A100 SXM 80GB has no FP8 tensor cores"),
+    (["--model", "8b", "--gpu", "v100", "--fp8", "rowwise", "--tp", "8"], "V100 SXM2 32GB has no FP8"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, needle):
     rc, out, err = run(capsys, *argv)

@@ -78,6 +78,7 @@ def add_arguments(p) -> None:
 def run(args, extra) -> int:
     from plait.errors import bad_value
     from plait.planner import fleet, inputs, report
+    from plait.planner.layout import check_fp8
     from plait.planner.placement import place
     from plait.planner.predict import predict
     from plait.planner.search import search
@@ -139,6 +140,7 @@ def run(args, extra) -> int:
         if args.zero != 3:
             raise bad_value("--zero3-cast-once", True, "it prices ZeRO-3's kept casts: add --zero 3")
         knobs["zero3_cast_once"] = True
+    check_fp8(args.fp8, c)  # before the search, which would otherwise reject every layout for it
     head = report.header_dict(d, c, args.global_batch, args.precision)
     given = any(getattr(args, k) is not None for k in ("tp", "pp", "dp", "cp"))
     if args.validate:

@@ -15,7 +15,7 @@ from plait.parallel import rules
 from plait.parallel.stages import stage_layers  # noqa: F401  (the split the runtime uses)
 from plait.parallel.schedules import SCHEDULES, check_args
 from plait.planner.costs import RECOMPUTE, ModelDims
-from plait.planner.hardware import Cluster
+from plait.planner.hardware import GPUS, Cluster
 
 FP8_RECIPES = ("off", "tensorwise", "rowwise")  # plait.fp8.RECIPES, and off
 
@@ -136,11 +136,19 @@ class Layout:
         return " ".join(parts)
 
 
+def check_fp8(fp8: str, c: Cluster) -> None:
+    """FP8 linears need FP8 tensor cores: a card without them (A100, V100) has no FP8 rate to price."""
+    if fp8 != "off" and "fp8" not in c.gpu.tflops:
+        with_fp8 = ", ".join(dict.fromkeys(g.name.split()[0] for g in GPUS.values() if "fp8" in g.tflops))
+        raise bad_value("--fp8", fp8, f"the {c.gpu.name} has no FP8 tensor cores ({with_fp8} do): use --fp8 off")
+
+
 def check_layout(d: ModelDims, lay: Layout, c: Cluster, global_batch: int) -> int:
     """Raise one UserError line for the first thing that makes `lay` impossible; return the number
     of micro-batches each pipeline runs per step."""
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise bad_value("--global-batch", global_batch, "must be a positive number of sequences")
+    check_fp8(lay.fp8, c)
     if lay.n_gpus != c.n_gpus:
         raise UserError(f"layout tp {lay.tp} x pp {lay.pp} x dp {lay.dp} x cp {lay.cp} = {lay.n_gpus} GPUs "
                         f"but the cluster has {c.nodes} x {c.gpus_per_node} = {c.n_gpus}: make the product "

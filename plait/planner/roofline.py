@@ -132,7 +132,7 @@ def fp8_linear_times(d: ModelDims, tokens: float, c: Cluster, tp: int, recipe: s
     splits evenly between its two GEMMs of equal FLOPs. Both are compiled blocks' costs: eager FP8
     linears, whose scaling runs as separate kernels, cost more than this prices them."""
     fwd = bwd = 0.0
-    peak8 = c.gpu.tflops.get("fp8", 2 * c.gpu.tflops.get(c.dtype, 0.0)) * 1e12
+    peak8 = c.gpu.tflops["fp8"] * 1e12  # check_layout refused FP8 on a card without it
     pb = FP8_PASS_BYTES[recipe]
     for fin, outs in fp8_groups(d, tp):
         got = c.profile.fp8_group_s(recipe, gathered, tokens, fin, outs) if c.profile is not None else None
