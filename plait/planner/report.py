@@ -88,7 +88,9 @@ def _bytes(x: float) -> str:
 
 
 def title(d: ModelDims, c: Cluster, global_batch: int, precision: str) -> str:
-    return (f"{d.arch} model: {costs.param_count(d) / 1e9:.2f}B parameters (L={d.layers} h={d.hidden} "
+    n = costs.param_count(d)
+    size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"  # a CPU-sized model is not "0.00B"
+    return (f"{d.arch} model: {size} parameters (L={d.layers} h={d.hidden} "
             f"a={d.heads} kv={d.kv_heads} f={d.ffn} V={d.vocab} s={d.seq}) on {c.nodes} x {c.gpus_per_node} "
             f"{c.gpu.name}; global batch {global_batch} x {d.seq} tokens; precision {precision}")
 
