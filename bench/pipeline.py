@@ -373,7 +373,7 @@ def main(argv=None) -> int:
     card = torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu"
     name = f"pp-{card_slug(card)}-{a.gpus}gpu" + (f"-{a.tag}" if a.tag else "")
     out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"{name}.json"
-    from plait.planner.recorded import HEAD_RUNTIME
+    from plait.planner.recorded import HEAD_RUNTIME, HEAD_WGRAD
 
     result = {"benchmark": "pipeline", "head": HEAD_RUNTIME, "card": card, "gpus": a.gpus, "torch": torch.__version__,
               "nccl": ".".join(map(str, torch.cuda.nccl.version())) if a.device == "cuda" else None,
@@ -383,7 +383,9 @@ def main(argv=None) -> int:
                          "steps": a.steps, "warmup": a.warmup, "compile": a.compile, "cpu_bind": a.cpu_bind,
                          "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
                          # where plait's last stage runs its output head and loss (plait/parallel/pipeline.py)
-                         "head_slot": "backward"}, "rows": []}
+                         "head_slot": "backward",
+                         # a zero-bubble last stage forms the output matrix's gradient in its W (plait/loss.py)
+                         "head_wgrad": HEAD_WGRAD}, "rows": []}
     a.partial = str(out.with_suffix(".partial.jsonl"))
     Path(a.partial).unlink(missing_ok=True)
 

@@ -9,6 +9,7 @@ form (one forward and two backward matmuls). The backward pass only scales the s
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -49,13 +50,14 @@ def ce_chunk(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor) -
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, targets, chunk_fn):
+    def forward(ctx, h, weight, targets, chunk_fn, defer):
         # h: (N, dim) final hidden states; weight: (V, dim); targets: (N,)
         n_tokens = h.shape[0]
         chunk = max(1, _CHUNK_ELEMENTS // weight.shape[0])
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(h) if need_h else None
-        grad_w, one_chunk = _NONE_YET if need_w else None, n_tokens <= chunk
+        kept = [] if need_w and defer is not None else None
+        grad_w, one_chunk = _NONE_YET if need_w and kept is None else None, n_tokens <= chunk
         scale = _mean_scale(targets, h.dtype)
         total = torch.zeros((), dtype=torch.promote_types(h.dtype, torch.float32), device=h.device)
         for s in range(0, n_tokens, chunk):
@@ -64,14 +66,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
             loss_c, g = chunk_fn(logits, targets[s:s + chunk], scale)
             total += loss_c
             grad_w = _chunk_grads(g, h, hc, s, weight, grad_h, grad_w, one_chunk)
+            if kept is not None:
+                kept.append((g, hc))
             # drop this chunk before the next is formed: held across the assignment, the old logits
             # and gradient would add a third chunk to the peak
             del logits, g
-        return _finish(ctx, total * scale, grad_h, grad_w, weight)
+        loss = _finish(ctx, total * scale, grad_h, grad_w, weight)
+        ctx.deferred = (defer, weight, kept, one_chunk) if kept is not None else None
+        return loss
 
     @staticmethod
     def backward(ctx, grad_out):
-        return _scaled(ctx, grad_out) + (None, None)
+        return _scaled(ctx, grad_out) + (None, None, None)
 
 
 def _mean_scale(targets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -124,17 +130,41 @@ def _finish(ctx, loss, grad_h, grad_w, weight):
 
 
 def _scaled(ctx, grad_out) -> tuple:
-    """Backward of a fused loss: the gradients formed in forward, times the incoming one."""
+    """Backward of a fused loss: the gradients formed in forward, times the incoming one. A deferred
+    weight gradient goes to its store instead (`linear_cross_entropy`'s `defer`)."""
     grad_h, grad_w = ctx.saved_tensors
     gh = grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None
     gw = grad_w * grad_out.to(grad_w.dtype) if grad_w is not None else None
+    if ctx.deferred is not None:
+        store, weight, kept, one_chunk = ctx.deferred
+        ctx.deferred = None  # the store holds the chunks now; a second backward would find none
+        store.keep_fn(weight, functools.partial(_deferred_weight_grad, weight, kept, one_chunk, grad_out))
     return gh, gw
 
 
+def _deferred_weight_grad(weight, kept, one_chunk: bool, grad_out) -> torch.Tensor:
+    """The output matrix's gradient from the chunks' kept (scaled d(loss)/d(logits), hidden states),
+    by the same GEMMs, sums and casts as in the loss's forward: bit for bit what it would have been."""
+    grad_w = _NONE_YET
+    for g, hc in kept:
+        grad_w = _chunk_grads(g, None, hc, 0, weight, None, grad_w, one_chunk)
+    if grad_w is _NONE_YET:  # no tokens
+        grad_w = torch.zeros_like(weight)
+    elif grad_w.dtype != weight.dtype:
+        grad_w = grad_w.to(weight.dtype)
+    return grad_w * grad_out.to(grad_w.dtype)
+
+
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                         chunk_fn: Callable = ce_chunk) -> torch.Tensor:
-    """Mean next-token loss of `h @ weight.T` against `targets`, never materialising all logits."""
-    return _LinearCrossEntropy.apply(h, weight, targets, chunk_fn)
+                         chunk_fn: Callable = ce_chunk, defer=None) -> torch.Tensor:
+    """Mean next-token loss of `h @ weight.T` against `targets`, never materialising all logits.
+
+    `defer`: a `plait.parallel.wgrad.WeightGradStore` that takes the output matrix's gradient, to
+    be formed when its W runs (a zero-bubble pipeline's last stage): the loss keeps each chunk's
+    d(loss)/d(logits) (tokens x vocabulary, 16-bit) until then instead of multiplying it into the
+    weight's gradient at once. The input gradient, which the stage before waits for, is formed as
+    always."""
+    return _LinearCrossEntropy.apply(h, weight, targets, chunk_fn, defer)
 
 
 def vp_chunk_stats(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, vocab_size: int):
@@ -172,14 +202,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     this shard's part: the caller's region entry (copy_to or the SP all-gather) sums it over tp."""
 
     @staticmethod
-    def forward(ctx, h, weight, targets, comm, dim, vocab_start, vocab_size, fns):
+    def forward(ctx, h, weight, targets, comm, dim, vocab_start, vocab_size, fns, defer):
         # h: (N, dim) on every tp rank; weight: (V/tp, dim) this rank's rows; targets: (N,)
         stats_fn, grad_fn = fns
         n_tokens = h.shape[0]
         chunk = max(1, _CHUNK_ELEMENTS // weight.shape[0])
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(h) if need_h else None
-        grad_w, one_chunk = _NONE_YET if need_w else None, n_tokens <= chunk
+        kept = [] if need_w and defer is not None else None
+        grad_w, one_chunk = _NONE_YET if need_w and kept is None else None, n_tokens <= chunk
         scale = _mean_scale(targets, h.dtype)
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         for s in range(0, n_tokens, chunk):
@@ -193,19 +224,25 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             valid = tc != IGNORE_INDEX
             total += ((lse - target_logit) * valid).sum()
             if need_h or need_w:
-                grad_w = _chunk_grads(grad_fn(lf, lse, tc, vocab_start, logits.dtype, scale), h, hc, s, weight,
-                                      grad_h, grad_w, one_chunk)
+                g = grad_fn(lf, lse, tc, vocab_start, logits.dtype, scale)
+                grad_w = _chunk_grads(g, h, hc, s, weight, grad_h, grad_w, one_chunk)
+                if kept is not None:
+                    kept.append((g, hc))
+                del g
             del logits, lf, lse_local, tgt_local  # as in _LinearCrossEntropy: one chunk alive at a time
-        return _finish(ctx, total * scale, grad_h, grad_w, weight)
+        loss = _finish(ctx, total * scale, grad_h, grad_w, weight)
+        ctx.deferred = (defer, weight, kept, one_chunk) if kept is not None else None
+        return loss
 
     @staticmethod
     def backward(ctx, grad_out):
-        return _scaled(ctx, grad_out) + (None,) * 6
+        return _scaled(ctx, grad_out) + (None,) * 7
 
 
 def vocab_parallel_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, comm, dim: str,
-                                 vocab_start: int, vocab_size: int, fns=None) -> torch.Tensor:
+                                 vocab_start: int, vocab_size: int, fns=None, defer=None) -> torch.Tensor:
     """Mean next-token loss with `weight` holding vocabulary rows [vocab_start, vocab_start +
-    weight.shape[0]) of a `vocab_size` vocabulary (rows past it are padding); see the class."""
+    weight.shape[0]) of a `vocab_size` vocabulary (rows past it are padding); see the class.
+    `defer`: as in `linear_cross_entropy`."""
     return _VocabParallelCrossEntropy.apply(h, weight, targets, comm, dim, vocab_start, vocab_size,
-                                            fns or (vp_chunk_stats, vp_chunk_grad))
+                                            fns or (vp_chunk_stats, vp_chunk_grad), defer)

@@ -96,8 +96,8 @@ class Dense:
     def logits(self, h: torch.Tensor, weight: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
         return F.linear(h, weight)  # (B, T, vocab)
 
-    def loss(self, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_fn) -> torch.Tensor:
-        return linear_cross_entropy(h.reshape(-1, h.shape[-1]), weight, targets.reshape(-1), chunk_fn)
+    def loss(self, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_fn, defer=None) -> torch.Tensor:
+        return linear_cross_entropy(h.reshape(-1, h.shape[-1]), weight, targets.reshape(-1), chunk_fn, defer)
 
     def inference(self):
         """A context for generation (one new position at a time)."""
@@ -212,6 +212,9 @@ class Transformer(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False) if last else None
         self.tie()
         self.ce_chunk_fn = ce_chunk  # replaced by a compiled version when compiling
+        # a zero-bubble pipeline's last stage: the store that takes the output matrix's gradient to
+        # its W (`plait.loss.linear_cross_entropy`'s `defer`)
+        self.head_defer = None
         self.tp = DENSE
         self.cp = None  # context parallelism (`apply_cp`): forward takes this rank's chunks of each sequence
         # how tensor parallelism cut the parameters (`plait.parallel.engine.TensorSplit`): set by
@@ -289,7 +292,7 @@ class Transformer(nn.Module):
         h = RMSNorm.forward(self.norm, h) if eager else self.norm(h)
         if targets is None:
             return self.tp.logits(h, self.output.weight, seq_len)
-        return self.tp.loss(h, self.output.weight, targets, self.ce_chunk_fn)
+        return self.tp.loss(h, self.output.weight, targets, self.ce_chunk_fn, self.head_defer)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
                 h: torch.Tensor | None = None, positions: torch.Tensor | None = None, cache=None,

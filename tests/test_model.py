@@ -117,3 +117,35 @@ def test_llama3_rope_scaling_matches_transformers():
                                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
     ref, _ = ROPE_INIT_FUNCTIONS["llama3"](hc, "cpu")
     assert torch.allclose(rope_frequencies(cfg), ref, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("chunks", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_output_matrix_gradient_deferred_to_w_is_bit_for_bit_the_same(monkeypatch, chunks, dtype):
+    """A zero-bubble last stage defers the output matrix's gradient to its W (`defer`): the input
+    gradient comes at once, the weight's only when the store runs the micro-batch, each bit equal to
+    the fused loss's own (one chunk or several, fp32 or bf16), its post-accumulate hooks fired with
+    it once (autograd also fires them in B, with no gradient, as for the deferring linears: the
+    engines stage a parameter without one as zeros); a backward outside the store's context raises
+    instead of dropping it."""
+    import plait.loss
+    from plait.parallel.wgrad import WeightGradStore
+
+    monkeypatch.setattr(plait.loss, "_CHUNK_ELEMENTS", 97 * 64 // chunks)
+    torch.manual_seed(0)
+    h0, t = torch.randn(64, 32, dtype=dtype), torch.randint(0, 97, (64,))
+    t[5] = -100
+    w_ref = torch.nn.Parameter(torch.randn(97, 32, dtype=dtype))
+    w = torch.nn.Parameter(w_ref.detach().clone())
+    h_ref, h = h0.clone().requires_grad_(), h0.clone().requires_grad_()
+    (linear_cross_entropy(h_ref, w_ref, t) / 3).backward()
+    store, fired = WeightGradStore(), []
+    w.register_post_accumulate_grad_hook(lambda p: fired.append(p.grad is not None))
+    loss = linear_cross_entropy(h, w, t, defer=store) / 3
+    with store.input_grads_only("mb0"):
+        loss.backward()
+    assert torch.equal(h.grad, h_ref.grad) and w.grad is None and True not in fired  # dx now, dW deferred
+    store.run("mb0")
+    assert torch.equal(w.grad, w_ref.grad) and fired.count(True) == 1 and fired[-1]
+    with pytest.raises(RuntimeError, match="the output matrix's gradient would be lost"):
+        linear_cross_entropy(h0.clone().requires_grad_(), w, t, defer=store).backward()

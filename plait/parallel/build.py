@@ -124,6 +124,8 @@ def parallelize(cfg: Config, comm, device: torch.device, dtype: torch.dtype, com
         store = WeightGradStore()
         for lin in model.block_linears():
             store.serve(lin)
+        if model.norm is not None:  # the last stage: the output matrix's gradient goes to W too
+            model.head_defer = store
     if compile:  # 7
         apply_compile(model, hooks_outside=comm is not None and p.zero == 3)
     engine = apply_data_parallel(model, cfg, comm, groups, compile=compile, split=split,  # 8

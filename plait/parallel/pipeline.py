@@ -12,9 +12,11 @@ SEND_F / RECV_F / SEND_B / RECV_B actions. The executor walks it:
     the chunk's input to be sent; in a zero-bubble schedule B computes input gradients only and W
     the deferred weight gradients (`plait.parallel.wgrad`). The last stage's B first runs the
     output head and the loss of the micro-batch (divided by the number of micro-batches) on the
-    hidden states its F kept, then backward from that loss. plait's fused loss forms the head's
-    gradients while it computes the loss, so it costs as much as 3-4 layers; in F it would make the
-    last stage's forward the slowest action of every schedule, which GPipe's all-forward phase runs
+    hidden states its F kept, then backward from that loss (in a zero-bubble schedule the output
+    matrix's gradient waits for the stage's W: `plait.loss.linear_cross_entropy`'s `defer`). plait's
+    fused loss forms the head's gradients while it computes the loss, so it costs as much as 3-4
+    layers; in F it would make the last stage's forward the slowest action of every schedule, which
+    GPipe's all-forward phase runs
     at the pace of (the planner prices 1b's GPipe step on 4 x H100 1.15x longer so). Its F and B
     together are unchanged;
     1F1B, interleaved and ZB-H1 run the pair back to back on the last stage anyway;

@@ -105,20 +105,24 @@ def measured_split(stage_s: list[float], counts: list[int]) -> tuple[list[int], 
     return best, [n * layer + (first if s == 0 else 0.0) + (head if s == S - 1 else 0.0) for s, n in enumerate(best)]
 
 
-def stage_work(d, counts: list[int] | tuple[int, ...]) -> tuple[tuple[float, float, float], ...]:
+def stage_work(d, counts: list[int] | tuple[int, ...], head_wgrad_in_b: bool = False) -> tuple[tuple[float, float, float], ...]:
     """Relative (F, B, W) time of each stage from plait's model arithmetic, in forwards of a layer:
     a layer's F is its matmuls and causal attention, its B the matmuls' input gradients and the
     attention's backward (twice its forward), its W the matmuls' weight gradients; the last
-    stage's B also runs the output head and loss, forward and both gradients (the executor's head
-    slot). What ZB-V's order is found with (`plait.parallel.schedule_zbv`); the executor and the
-    planner both build it from this, so they run and price the same lists."""
+    stage's B also runs the output head and loss, its forward and input gradient (the executor's
+    head slot), and its W the output matrix's gradient, which the fused loss defers there
+    (`head_wgrad_in_b`: in B, as plait ran before). What ZB-V's order is found with
+    (`plait.parallel.schedule_zbv`); the executor and the planner both build it from this, so they
+    run and price the same lists."""
     from plait.planner import costs
 
     mm, att = costs.layer_matmul_flops_per_token(d), costs.attention_flops_per_token(d, causal=True)
     f, b, w = 1.0, round((mm + 2 * att) / (mm + att), 3), round(mm / (mm + att), 3)
-    head = round(3 * costs.head_flops_per_token(d) / (mm + att), 3)
+    head = costs.head_flops_per_token(d) / (mm + att)  # one of the head's three matmuls
+    hb, hw = (round(3 * head, 3), 0.0) if head_wgrad_in_b else (round(2 * head, 3), round(head, 3))
     last = len(counts) - 1
-    return tuple((n * f, n * b + (head if s == last else 0.0), n * w) for s, n in enumerate(counts))
+    return tuple((n * f, n * b + (hb if s == last else 0.0), n * w + (hw if s == last else 0.0))
+                 for s, n in enumerate(counts))
 
 
 def resolve_counts(text: str, cfg, seq: int, stages: int, schedule: str = "1f1b",

@@ -107,10 +107,10 @@ class TensorParallel:
         full = self.comm.all_gather_along(local, self.dim, axis=-1, grad="split")
         return full[..., :self.vocab_size]
 
-    def loss(self, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_fn) -> torch.Tensor:
+    def loss(self, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_fn, defer=None) -> torch.Tensor:
         h = self.enter(h).reshape(-1, h.shape[-1])  # (B*T, dim) on every rank
         return vocab_parallel_cross_entropy(h, weight, targets.reshape(-1), self.comm, self.dim,
-                                            self.vocab_start, self.vocab_size, self.fns)
+                                            self.vocab_start, self.vocab_size, self.fns, defer)
 
     def compile_kernels(self) -> None:
         """Fuse the loss's per-chunk arithmetic (as `plait.model.Transformer.ce_chunk_fn` is fused)."""

@@ -5,8 +5,11 @@ For y = x W^T the backward has two matmuls: dx = dy W (which the previous stage 
 dW = dy^T x (which nobody waits for). While a `WeightGradStore` defers, the linear layers it serves
 compute dx at once and keep (x, dy) for dW; `run(key)` later does the dW matmuls of one
 micro-batch, adds them into .grad and fires each parameter's post-accumulate hooks as autograd
-would, so DDP buckets and ZeRO-2/3 reductions start as they would have. Norm gains and the
-embedding keep their gradients in B: they are a few element-wise passes, not worth deferring.
+would, so DDP buckets and ZeRO-2/3 reductions start as they would have. The last stage's fused
+loss defers the output matrix's gradient the same way (`keep_fn`): it is a third of the head's
+matmuls, which would otherwise all sit in the last stage's B, the action the stages before it wait
+on. Norm gains and the embedding keep their gradients in B: a few element-wise passes, not worth
+deferring.
 
 The served linears stay inside the compiled blocks. Their forward is the plain GEMM, which the
 compiler traces; their backward's dx is an op of plait's (`plait::linear_input_grad`) that
@@ -49,6 +52,7 @@ class WeightGradStore:
     def __init__(self):
         self.key = None  # the micro-batch whose dW are being deferred, or None: no backward may run
         self.pending: dict = {}
+        self.later: dict = {}  # micro-batch -> [(parameter, fn)]: gradients formed by a function (`keep_fn`)
         self.linears: list[nn.Linear] = []
         self.number = next(_NUMBERS)
         _STORES[self.number] = self
@@ -69,9 +73,20 @@ class WeightGradStore:
                                "its weight gradient would be lost")
         self.pending[self.key].append((weight, x, dy, fmt))
 
+    def keep_fn(self, param: Tensor, fn) -> None:
+        """Defer a gradient of `param` (a leaf) that `fn()` forms: the fused loss's output matrix
+        (`plait.loss.linear_cross_entropy`'s `defer`), a third of the head's matmuls."""
+        if self.key is None:
+            raise RuntimeError("a deferring loss ran its backward outside WeightGradStore.input_grads_only: "
+                               "the output matrix's gradient would be lost")
+        self.later.setdefault(self.key, []).append((param, fn))
+
     def run(self, key) -> None:
         """The deferred dW of micro-batch `key`, added into .grad with the hooks fired (a part of a
         parameter, a replicated KV head's rows, through autograd)."""
+        for param, fn in self.later.pop(key, []):
+            with torch.no_grad():
+                _accumulate(param, fn())
         items = self.pending.pop(key, [])
         if not items:
             return

@@ -55,6 +55,10 @@ class Layout:
     unit at the forward's start, and reduce-scattered it after the backward, as plait did before the
     output matrix became a unit of its own (recorded runs: `plait.planner.recorded`)."""
 
+    head_wgrad_in_b: bool = False
+    """A zero-bubble pipeline's last stage formed the output matrix's gradient in its B, as plait did
+    before the fused loss deferred it to the stage's W (recorded runs: `plait.planner.recorded`)."""
+
     eager_head: bool = False
     """The final norm ran eager and the fused loss scaled its gradients by 1/count in passes of their
     own (and through an fp32 buffer even in one chunk), as plait did before its final norm was

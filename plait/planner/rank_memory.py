@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 
-from plait.parallel.schedules import peak_activation_units, place, stage_of
+from plait.parallel.schedules import SPLIT_BACKWARD, build_schedule, peak_activation_units, place, stage_of
 from plait.planner import costs, memory
 from plait.planner.costs import ModelDims
 from plait.planner.hardware import GIB, Cluster
@@ -36,6 +36,20 @@ def _peak_units(name: str, pp: int, m: int, v: int, rank: int, wfrac: float, cos
 def _peak_units_at(name: str, pp: int, m: int, v: int, rank: int, wfrac: float, costs: tuple | None,
                    chunk_layers: tuple | None) -> float:
     return peak_activation_units(name, pp, m, v, rank, wfrac, costs, chunk_layers)
+
+
+@functools.lru_cache(maxsize=4096)
+def pending_head_w(name: str, pp: int, m: int, v: int, costs: tuple | None = None) -> int:
+    """Most micro-batches whose last-stage W has not run yet, at once, on the rank holding the last
+    stage: each keeps the fused loss's d(loss)/d(logits) for the output matrix's gradient."""
+    sched = build_schedule(name, pp, saturated(name, pp, m), v, costs)
+    rank, chunk = place(name, pp, v, pp * v - 1)
+    n = peak = 0
+    for a in sched.ranks[rank]:
+        if a.chunk == chunk and a.kind in ("B", "W"):
+            n += 1 if a.kind == "B" else -1
+            peak = max(peak, n)
+    return peak
 
 
 def held_layers(sched_name: str, pp: int, m: int, v: int, rank: int, wfrac: float, sc: StageCosts) -> tuple[float, float]:
@@ -81,7 +95,7 @@ def rank_memory(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, sc: Stag
                                                               lay.fp8)
             if lay.recompute == "full" else 0.0,
             "cp_ring": 2 * sc.kv_chunk_bytes if cp > 1 else 0.0,  # the block in use + the one arriving
-            "loss_chunk": memory.loss_chunk_bytes(d, b * d.seq // cp, tp, lay.compile, e, lay.eager_head) if r == place(sched_name, pp, v, pp * v - 1)[0] else 0.0,
+            "loss_chunk": _loss_bytes(d, lay, sched_name, m, sc, e) if r == place(sched_name, pp, v, pp * v - 1)[0] else 0.0,
             "reserved": c.reserved_gib * GIB,
         }
         total = sum(comp.values())
@@ -106,3 +120,14 @@ def _zero3_peak(params: float, root: float, block: float, grad_shard: float, pre
     if pp > 1:
         return params * prec.grad_bytes, root * prec.param_bytes + (params - root) * block_bytes
     return (grad_shard if m > 1 else 0.0), max(root * prec.param_bytes, block * block_bytes)
+
+
+def _loss_bytes(d: ModelDims, lay: Layout, sched_name: str, m: int, sc: StageCosts, e: float) -> float:
+    """The fused loss's chunk; in a zero-bubble pipeline also what it keeps for the output matrix's
+    deferred gradient (plait/loss.py): every pending micro-batch's 16-bit d(loss)/d(logits) of this
+    rank's vocabulary rows."""
+    tokens = lay.micro_batch * d.seq // lay.cp
+    out = memory.loss_chunk_bytes(d, tokens, lay.tp, lay.compile, e, lay.eager_head)
+    if sched_name in SPLIT_BACKWARD and lay.pp > 1 and not (lay.head_wgrad_in_b or lay.head_in_forward):
+        out += pending_head_w(sched_name, lay.pp, m, lay.v, sc.order_costs) * tokens * -(-d.vocab // lay.tp) * e
+    return out

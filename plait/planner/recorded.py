@@ -35,6 +35,10 @@ HEAD_RUNTIME = "compiled-norm"
 """What a benchmark's result file says of the head it ran (its "head"; the benches write this). A
 file without it ran the head as plait did before: the final norm eager, the loss's 1/count applied
 in passes of its own, an fp32 weight-gradient buffer even in one chunk (`Layout.eager_head`)."""
+HEAD_WGRAD = "deferred"
+"""What a pipeline result file's config says ("head_wgrad") once a zero-bubble last stage deferred the
+output matrix's gradient to its W (plait/loss.py); a file without it formed it in B
+(`Layout.head_wgrad_in_b`)."""
 BENCHES = ("train_step", "data_parallel", "tensor_parallel", "pipeline", "context_parallel", "layouts")
 # Runs made before the fused loss dropped each chunk before forming the next (plait/loss.py): they
 # held a finished chunk while forming the next one and while casting the weight gradient.
@@ -222,6 +226,8 @@ def load(folder: str | Path) -> list[Run]:
             head_slot = config.get("head_slot", "forward" if path.name in HEAD_IN_FORWARD else "backward")
             if bench == "pipeline" and lay.get("pp", 1) > 1 and head_slot == "forward":
                 lay = {**lay, "head_in_forward": True}
+            if bench == "pipeline" and config.get("head_wgrad") != HEAD_WGRAD:
+                lay = {**lay, "head_wgrad_in_b": True}  # ran before the loss deferred it (HEAD_WGRAD)
             if data.get("head") != HEAD_RUNTIME:
                 lay = {**lay, "eager_head": True}
             if path.name in ZERO3_WHOLE_ROOT and lay.get("zero") == 3:

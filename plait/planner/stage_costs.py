@@ -211,6 +211,7 @@ def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, m: int =
     lt = roofline.layer_times(d, tokens, c, tp, lay.fp8, fp8_gather)
     head_f, head_b = roofline.head_times(d, tokens, c, tp, sp, eager=lay.eager_head,
                                          eager_norm=not lay.compile)
+    head_wgrad = roofline.linear_time_s("wgrad", tokens, d.hidden, -(-d.vocab // tp), c)  # within head_b
     act = tokens * d.hidden * e  # one (b, s/cp, h) activation, bytes
     tp_link = links["tp"][0]
     # A full recomputation replays a layer's forward only up to the last tensor backward needs
@@ -296,9 +297,11 @@ def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, m: int =
             # loss, so all three of the head's matmuls run where the loss does: in the last stage's B
             # slot (plait/parallel/pipeline.py), in its F for runs recorded before that
             head = head_f + head_b if last else 0.0
+            # a zero-bubble schedule's fused loss defers the output matrix's gradient to W (plait/loss.py)
+            head_w = head_wgrad if last and split and not (lay.head_in_forward or lay.head_wgrad_in_b) else 0.0
             f = n * f1 + (head if lay.head_in_forward else 0.0) + (root_f if st == 0 else 0.0)
-            bi = n * bi1 + (0.0 if lay.head_in_forward else head) + (root_b if st == 0 else 0.0)
-            bw = n * bw1
+            bi = n * bi1 + (0.0 if lay.head_in_forward else head - head_w) + (root_b if st == 0 else 0.0)
+            bw = n * bw1 + head_w
             durs.append((f, bi, bw) if split else (f, bi + bw, 0.0))
     # GPUs that meet at every collective each wait for the slowest (plait/benchmarks/lockstep.py):
     # everything a rank runs between two meetings takes the expected maximum of the job's GPUs
@@ -314,4 +317,4 @@ def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, m: int =
     parts = {k: x * slow for k, x in parts.items()}
     return StageCosts(tuple(layers), tuple(durs), parts, tuple(rank_params), tuple(root_params), tp_fwd, tp_replay, kv_chunk, msg,
                       p2p_s, links, tuple(last_params), (root_f + root_b) * slow, slow,
-                      stage_work(d, layers) if lay.schedule == "zbv" and pp > 1 else None)
+                      stage_work(d, layers, lay.head_wgrad_in_b) if lay.schedule == "zbv" and pp > 1 else None)
