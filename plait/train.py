@@ -371,10 +371,10 @@ def _train(cfg: Config, dims, stop: StopRequest) -> dict:
                "state_bytes": engine.state_bytes(), "checkpoint_stall_s": ckpts.stalls, "stopped": stopping}
     if stopping:  # no sample: the time left before the machines go is the scheduler's
         return summary
-    if t.sample_tokens and end > start and (cfg.parallel.pp > 1 or cfg.parallel.cp > 1):
-        if is_main:
-            _warn(f"no sample at the end of a {'pipelined' if cfg.parallel.pp > 1 else 'context-parallel'} run: "
-                  f"sample its checkpoint with `plait generate --checkpoint {out}`")
+    if t.sample_tokens and end > start and cfg.parallel.pp > 1:
+        if is_main:  # (context parallelism needs nothing: generation's KV cache attends without the ring)
+            _warn(f"no sample at the end of a pipelined run: sample its checkpoint with "
+                  f"`plait generate --checkpoint {out}`")
     elif t.sample_tokens and end > start:
         engine.gather_for_inference()  # ZeRO-3: every rank takes part in gathering the model
         if is_main or cfg.parallel.tp > 1:  # tensor-parallel ranks generate together (same seed, same tokens)

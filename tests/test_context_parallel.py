@@ -370,8 +370,10 @@ def test_4d_matches_the_single_process_run(corpus, tmp_path_factory):
     assert_equivalent("4d", got, ref, root / "4d", full_weights(root / "ref"))
 
 
-def test_plait_train_cp_and_resume_on_one_process(corpus, tmp_path):
-    """`plait train --cp 2` end to end; its checkpoint resumes on one process with the same losses."""
+def test_plait_train_cp_and_resume_on_one_process(corpus, tmp_path, capfd):
+    """`plait train --cp 2` end to end, ending with a sample as any run does (generation reads a KV
+    cache, which attends without the ring); its checkpoint resumes on one process with the same
+    losses."""
     import json
 
     from plait.cli import main
@@ -385,7 +387,11 @@ def test_plait_train_cp_and_resume_on_one_process(corpus, tmp_path):
 
     assert main(args(tmp_path / "one", [])) == 0
     run = tmp_path / "cp"
-    assert main(args(run, ["--nproc", "2", "--cp", "2", "--train.max_steps_this_run", "2"])) == 0
+    capfd.readouterr()
+    assert main(args(run, ["--nproc", "2", "--cp", "2", "--train.max_steps_this_run", "2",
+                           "--train.sample_tokens", "8"])) == 0
+    err = capfd.readouterr().err
+    assert "--- sample ---\ndef " in err and "no sample" not in err, err[-500:]
     assert main(args(run, ["--nproc", "1", "--cp", "1", "--resume"])) == 0
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     ref = [json.loads(x) for x in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
