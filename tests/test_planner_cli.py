@@ -32,9 +32,12 @@ def test_does_not_fit_says_by_how_much(capsys):
 
 def test_link_override_changes_the_prediction(capsys):
     _, base, _ = run(capsys, *BASE, "--tp", "8", "--pp", "4", "--json")
-    _, slow, _ = run(capsys, *BASE, "--tp", "8", "--pp", "4", "--json", "--link.nvlink-gbps", "370")
+    _, slow, _ = run(capsys, *BASE, "--tp", "8", "--pp", "4", "--json", "--link.nvlink-gbps", "150")
     b, s = json.loads(base)["prediction"], json.loads(slow)["prediction"]
-    assert s["traffic"]["tp"]["link"]["gbps"] == 370 and s["step_time_s"] > b["step_time_s"]
+    # the catalog's 900 GB/s at its 0.4 share; a given bandwidth is taken as achieved
+    assert b["traffic"]["tp"]["link"]["gbps"] == 900 and b["traffic"]["tp"]["link"]["efficiency"] == 0.4
+    assert s["traffic"]["tp"]["link"]["gbps"] == 150 and s["traffic"]["tp"]["link"]["efficiency"] == 1.0
+    assert s["step_time_s"] > b["step_time_s"]
 
 
 def test_json_is_stable_and_documented(capsys):

@@ -3,11 +3,12 @@
 Units: FLOP/s and bytes/s internally; the catalogs are written in the units the data sheets and the
 seed documents use (dense TFLOP/s, GiB of HBM, GB/s of bandwidth, microseconds of latency).
 
-Link bandwidths are the seeds' figures (`../shared/seeds/`), so the planner's arithmetic is theirs
-by default. Those figures mix conventions: NVLink's 600/900 GB/s and InfiniBand's 50/100 GB/s are
+Link bandwidths are the seeds' figures (`../shared/seeds/`), and traffic volumes are the seeds'
+arithmetic. Those figures mix conventions: NVLink's 600/900 GB/s and InfiniBand's 50/100 GB/s are
 both directions of one GPU's links added together, PCIe's 32/64 GB/s is one direction. A ring
-collective is limited by one direction, so predictions made with the defaults are optimistic; set
-what your fabric measures (nccl-tests "busbw") with `--link.nvlink-gbps 370` and the like.
+collective is limited by one direction, and NCCL reaches less than the wire: collectives are
+priced at `Link.efficiency` of the figure (LINK_EFFICIENCY, measured on NVLink 4), or at what your
+fabric measures (nccl-tests "busbw") with `--link.nvlink-gbps 370` and the like.
 docs/planner.md tabulates seed figure against data-sheet figure for every entry.
 """
 
@@ -55,10 +56,13 @@ class Link:
     measured: object = field(default=None, compare=False, repr=False)
     """A `plait.planner.profile.HardwareProfile` whose collectives were measured over this link:
     measured (op, group size) pairs cost what they measured, the rest follow alpha-beta."""
+    efficiency: float = 1.0
+    """Share of `gbps` that collectives reach as bus bandwidth: LINK_EFFICIENCY for the catalog's
+    figures, 1 for one a user gives (`--link.nvlink-gbps 370`: what the link achieves)."""
 
     @property
     def bytes_per_s(self) -> float:
-        return self.gbps * GB
+        return self.gbps * GB * self.efficiency
 
     @property
     def latency_s(self) -> float:
@@ -92,17 +96,25 @@ def card_key(device_name: str) -> str | None:
     """The catalog entry of a card as torch names it, or None for one the catalog does not know."""
     return CARD_NAMES.get(device_name)
 
+# The catalog's bandwidths are the seeds' (and the vendors') figures per GPU, both directions
+# together: NVLink 4's 900 GB/s is 450 each way. NCCL's collectives reach a share of it as bus
+# bandwidth: on 4 x H200 over NVLink 4 the all-reduce ran at 357 GB/s at 1 GiB, all-gather 345,
+# reduce-scatter 326 (../NOTES, `hardware-h200.json`): 0.36-0.40 of 900. The planner prices an
+# uncalibrated link at 0.4 of its figure, InfiniBand too (a NIC's figure in both directions, of
+# which NCCL reaches about 90% one way). A calibrated cluster costs what it measured instead.
+LINK_EFFICIENCY = 0.4
+ONE_WAY_EFFICIENCY = 0.8  # PCIe's and Ethernet's figures are one direction already (an assumption: unmeasured here)
 # Seed figures (GB/s per GPU) and latencies (seed 002: NVLink ~1 us, IB 1-5 us, PCIe ~1 us).
 LINKS: dict[str, Link] = {
-    "nvlink2": Link("NVLink 2 (V100)", 300.0, 1.0),
-    "nvlink3": Link("NVLink 3 (A100)", 600.0, 1.0),
-    "nvlink4": Link("NVLink 4 (H100/H200)", 900.0, 1.0),
-    "nvlink5": Link("NVLink 5 (B200)", 1800.0, 1.0),
-    "pcie4": Link("PCIe Gen4 x16", 32.0, 1.0),
-    "pcie5": Link("PCIe Gen5 x16", 64.0, 1.0),
+    "nvlink2": Link("NVLink 2 (V100)", 300.0, 1.0, efficiency=LINK_EFFICIENCY),
+    "nvlink3": Link("NVLink 3 (A100)", 600.0, 1.0, efficiency=LINK_EFFICIENCY),
+    "nvlink4": Link("NVLink 4 (H100/H200)", 900.0, 1.0, efficiency=LINK_EFFICIENCY),
+    "nvlink5": Link("NVLink 5 (B200)", 1800.0, 1.0, efficiency=LINK_EFFICIENCY),
+    "pcie4": Link("PCIe Gen4 x16", 32.0, 1.0, efficiency=ONE_WAY_EFFICIENCY),
+    "pcie5": Link("PCIe Gen5 x16", 64.0, 1.0, efficiency=ONE_WAY_EFFICIENCY),
     "ib-hdr": Link("InfiniBand HDR", 50.0, 5.0),
     "ib-ndr": Link("InfiniBand NDR", 100.0, 5.0),
-    "ethernet": Link("Ethernet 200GbE", 25.0, 10.0),
+    "ethernet": Link("Ethernet 200GbE", 25.0, 10.0, efficiency=ONE_WAY_EFFICIENCY),
 }
 
 
@@ -228,7 +240,9 @@ def _override_link(c: Cluster, name: str, value) -> Cluster:
                 current: Link = getattr(c, slot)
                 kind = next((k for k, v in LINKS.items() if v.name == current.name), "")
                 if which in (slot, kind) or (kind.startswith(which) and which in ("nvlink", "ib", "pcie", "ethernet")):
-                    c = dataclasses.replace(c, **{slot: dataclasses.replace(current, **{attr: x})})
+                    # a bandwidth given is what the link achieves: no catalog share applies to it
+                    eff = {"efficiency": 1.0} if attr == "gbps" else {}
+                    c = dataclasses.replace(c, **{slot: dataclasses.replace(current, **{attr: x}, **eff)})
                     hit = True
             if not hit:
                 raise bad_value(f"--link.{name}", value, f"this cluster's links are {c.intra.name} (intra) "

@@ -346,6 +346,6 @@ def _explain(d, lay, c, prec, gb, m, sc, mem_rank, sched_name, makespan, bubble,
     for name, t in traffic.items():
         ex.append((f"traffic {name}", "; ".join(
             f"{x.count:g} x {x.op}({x.size_bytes / 2**20:.1f} MiB over {x.n}) = {x.bytes_per_device / 1e9:.3f} GB"
-            for x in t.collectives) + f" per device on {t.link.name} ({t.link.gbps:g} GB/s): "
+            for x in t.collectives) + f" per device on {t.link.name} ({t.link.bytes_per_s / 1e9:g} GB/s): "
             f"{t.time_s * 1e3:.2f} ms if nothing overlapped"))
     return tuple(ex)

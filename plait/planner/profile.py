@@ -324,7 +324,7 @@ def apply_profile(c, prof: HardwareProfile, path: str = "the profile"):
     intra = c.intra
     fit = prof.fitted_link()
     if fit is not None:
-        intra = dataclasses.replace(intra, name=f"{intra.name}, measured", gbps=fit[0], latency_us=fit[1],
+        intra = dataclasses.replace(intra, name=f"{intra.name}, measured", gbps=fit[0], latency_us=fit[1], efficiency=1.0,
                                     measured=prof)
     hbm_eff = min(1.0, prof.pointwise_gbps / gpu.hbm_gbps)
     return dataclasses.replace(c, gpu=gpu, dtype=dtype, intra=intra, hbm_efficiency=hbm_eff, profile=prof)

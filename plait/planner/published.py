@@ -15,6 +15,7 @@ import statistics
 from dataclasses import dataclass, field
 
 TORCHTITAN = "https://github.com/pytorch/torchtitan/blob/main/docs/performance.md"
+MEGATRON_2021 = "https://arxiv.org/abs/2104.04473"  # Narayanan et al., Table 1
 # Llama 2 shapes (the presets are Llama 3's); vocabulary 32,000, sequence 4,096
 LLAMA2_13B = dict(layers=40, hidden=5120, heads=40, kv_heads=40, ffn=13824, vocab=32000, seq=4096)
 LLAMA2_70B = dict(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=32000, seq=4096)
@@ -33,6 +34,9 @@ class Published:
     tokens_per_s_per_gpu: float
     preset: str | None = None
     shape: dict = field(default_factory=dict)
+    tuned: tuple = ()
+    """Layouts the publication leaves open, as (micro_batch, schedule, v) choices (its authors tuned
+    them): the run is priced with the fastest that fits."""
 
 
 
@@ -74,6 +78,45 @@ RUNS: tuple[Published, ...] = (
 )
 
 
+def megatron_tokens_per_s(tflops: float, layers: int, hidden: int, seq: int = 2048, vocab: int = 51200) -> float:
+    """Tokens/s a GPU of Narayanan et al. 2021 ran at, from the teraFLOP/s they report and their
+    count of a token's FLOPs with full recomputation, 96 l h^2 (1 + s / 6h + V / 16lh) (their eq. 3
+    per token)."""
+    per_token = 96 * layers * hidden ** 2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+    return tflops * 1e12 / per_token
+
+
+def _megatron(params: str, heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: int, batch: int,
+              tflops: float) -> Published:
+    """A row of Narayanan et al. 2021's Table 1: GPT on A100 80GB (DGX A100, 8 a node, InfiniBand
+    HDR between), fp16 with fp32 masters, full recomputation, V = 51,200, s = 2,048. The table gives
+    no micro-batch or schedule: the planner takes the fastest of those it can run (`tuned`)."""
+    shape = dict(arch="gpt", layers=layers, hidden=hidden, heads=heads, vocab=51200, seq=2048)
+    tuned = tuple((mb, sched, v) for mb in (1, 2, 4, 8)
+                  for sched, v in ((("1f1b", 1), ("interleaved", 2), ("interleaved", 4)) if pp > 1 else (("1f1b", 1),)))
+    return Published(f"Megatron-LM GPT {params}B, TP {tp} PP {pp}, full recompute", MEGATRON_2021, "a100-80gb",
+                     gpus // 8, 8, dict(tp=tp, pp=pp, dp=gpus // (tp * pp), zero=0, recompute="full"), batch,
+                     megatron_tokens_per_s(tflops, layers, hidden), None, shape, tuned)
+
+
+# Narayanan et al. 2021, Table 1 (weak scaling on Selene): params, heads, hidden, layers, TP, PP,
+# GPUs, batch, achieved teraFLOP/s per GPU
+MEGATRON_RUNS = tuple(_megatron(*row) for row in (
+    ("1.7", 24, 2304, 24, 1, 1, 32, 512, 137), ("3.6", 32, 3072, 30, 2, 1, 64, 512, 138),
+    ("7.5", 32, 4096, 36, 4, 1, 128, 512, 142), ("18.4", 48, 6144, 40, 8, 1, 256, 1024, 135),
+    ("39.1", 64, 8192, 48, 8, 2, 512, 1536, 138), ("76.1", 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    ("145.6", 96, 12288, 80, 8, 8, 1536, 2304, 148), ("310.1", 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    ("529.6", 128, 20480, 105, 8, 35, 2520, 2520, 163), ("1008.0", 160, 25600, 128, 8, 64, 3072, 3072, 163)))
+RUNS = RUNS + MEGATRON_RUNS
+
+
+def inputs_dims(r: Published):
+    """The model a published run trained, as the planner builds it."""
+    from plait.planner import inputs
+
+    return inputs.model_dims(r.preset, **r.shape)
+
+
 @dataclass(frozen=True)
 class Checked:
     run: Published
@@ -88,16 +131,26 @@ class Checked:
 
 
 def check(runs: tuple[Published, ...] = RUNS) -> list[Checked]:
+    from plait.errors import UserError
     from plait.planner import inputs
     from plait.planner.hardware import cluster
     from plait.planner.predict import predict
 
+
     out = []
     for r in runs:
-        d = inputs.model_dims(r.preset, **r.shape)
+        d = inputs_dims(r)
         c = cluster(r.gpu, r.nodes, r.gpus_per_node)
-        p = predict(d, inputs.make_layout(c, **r.layout), c, r.global_batch, "mixed")
-        out.append(Checked(r, p.tokens_per_s / c.n_gpus, p.fits))
+        best = None
+        for mb, sched, v in r.tuned or ((None, None, None),):
+            knobs = {} if mb is None else dict(micro_batch=mb, schedule=sched, v=v)
+            try:
+                p = predict(d, inputs.make_layout(c, **{**r.layout, **knobs}), c, r.global_batch, "mixed")
+            except UserError:  # a choice this batch or split cannot take
+                continue
+            if best is None or (p.fits, p.tokens_per_s) > (best.fits, best.tokens_per_s):
+                best = p
+        out.append(Checked(r, best.tokens_per_s / c.n_gpus, best.fits))
     return out
 
 

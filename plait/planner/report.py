@@ -20,7 +20,7 @@ SCHEMA = "plait.plan/1"
 
 
 def _link(link: Link) -> dict:
-    return {"name": link.name, "gbps": link.gbps, "latency_us": link.latency_us}
+    return {"name": link.name, "gbps": link.gbps, "efficiency": link.efficiency, "latency_us": link.latency_us}
 
 
 def header_dict(d: ModelDims, c: Cluster, global_batch: int, precision: str) -> dict:
@@ -115,7 +115,7 @@ def breakdown_text(p: Prediction, explain: bool = False) -> str:
     if not p.traffic:
         lines.append("  (none: a single GPU)")
     for name, t in p.traffic.items():
-        lines.append(f"  {name:<13} group {t.n:<4} {t.link.name} ({t.link.gbps:g} GB/s"
+        lines.append(f"  {name:<13} group {t.n:<4} {t.link.name} ({t.link.bytes_per_s / 1e9:g} GB/s"
                      f"{', crosses nodes' if t.crosses_nodes else ''}): {_bytes(t.bytes_per_device)} in "
                      f"{t.count:g} collectives, {t.time_s:.3f} s if nothing overlapped")
     t = p.step_time_s

@@ -76,20 +76,45 @@ def layer_times(d: ModelDims, tokens: float, c: Cluster, tp: int = 1, fp8: str =
         fwd, dgrad, wgrad = fp8_linear_times(d, m, c, tp, fp8, fp8_gathered)
     else:
         fwd, dgrad, wgrad = (sum(linear_time_s(op, m, k, n, c) for k, n in shapes) for op in ("fwd", "dgrad", "wgrad"))
-    # causal: a query meets s/2 keys on average (with CP too: the ring brings the rest); 4 FLOPs
-    # per (query, key, head-dim element) for QK^T and AV
-    attn_flops = m * 4 * (d.seq / 2) * d.heads * d.head_dim / tp
-    attn_bytes = e * m * (h + 2 * kv + h) / tp
-    attn, attn_b = kernel_time_s(attn_flops, attn_bytes, c), None
-    heads, kv_heads = d.heads / tp, max(1.0, d.kv_heads / tp)
-    measured = c.profile.attention_s(m / d.seq, d.seq, heads, kv_heads, d.head_dim, c.peak_flops) if c.profile else None
-    if measured is not None:
-        attn, attn_b = measured
+    if d.arch == "gpt":
+        attn, attn_b = megatron_attention_s(d, m, c, tp)
+    else:
+        # causal: a query meets s/2 keys on average (with CP too: the ring brings the rest); 4 FLOPs
+        # per (query, key, head-dim element) for QK^T and AV
+        attn_flops = m * 4 * (d.seq / 2) * d.heads * d.head_dim / tp
+        attn_bytes = e * m * (h + 2 * kv + h) / tp
+        attn, attn_b = kernel_time_s(attn_flops, attn_bytes, c), None
+        heads, kv_heads = d.heads / tp, max(1.0, d.kv_heads / tp)
+        measured = c.profile.attention_s(m / d.seq, d.seq, heads, kv_heads, d.head_dim, c.peak_flops) if c.profile else None
+        if measured is not None:
+            attn, attn_b = measured
     # pointwise: 2 norms, 2 residual adds, RoPE on q and k, gated activation; read + write
     pw_bytes = e * m * (8 * h + 4 * (h + kv) + 3 * f) / tp
     pw = kernel_time_s(0.0, pw_bytes, c)
     return LayerTimes(forward_s=fwd + attn + pw, backward_input_s=dgrad + (attn_b if attn_b is not None else 2.5 * attn)
                       + 2 * pw, backward_weight_s=wgrad, attention_forward_s=attn, pointwise_forward_s=pw)
+
+
+# Bytes a GPT layer's attention moves per element of its (heads/tp) x s x s scores, in Megatron's
+# kernels (Korthikanti et al. 2022, whose activation memory `memory.gpt_layer_activation_bytes`
+# follows): the forward writes the QK^T scores (2), the fused scale-mask-softmax reads and writes
+# them (4), the attention dropout reads, writes and keeps a 1-byte mask (5) and AV reads the result
+# (2); the backward writes dP (2), takes the dropout (5) and the softmax (6) back, and reads the
+# score gradient for dQ and dK (4) and the probabilities for dV (2).
+SCORE_BYTES = {"forward": 13.0, "backward": 19.0}
+
+
+def megatron_attention_s(d: ModelDims, tokens: float, c: Cluster, tp: int = 1) -> tuple[float, float]:
+    """(forward, backward) seconds of a GPT layer's attention as Megatron-LM runs it: the scores
+    materialised, QK^T and AV as batched GEMMs over the whole square (the causal mask is applied
+    to the scores, not skipped), the softmax and dropout as memory-bound passes over them
+    (`SCORE_BYTES`). The planner's GPT architecture is this model's (its activation memory keeps
+    these scores); its Llama is plait's, whose fused attention skips the masked half and keeps none."""
+    scores = tokens * d.seq * d.heads / tp  # elements: each token's query meets every key, per head
+    gemm = 2 * 2 * scores * d.head_dim  # QK^T and AV
+    fwd = kernel_time_s(gemm, 0.0, c) + kernel_time_s(0.0, SCORE_BYTES["forward"] * scores, c)
+    bwd = kernel_time_s(2 * gemm, 0.0, c) + kernel_time_s(0.0, SCORE_BYTES["backward"] * scores, c)
+    return fwd, bwd
 
 
 def linear_time_s(op: str, tokens: float, fin: float, fout: float, c: Cluster) -> float:
