@@ -16,8 +16,8 @@ SEND_F / RECV_F / SEND_B / RECV_B actions. The executor walks it:
     matrix's gradient waits for the stage's W: `plait.loss.linear_cross_entropy`'s `defer`). plait's
     fused loss forms the head's gradients while it computes the loss, so it costs as much as 3-4
     layers; in F it would make the last stage's forward the slowest action of every schedule, which
-    GPipe's all-forward phase runs
-    at the pace of (the planner prices 1b's GPipe step on 4 x H100 1.15x longer so). Its F and B
+    GPipe's all-forward phase runs at the pace of (the planner prices 1b's GPipe step on 4 x H100
+    1.15x longer so). Its F and B
     together are unchanged;
     1F1B, interleaved and ZB-H1 run the pair back to back on the last stage anyway;
   - before every action that produces parameter gradients the engine is told whether it is the

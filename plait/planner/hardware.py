@@ -100,8 +100,8 @@ def card_key(device_name: str) -> str | None:
 # together: NVLink 4's 900 GB/s is 450 each way. NCCL's collectives reach a share of it as bus
 # bandwidth: on 4 x H200 over NVLink 4 the all-reduce ran at 357 GB/s at 1 GiB, all-gather 345,
 # reduce-scatter 326 (../NOTES, `hardware-h200.json`): 0.36-0.40 of 900. The planner prices an
-# uncalibrated link at 0.4 of its figure, InfiniBand too (a NIC's figure in both directions, of
-# which NCCL reaches about 90% one way). A calibrated cluster costs what it measured instead.
+# uncalibrated NVLink at 0.4 of its figure. InfiniBand, never measured here, keeps its figure (both
+# directions too, so up to 2x optimistic). A calibrated cluster costs what it measured instead.
 LINK_EFFICIENCY = 0.4
 ONE_WAY_EFFICIENCY = 0.8  # PCIe's and Ethernet's figures are one direction already (an assumption: unmeasured here)
 # Seed figures (GB/s per GPU) and latencies (seed 002: NVLink ~1 us, IB 1-5 us, PCIe ~1 us).

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from plait.errors import UserError, bad_value
 from plait.parallel import rules
 from plait.parallel.stages import stage_layers  # noqa: F401  (the split the runtime uses)
-from plait.parallel.schedules import SCHEDULES, check_args
+from plait.parallel.schedules import SCHEDULES, SPLIT_BACKWARD, check_args
 from plait.planner.costs import RECOMPUTE, ModelDims
 from plait.planner.hardware import GPUS, Cluster
 
@@ -58,6 +58,13 @@ class Layout:
     head_wgrad_in_b: bool = False
     """A zero-bubble pipeline's last stage formed the output matrix's gradient in its B, as plait did
     before the fused loss deferred it to the stage's W (recorded runs: `plait.planner.recorded`)."""
+
+    @property
+    def head_wgrad_in_w(self) -> bool:
+        """The last stage's W forms the output matrix's gradient (plait/loss.py's `defer`): a
+        zero-bubble pipeline with the head in its B slot, as plait runs it now."""
+        return (self.schedule in SPLIT_BACKWARD and self.pp > 1
+                and not (self.head_wgrad_in_b or self.head_in_forward))
 
     eager_head: bool = False
     """The final norm ran eager and the fused loss scaled its gradients by 1/count in passes of their

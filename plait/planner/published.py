@@ -136,7 +136,6 @@ def check(runs: tuple[Published, ...] = RUNS) -> list[Checked]:
     from plait.planner.hardware import cluster
     from plait.planner.predict import predict
 
-
     out = []
     for r in runs:
         d = inputs_dims(r)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 
-from plait.parallel.schedules import SPLIT_BACKWARD, build_schedule, peak_activation_units, place, stage_of
+from plait.parallel.schedules import build_schedule, peak_activation_units, place, stage_of
 from plait.planner import costs, memory
 from plait.planner.costs import ModelDims
 from plait.planner.hardware import GIB, Cluster
@@ -128,6 +128,6 @@ def _loss_bytes(d: ModelDims, lay: Layout, sched_name: str, m: int, sc: StageCos
     rank's vocabulary rows."""
     tokens = lay.micro_batch * d.seq // lay.cp
     out = memory.loss_chunk_bytes(d, tokens, lay.tp, lay.compile, e, lay.eager_head)
-    if sched_name in SPLIT_BACKWARD and lay.pp > 1 and not (lay.head_wgrad_in_b or lay.head_in_forward):
+    if lay.head_wgrad_in_w:
         out += pending_head_w(sched_name, lay.pp, m, lay.v, sc.order_costs) * tokens * -(-d.vocab // lay.tp) * e
     return out

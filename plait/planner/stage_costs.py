@@ -298,7 +298,7 @@ def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, m: int =
             # slot (plait/parallel/pipeline.py), in its F for runs recorded before that
             head = head_f + head_b if last else 0.0
             # a zero-bubble schedule's fused loss defers the output matrix's gradient to W (plait/loss.py)
-            head_w = head_wgrad if last and split and not (lay.head_in_forward or lay.head_wgrad_in_b) else 0.0
+            head_w = head_wgrad if last and lay.head_wgrad_in_w else 0.0
             f = n * f1 + (head if lay.head_in_forward else 0.0) + (root_f if st == 0 else 0.0)
             bi = n * bi1 + (0.0 if lay.head_in_forward else head - head_w) + (root_b if st == 0 else 0.0)
             bw = n * bw1 + head_w
