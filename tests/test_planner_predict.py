@@ -54,10 +54,30 @@ def test_tp_collectives_per_layer():
     # attention's all-reduce but not the MLP's (Megatron's reentrant recompute replays both: 6)
     rc = layers(predict(GPT3, Layout(tp=8, sp=False, recompute="full"), c, 1).traffic["tp"])
     assert rc.count == 5 * 96
+    whole = layers(predict(GPT3, Layout(tp=8, sp=False, recompute="full", recompute_whole=True), c, 1).traffic["tp"])
+    assert whole.count == 6 * 96
     rc_sp = layers(predict(GPT3, Layout(tp=8, sp=True, recompute="full"), c, 1).traffic["tp"])
     assert rc_sp.count == 11 * 96  # 4 + 4 + the replayed 2 all-gathers and 1 reduce-scatter
     four = layers(predict(GPT3, Layout(tp=8, sp=False), c, 4).traffic["tp"])
     assert four.count == 4 * 384  # per micro-batch
+
+
+def test_tp_without_sp_runs_the_hidden_states_pointwise_work_on_every_rank():
+    """Without sequence parallelism each TP rank runs the norms and residual adds (Llama; GPT also
+    its bias-dropout-adds) on the whole micro-batch: those bytes are not divided by tp, while RoPE,
+    the activations and attention's output copy, on tensors TP splits, are."""
+    from plait.planner import roofline
+
+    c, tokens, e = cluster("a100-80gb", 1, 8), 4096, 2.0
+    for d in (GPT3, L8B):
+        whole, split = roofline.POINTWISE_ELEMENTS[d.arch](d)
+        for tp in (1, 8):
+            sp, rep = roofline.layer_times(d, tokens, c, tp, sp=True), roofline.layer_times(d, tokens, c, tp, sp=False)
+            assert sp.pointwise_forward_s == pytest.approx(roofline.kernel_time_s(0.0, e * tokens * (whole + split) / tp, c))
+            assert rep.pointwise_forward_s == pytest.approx(roofline.kernel_time_s(0.0, e * tokens * (whole + split / tp), c))
+            assert rep.forward_s - sp.forward_s == pytest.approx(rep.pointwise_forward_s - sp.pointwise_forward_s)
+            assert (rep.forward_s > sp.forward_s) == (tp > 1)
+    assert roofline.POINTWISE_ELEMENTS["gpt"](GPT3) == (11 * 12288, 2 * 12288 + 2 * 4 * 12288)
 
 
 def test_dp_traffic_ddp_zero1_zero2_zero3():

@@ -21,10 +21,12 @@ def test_every_published_run_is_predicted():
     # full recomputation prices the same work torchtitan ran: within 10%
     full = [abs(c.error) for c in checks if c.run.layout["recompute"] == "full" and c.run.source == published.TORCHTITAN]
     assert full and max(full) < 0.10, published.table(checks)
-    # Megatron-LM's GPT runs on 32-3,072 A100s (TP, PP, DP; Narayanan et al. 2021): 9.1% mean when written
+    # Megatron-LM's GPT runs on 32-3,072 A100s (TP, PP, DP; Narayanan et al. 2021): 2.5% mean, 7.6%
+    # worst when written (Calculon, an analytical model of its own, reports 3.65% and 8.87% on them)
     megatron = [abs(c.error) for c in checks if c.run.source == published.MEGATRON_2021]
-    assert len(megatron) == 10 and statistics.mean(megatron) < 0.10 and max(megatron) < 0.18, published.table(checks)
-    assert statistics.mean(errors) < 0.12 and max(errors) < 0.25, published.table(checks)
+    assert len(megatron) == 10 and statistics.mean(megatron) < 0.03 and max(megatron) < 0.08, published.table(checks)
+    # all 16: 4.6% mean, 13.1% worst (torchtitan's selective and no-AC rows, 11-13% fast)
+    assert statistics.mean(errors) < 0.05 and max(errors) < 0.14, published.table(checks)
 
 
 def test_megatron_rows_are_priced_with_megatrons_attention_and_nvlinks_measured_share():
@@ -72,7 +74,45 @@ def test_torchtitans_selective_op_policy_is_priced_as_the_work_it_recomputes():
                                   for r in sel))
     for a, b in zip(priced, plain):
         assert 0.08 < b.predicted / a.predicted - 1 < 0.16, (a.run.name, a.predicted, b.predicted)
-        assert abs(a.error) < abs(b.error)
+    # on 70B at one sequence the fp32 reduce-scatters bound the step either way (-4.9% priced, +3.0%
+    # without the matmuls); over the three rows the priced policy is the closer
+    assert statistics.mean(abs(a.error) for a in priced) < statistics.mean(abs(b.error) for b in plain) - 0.05
+
+
+def test_megatron_2021_runs_are_priced_as_its_table_script_ran_them():
+    """What the Megatron-LM rows take from Megatron-LM 2021 (its paper and the script that made its
+    Table 1, `published.MEGATRON_SC21`): the script's micro-batches and interleaving; tensor
+    parallelism without sequence parallelism (every TP rank runs the norms and dropouts on the
+    whole micro-batch: 7.5% mean error without it); a reentrant checkpoint that replays both
+    all-reduces of a layer (3.7% without it); its "local" DDP's all-reduce after the backward on
+    the pipelined rows (2.8%). Breaking any one makes the ten rows worse."""
+    import dataclasses
+
+    def mean(runs) -> float:
+        return statistics.mean(abs(c.error) for c in published.check(tuple(runs)))
+
+    rows = published.MEGATRON_RUNS
+    assert [r.layout["micro_batch"] for r in rows] == [16, 16, 16, 8, 4, 2, 2, 1, 1, 1]
+    assert [r.layout["v"] for r in rows] == [1, 1, 1, 1, 1, 3, 2, 2, 3, 1]
+    base = mean(rows)
+    for knob, broken in (("sp", True), ("recompute_whole", False), ("grad_overlap", True)):
+        assert mean(dataclasses.replace(r, layout={**r.layout, knob: broken}) for r in rows) > base + 0.003, knob
+
+
+def test_torchtitan_rows_reduce_gradients_in_fp32():
+    """torchtitan's FSDP2 reduces gradients in fp32 (its default mixed_precision_reduce): twice the
+    reduce-scatter bytes of a 16-bit reduction. Priced with 16-bit reductions its six rows came out
+    11.8% fast on average, 8.0% with them in fp32."""
+    import dataclasses
+
+    from plait.planner.memory import PRECISIONS
+
+    assert PRECISIONS["mixed-fp32-reduce"].wire_grad_bytes == 4 and PRECISIONS["mixed"].wire_grad_bytes == 2
+    rows = tuple(r for r in published.RUNS if r.source == published.TORCHTITAN)
+    fp32 = statistics.mean(abs(c.error) for c in published.check(rows))
+    bf16 = statistics.mean(abs(c.error) for c in published.check(tuple(dataclasses.replace(r, precision="mixed")
+                                                                     for r in rows)))
+    assert fp32 < 0.09 and bf16 > fp32 + 0.03, (fp32, bf16)
 
 
 def test_plan_published_prints_the_table(capsys):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from plait.parallel.schedules import SCHEDULES
+from plait.planner.memory import PRECISIONS
 
 NAME = "plan"
 HELP = ("Predict memory per GPU, traffic per mesh dim, step time and MFU of a parallel layout, or "
@@ -29,8 +30,9 @@ def add_arguments(p) -> None:
     t = p.add_argument_group("training step")
     t.add_argument("--global-batch", type=int, default=512, help="sequences per optimizer step")
     t.add_argument("--micro-batch", type=int, help="sequences per micro-batch per data-parallel rank")
-    t.add_argument("--precision", default="mixed", choices=("mixed", "lecture", "fp32"),
-                   help="bytes per parameter: mixed = ZeRO paper and plait (2+2+12), lecture = 2+2+8, fp32")
+    t.add_argument("--precision", default="mixed", choices=tuple(PRECISIONS),
+                   help="bytes per parameter: mixed = ZeRO paper and plait (2+2+12), lecture = 2+2+8, fp32; "
+                        "mixed-fp32-reduce = mixed with gradients reduced in fp32 (FSDP2's reduce_dtype)")
     lay = p.add_argument_group("layout (giving any of --tp --pp --dp --cp predicts that layout; dp defaults "
                                "to what the others leave; without them, or with --search, plan searches)")
     for flag in ("tp", "pp", "dp", "cp", "dp-replicate", "v"):

@@ -62,7 +62,7 @@ def make_layout(c: Cluster, tp=None, pp=None, dp=None, cp=None, dp_replicate=Non
                 schedule=None, micro_batch=None, recompute=None, sp=True, compile=True, cp_impl=None,
                 stage_split="", head_in_forward=False, recompute_matmuls=0.0, zero3_whole_root=False,
                 zero3_cast_once=False, eager_head=False, fp8="off", zero3_fp8_gather=False,
-                head_wgrad_in_b=False) -> Layout:
+                head_wgrad_in_b=False, grad_overlap=True, recompute_whole=False) -> Layout:
     """A full layout from the degrees given; dp defaults to what the others leave."""
     tp, pp, cp = tp or 1, pp or 1, cp or 1
     for flag, val in (("--tp", tp), ("--pp", pp), ("--cp", cp)):
@@ -81,7 +81,8 @@ def make_layout(c: Cluster, tp=None, pp=None, dp=None, cp=None, dp_replicate=Non
                   recompute=recompute or "none", sp=sp, compile=compile, cp_impl=cp_impl or "ring",
                   stage_split=stage_split or "", head_in_forward=head_in_forward, recompute_matmuls=recompute_matmuls,
                   zero3_whole_root=zero3_whole_root, zero3_cast_once=zero3_cast_once, eager_head=eager_head, fp8=fp8,
-                  zero3_fp8_gather=zero3_fp8_gather, head_wgrad_in_b=head_wgrad_in_b)
+                  zero3_fp8_gather=zero3_fp8_gather, head_wgrad_in_b=head_wgrad_in_b, grad_overlap=grad_overlap,
+                  recompute_whole=recompute_whole)
 
 
 def make_space(tp=None, pp=None, cp=None, dp_replicate=None, zero=None, v=None, schedule=None,

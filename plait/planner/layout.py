@@ -76,6 +76,16 @@ class Layout:
     (`parallel.zero3_cast_once`): one cast a unit a step instead of one a gather, and 2 bytes a
     parameter over the shard group more memory."""
 
+    recompute_whole: bool = False
+    """Full recomputation replays each layer's whole forward, its last TP collective too (a reentrant
+    checkpoint, as Megatron-LM ran in 2021); plait's non-reentrant checkpoint stops at the last
+    tensor its backward needs (published runs: `plait.planner.published`)."""
+
+    grad_overlap: bool = True
+    """DDP all-reduces gradient buckets as the backward frees them (plait's DDP, torch's); False: one
+    all-reduce after the whole backward, as Megatron-LM's "local" DDP ran its 2021 pipelined runs
+    (published runs: `plait.planner.published`)."""
+
     fp8: str = "off"
     """The blocks' linears run as FP8 GEMMs with this scaling (`train.fp8`: off, tensorwise, rowwise)."""
 

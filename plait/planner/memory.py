@@ -55,6 +55,8 @@ PRECISIONS = {
     "mixed": Precision("mixed", 2, 2, 4, 8),
     "lecture": Precision("lecture", 2, 2, 4, 4),
     "fp32": Precision("fp32", 4, 4, 0, 8, act_bytes=4),
+    # FSDP2 with reduce_dtype fp32 (torchtitan's default): 16-bit gradients reduced as fp32 on the wire
+    "mixed-fp32-reduce": Precision("mixed-fp32-reduce", 2, 2, 4, 8, grad_comm_bytes=4),
 }
 
 

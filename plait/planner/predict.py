@@ -137,7 +137,9 @@ def _sync_s(lay: Layout, psi: float, last: float, m: int, prec: Precision,
     3.0 ms of all-reduce ran after the backward, the embedding's bucket)."""
     shard, hidden, after = lay.shard_group, (), 0.0
     last = min(last, psi)
-    if lay.zero == 0 and lay.grad_group > 1:
+    if lay.zero == 0 and lay.grad_group > 1 and not lay.grad_overlap:  # one all-reduce after the backward
+        after += Collective("all_reduce", psi * prec.wire_grad_bytes, lay.grad_group, 1, "").time_s(sc.links["grad"][0])
+    elif lay.zero == 0 and lay.grad_group > 1:
         link = sc.links["grad"][0]
         hidden = (("all_reduce", Collective("all_reduce", (psi - last) * prec.wire_grad_bytes, lay.grad_group, 1,
                                             "").time_s(link)),)

@@ -34,9 +34,8 @@ class Published:
     tokens_per_s_per_gpu: float
     preset: str | None = None
     shape: dict = field(default_factory=dict)
-    tuned: tuple = ()
-    """Layouts the publication leaves open, as (micro_batch, schedule, v) choices (its authors tuned
-    them): the run is priced with the fastest that fits."""
+    precision: str = "mixed"
+    """`plait.planner.memory.PRECISIONS`: what its parameters, gradients and their reduction took."""
 
 
 
@@ -59,22 +58,24 @@ def _op_sac(preset: str | None, shape: dict) -> dict:
     return dict(recompute="selective", recompute_matmuls=torchtitan_op_sac(d.hidden, d.kv_dim, d.ffn))
 
 
-# torchtitan, FSDP2 on 64 A100 80GB (8 nodes x 8), bf16 compute, local batch 1-2 sequences. Its
+# torchtitan, FSDP2 on 64 A100 80GB (8 nodes x 8), bf16 compute and all-gathers, fp32 gradient
+# reduce-scatters (its default mixed_precision_reduce), local batch 1-2 sequences. Its
 # "selective op" checkpointing is plait's selective plus a third of the block's matmuls again
 # (`torchtitan_op_sac`: 36-39% of their forward FLOPs for these shapes).
+TT_PRECISION = "mixed-fp32-reduce"
 RUNS: tuple[Published, ...] = (
     Published("torchtitan Llama 3 8B, FSDP2, selective op AC", TORCHTITAN, "a100-80gb", 8, 8,
-              dict(dp=64, zero=3, micro_batch=1, **_op_sac("8b", dict(seq=8192))), 64, 2973, "8b", dict(seq=8192)),
+              dict(dp=64, zero=3, micro_batch=1, **_op_sac("8b", dict(seq=8192))), 64, 2973, "8b", dict(seq=8192), precision=TT_PRECISION),
     Published("torchtitan Llama 3 70B, FSDP2, full AC", TORCHTITAN, "a100-80gb", 8, 8,
-              dict(dp=64, zero=3, micro_batch=1, recompute="full"), 64, 331, "70b", dict(seq=8192)),
+              dict(dp=64, zero=3, micro_batch=1, recompute="full"), 64, 331, "70b", dict(seq=8192), precision=TT_PRECISION),
     Published("torchtitan Llama 2 13B, FSDP2, no AC", TORCHTITAN, "a100-80gb", 8, 8,
-              dict(dp=64, zero=3, micro_batch=2, recompute="none"), 128, 2162, None, LLAMA2_13B),
+              dict(dp=64, zero=3, micro_batch=2, recompute="none"), 128, 2162, None, LLAMA2_13B, precision=TT_PRECISION),
     Published("torchtitan Llama 2 13B, FSDP2, selective op AC", TORCHTITAN, "a100-80gb", 8, 8,
-              dict(dp=64, zero=3, micro_batch=2, **_op_sac(None, LLAMA2_13B)), 128, 1904, None, LLAMA2_13B),
+              dict(dp=64, zero=3, micro_batch=2, **_op_sac(None, LLAMA2_13B)), 128, 1904, None, LLAMA2_13B, precision=TT_PRECISION),
     Published("torchtitan Llama 2 70B, FSDP2, selective op AC", TORCHTITAN, "a100-80gb", 8, 8,
-              dict(dp=64, zero=3, micro_batch=1, **_op_sac(None, LLAMA2_70B)), 64, 355, None, LLAMA2_70B),
+              dict(dp=64, zero=3, micro_batch=1, **_op_sac(None, LLAMA2_70B)), 64, 355, None, LLAMA2_70B, precision=TT_PRECISION),
     Published("torchtitan Llama 2 70B, FSDP2, full AC", TORCHTITAN, "a100-80gb", 8, 8,
-              dict(dp=64, zero=3, micro_batch=2, recompute="full"), 128, 353, None, LLAMA2_70B),
+              dict(dp=64, zero=3, micro_batch=2, recompute="full"), 128, 353, None, LLAMA2_70B, precision=TT_PRECISION),
 )
 
 
@@ -86,27 +87,37 @@ def megatron_tokens_per_s(tflops: float, layers: int, hidden: int, seq: int = 20
     return tflops * 1e12 / per_token
 
 
+MEGATRON_SC21 = "https://github.com/NVIDIA/Megatron-LM/blob/main/examples/sc21/run_table_1.sh"
+
+
 def _megatron(params: str, heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: int, batch: int,
-              tflops: float) -> Published:
+              tflops: float, micro_batch: int, layers_per_chunk: int | None) -> Published:
     """A row of Narayanan et al. 2021's Table 1: GPT on A100 80GB (DGX A100, 8 a node, InfiniBand
-    HDR between), fp16 with fp32 masters, full recomputation, V = 51,200, s = 2,048. The table gives
-    no micro-batch or schedule: the planner takes the fastest of those it can run (`tuned`)."""
+    HDR between), fp16 with fp32 masters, full recomputation, V = 51,200, s = 2,048, tensor
+    parallelism without sequence parallelism (which Korthikanti et al. added in 2022: every TP rank
+    ran the norms and dropouts on the whole micro-batch), each layer recomputed by a reentrant
+    checkpoint that replays its forward to the end, both all-reduces included. The paper gives no micro-batch or
+    schedule; Megatron-LM's script for the table (`MEGATRON_SC21`) does: the micro-batch, the
+    interleaved schedule where it sets layers per virtual stage, and torch's DDP (all-reduce beside
+    the backward) without a pipeline, its own "local" DDP (all-reduce after it) with one."""
     shape = dict(arch="gpt", layers=layers, hidden=hidden, heads=heads, vocab=51200, seq=2048)
-    tuned = tuple((mb, sched, v) for mb in (1, 2, 4, 8)
-                  for sched, v in ((("1f1b", 1), ("interleaved", 2), ("interleaved", 4)) if pp > 1 else (("1f1b", 1),)))
+    v = layers // pp // layers_per_chunk if layers_per_chunk else 1
+    layout = dict(tp=tp, pp=pp, dp=gpus // (tp * pp), zero=0, recompute="full", recompute_whole=True, sp=False,
+                  micro_batch=micro_batch,
+                  schedule="interleaved" if v > 1 else "1f1b", v=v, grad_overlap=pp == 1)
     return Published(f"Megatron-LM GPT {params}B, TP {tp} PP {pp}, full recompute", MEGATRON_2021, "a100-80gb",
-                     gpus // 8, 8, dict(tp=tp, pp=pp, dp=gpus // (tp * pp), zero=0, recompute="full"), batch,
-                     megatron_tokens_per_s(tflops, layers, hidden), None, shape, tuned)
+                     gpus // 8, 8, layout, batch, megatron_tokens_per_s(tflops, layers, hidden), None, shape)
 
 
 # Narayanan et al. 2021, Table 1 (weak scaling on Selene): params, heads, hidden, layers, TP, PP,
-# GPUs, batch, achieved teraFLOP/s per GPU
+# GPUs, batch, achieved teraFLOP/s per GPU; then from `MEGATRON_SC21`: micro-batch, layers per
+# virtual pipeline stage (None: one chunk a rank)
 MEGATRON_RUNS = tuple(_megatron(*row) for row in (
-    ("1.7", 24, 2304, 24, 1, 1, 32, 512, 137), ("3.6", 32, 3072, 30, 2, 1, 64, 512, 138),
-    ("7.5", 32, 4096, 36, 4, 1, 128, 512, 142), ("18.4", 48, 6144, 40, 8, 1, 256, 1024, 135),
-    ("39.1", 64, 8192, 48, 8, 2, 512, 1536, 138), ("76.1", 80, 10240, 60, 8, 4, 1024, 1792, 140),
-    ("145.6", 96, 12288, 80, 8, 8, 1536, 2304, 148), ("310.1", 128, 16384, 96, 8, 16, 1920, 2160, 155),
-    ("529.6", 128, 20480, 105, 8, 35, 2520, 2520, 163), ("1008.0", 160, 25600, 128, 8, 64, 3072, 3072, 163)))
+    ("1.7", 24, 2304, 24, 1, 1, 32, 512, 137, 16, None), ("3.6", 32, 3072, 30, 2, 1, 64, 512, 138, 16, None),
+    ("7.5", 32, 4096, 36, 4, 1, 128, 512, 142, 16, None), ("18.4", 48, 6144, 40, 8, 1, 256, 1024, 135, 8, None),
+    ("39.1", 64, 8192, 48, 8, 2, 512, 1536, 138, 4, None), ("76.1", 80, 10240, 60, 8, 4, 1024, 1792, 140, 2, 5),
+    ("145.6", 96, 12288, 80, 8, 8, 1536, 2304, 148, 2, 5), ("310.1", 128, 16384, 96, 8, 16, 1920, 2160, 155, 1, 3),
+    ("529.6", 128, 20480, 105, 8, 35, 2520, 2520, 163, 1, 1), ("1008.0", 160, 25600, 128, 8, 64, 3072, 3072, 163, 1, None)))
 RUNS = RUNS + MEGATRON_RUNS
 
 
@@ -131,25 +142,15 @@ class Checked:
 
 
 def check(runs: tuple[Published, ...] = RUNS) -> list[Checked]:
-    from plait.errors import UserError
     from plait.planner import inputs
     from plait.planner.hardware import cluster
     from plait.planner.predict import predict
 
     out = []
     for r in runs:
-        d = inputs_dims(r)
         c = cluster(r.gpu, r.nodes, r.gpus_per_node)
-        best = None
-        for mb, sched, v in r.tuned or ((None, None, None),):
-            knobs = {} if mb is None else dict(micro_batch=mb, schedule=sched, v=v)
-            try:
-                p = predict(d, inputs.make_layout(c, **{**r.layout, **knobs}), c, r.global_batch, "mixed")
-            except UserError:  # a choice this batch or split cannot take
-                continue
-            if best is None or (p.fits, p.tokens_per_s) > (best.fits, best.tokens_per_s):
-                best = p
-        out.append(Checked(r, best.tokens_per_s / c.n_gpus, best.fits))
+        p = predict(inputs_dims(r), inputs.make_layout(c, **r.layout), c, r.global_batch, r.precision)
+        out.append(Checked(r, p.tokens_per_s / c.n_gpus, p.fits))
     return out
 
 
@@ -163,5 +164,8 @@ def table(checks: list[Checked]) -> str:
     errs = [abs(c.error) for c in checks]
     lines.append(f"{'mean |error|':<52} {'':>5} {'':>21} {statistics.mean(errs):>7.1%}")
     lines.append(f"{'worst |error|':<52} {'':>5} {'':>21} {max(errs):>7.1%}")
-    lines.append("sources: " + ", ".join(sorted({c.run.source for c in checks})))
+    sources = {c.run.source for c in checks}
+    if MEGATRON_2021 in sources:  # where those rows' micro-batches and schedules come from
+        sources.add(MEGATRON_SC21)
+    lines.append("sources: " + ", ".join(sorted(sources)))
     return "\n".join(lines)

@@ -57,13 +57,25 @@ class LayerTimes:
         return self.backward_input_s + self.backward_weight_s
 
 
+# Elements a block's memory-bound forward kernels read and write per token, as (on the (tokens, h)
+# hidden states, which TP alone replicates on every rank and sequence parallelism splits; on
+# tensors TP splits by heads or by the FFN's columns). Llama as plait runs it: two RMSNorms and two
+# residual adds (8 h); RoPE on q and k and SwiGLU (4 (h + kv) + 3 f). GPT as Megatron-LM runs it
+# (its fused kernels): two LayerNorms (read + write, 4 h), two fused bias-dropout-adds (read the
+# output and the residual, write the sum and a one-byte mask: 7 h in 16-bit elements); attention's
+# output made contiguous (2 h) and the fused bias-GeLU (2 f).
+POINTWISE_ELEMENTS = {"llama": lambda d: (8 * d.hidden, 4 * (d.hidden + d.kv_dim) + 3 * d.ffn),
+                      "gpt": lambda d: (11 * d.hidden, 2 * d.hidden + 2 * d.ffn)}
+
+
 def layer_times(d: ModelDims, tokens: float, c: Cluster, tp: int = 1, fp8: str = "off",
-                fp8_gathered: bool = False) -> LayerTimes:
+                fp8_gathered: bool = False, sp: bool = True) -> LayerTimes:
     """Cost one block for `tokens` tokens of a micro-batch on one GPU (tokens already / cp).
 
     With tensor parallelism every matmul runs on all the micro-batch's tokens with 1/tp of the
-    weight; attention on 1/tp of the heads; pointwise work on 1/tp of the elements (sequence
-    parallelism splits what TP alone would replicate). `fp8`: the block's linears run as plait's
+    weight; attention on 1/tp of the heads; pointwise work on the heads' and FFN's 1/tp, and on the
+    hidden states' 1/tp only with sequence parallelism (`sp`: without it every TP rank runs the
+    norms and residual adds on the whole micro-batch, `POINTWISE_ELEMENTS`). `fp8`: the block's linears run as plait's
     FP8 linears with that scaling (`train.fp8`), their weights delivered in FP8 by ZeRO-3's gather
     when `fp8_gathered` (`fp8_linear_times`)."""
     h, f, kv, e = d.hidden, d.ffn, d.kv_dim, 2.0
@@ -88,8 +100,9 @@ def layer_times(d: ModelDims, tokens: float, c: Cluster, tp: int = 1, fp8: str =
         measured = c.profile.attention_s(m / d.seq, d.seq, heads, kv_heads, d.head_dim, c.peak_flops) if c.profile else None
         if measured is not None:
             attn, attn_b = measured
-    # pointwise: 2 norms, 2 residual adds, RoPE on q and k, gated activation; read + write
-    pw_bytes = e * m * (8 * h + 4 * (h + kv) + 3 * f) / tp
+    whole, split = POINTWISE_ELEMENTS[d.arch](d)
+    # sequence parallelism splits the hidden states' passes over tp; TP alone replicates them
+    pw_bytes = e * m * (whole / (tp if sp else 1) + split / tp)
     pw = kernel_time_s(0.0, pw_bytes, c)
     return LayerTimes(forward_s=fwd + attn + pw, backward_input_s=dgrad + (attn_b if attn_b is not None else 2.5 * attn)
                       + 2 * pw, backward_weight_s=wgrad, attention_forward_s=attn, pointwise_forward_s=pw)

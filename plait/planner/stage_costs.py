@@ -208,7 +208,7 @@ def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, m: int =
         last_params.append(min(rank_params[-1], embed_t if r == 0 else BUCKET_BYTES / prec.wire_grad_bytes))
 
     fp8_gather = lay.zero3_fp8_gather and lay.zero == 3 and lay.shard_group > 1
-    lt = roofline.layer_times(d, tokens, c, tp, lay.fp8, fp8_gather)
+    lt = roofline.layer_times(d, tokens, c, tp, lay.fp8, fp8_gather, sp)
     head_f, head_b = roofline.head_times(d, tokens, c, tp, sp, eager=lay.eager_head,
                                          eager_norm=not lay.compile)
     head_wgrad = roofline.linear_time_s("wgrad", tokens, d.hidden, -(-d.vocab // tp), c)  # within head_b
@@ -227,6 +227,8 @@ def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, m: int =
     else:
         tp_fwd = (Collective("all_reduce", act, tp, 2, "all-reduce after wo and w2"),)
         tp_replay = (Collective("all_reduce", act, tp, 1, "recomputed all-reduce after wo"),)
+    if lay.recompute_whole:  # a reentrant checkpoint runs the layer's forward to its end
+        tp_replay = tp_fwd
     tp_s = sum(x.time_s(tp_link) for x in tp_fwd)  # forward; the backward mirrors it
     replay_s = sum(x.time_s(tp_link) for x in tp_replay) if lay.recompute == "full" else 0.0
 
