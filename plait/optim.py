@@ -71,6 +71,7 @@ class FlatAdamW:
     def grad_range(self) -> torch.Tensor:
         """The gradients this optimizer consumes (a view of the flat gradient buffer by default;
         ZeRO replaces it with the reduce-scattered shard)."""
+        self.flat.settle()
         return self.flat.grad[self.lo:self.hi]
 
     @torch.no_grad()

@@ -33,7 +33,7 @@ def test_matches_torch_adamw_with_decay_groups_and_clipping(compile):
         for p, g in zip(ref.parameters(), _grads(step, ref)):
             p.grad = g.clone()
         for p, g in zip(mine.parameters(), _grads(step, mine)):
-            p.grad.copy_(g)  # .grad is a view into the flat buffer
+            p.grad = g.clone()  # as autograd hands a gradient after zero_grad: the step settles it
         norm_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
         norm = opt.step(lr=1e-2 * (step + 1) / 6)
         for group in torch_opt.param_groups:
@@ -96,3 +96,28 @@ def test_global_norm_is_exact_across_chunks(monkeypatch):
     assert torch.allclose(global_norm(g), whole, rtol=1e-12)
     assert torch.allclose(whole, g.norm(), rtol=1e-12)
     assert global_norm(torch.zeros(0)).item() == 0.0
+
+
+def test_a_steps_first_gradient_lands_by_copy_and_unreached_slots_read_zero():
+    """zero_grad drops every .grad instead of zeroing the buffer; autograd's fresh gradient is copied
+    into its slot (`FlatParams._land`), later backwards add into it, and `settle` zeroes the slots
+    no backward reached this step - they must not keep the previous step's gradient."""
+    model, ref = _model(), _model()
+    flat = FlatParams(list(model.named_parameters()))
+    x = torch.randn(4, 7)
+    model(x).sum().backward()
+    flat.zero_grad()
+    before = flat.grad.clone()
+    assert all(p.grad is None for p in model.parameters()) and torch.equal(flat.grad, before)  # no zeroing pass
+    first, last = list(model.children())[0], list(model.children())[-1]
+    for _ in range(2):  # two micro-batches reaching only the first layer
+        first(x).sum().backward()
+    assert all(p.grad.data_ptr() >= flat.grad.data_ptr() for p in first.parameters())  # landed in the buffer
+    assert all(p.grad is None for p in last.parameters())
+    flat.settle()
+    list(ref.children())[0](x).sum().mul(2).backward()
+    for (n, p), r in zip(model.named_parameters(), ref.parameters()):
+        want = r.grad if r.grad is not None else torch.zeros_like(p)
+        assert torch.allclose(p.grad, want, atol=1e-6), n
+        assert p.grad.data_ptr() >= flat.grad.data_ptr(), n  # every .grad a view again
+    assert any(before[s.offset:s.offset + s.numel].abs().sum() > 0 for s in flat.slots if s.name.startswith("2."))

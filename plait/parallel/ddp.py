@@ -54,6 +54,7 @@ class DDP(Engine):
                                                lean=lean))
 
     def step(self, lr, loss_sum):
+        self.flat.settle()  # slots no backward reached hold zeros before their buckets go out
         self.ready.flush()  # buckets whose parameters got no gradient still take part
         self.inflight.wait_all()
         self.ready.reset()

@@ -123,5 +123,8 @@ class OwnedSpace:
     def padded(self) -> int:
         return self.data.numel()
 
+    def settle(self) -> None:
+        """Nothing to settle: the gradient is the reduced shard, which the engine writes whole."""
+
     def zero_grad(self) -> None:
         pass  # the engine overwrites the shard on the first micro-batch of every step

@@ -42,6 +42,7 @@ class Zero1(Sharded):
 
     def step(self, lr, loss_sum):
         o, flat, g = self.opt, self.flat, self.groups
+        flat.settle()
         self._sum_tied()  # on the whole local gradient, before it is cut into shards
         shard = flat.grad[o.lo:o.hi]
         self.comm.reduce_scatter(flat.grad, g.shard, op="avg", out=shard)
