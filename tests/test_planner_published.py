@@ -121,3 +121,12 @@ def test_plan_published_prints_the_table(capsys):
     assert main(["plan", "--published"]) == 0
     out = capsys.readouterr().out
     assert "torchtitan Llama 3 70B, FSDP2, full AC" in out and "mean |error|" in out
+    import json
+
+    assert main(["plan", "--published", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["schema"] == "plait.plan/1" and len(data["published"]["runs"]) == len(published.RUNS)
+    row = data["published"]["runs"][0]
+    assert row["tokens_per_s_per_gpu"]["measured"] == published.RUNS[0].tokens_per_s_per_gpu
+    assert data["published"]["error"]["worst"] == max(abs(r["tokens_per_s_per_gpu"]["error"])
+                                                      for r in data["published"]["runs"])

@@ -248,6 +248,11 @@ def test_a_host_bound_run_is_shown_but_left_out_of_the_step_statistics():
     worst = [ln for ln in text.splitlines() if ln.startswith("worst |error|")][0]
     assert f"{abs(checks[1].step_error):.1%}" in worst
     assert not replace(zb, host_share=0.9).host_bound
+    # the same as data (`plait plan --check DIR --json`): both rows, the host-bound one not counted
+    data = recorded.rows(checks)
+    assert [(r["run"], r["counted"], r["left_out"]) for r in data["runs"]] == [
+        (zb.source, False, "host-bound"), (gpu.source, True, "")]
+    assert data["step_error"] == {"mean": abs(checks[1].step_error), "worst": abs(checks[1].step_error), "runs": 1}
 
 
 def test_a_data_parallel_run_with_accumulation_is_priced_at_its_global_batch(tmp_path):

@@ -98,6 +98,9 @@ def run(args, extra) -> int:
         from plait.planner import recorded
 
         checks = recorded.check(recorded.load(args.check), {g: prof for g, (prof, _) in profiles.items()} or None)
+        if args.json:
+            print(report.to_json({"schema": report.SCHEMA, "check": recorded.rows(checks)}))
+            return 0
         print(recorded.table(checks))
         print("\npipeline bubbles: measured on the run, the planner's for the split that ran, the textbook's\n"
               + recorded.bubble_table(checks))
@@ -113,7 +116,9 @@ def run(args, extra) -> int:
     if args.published:
         from plait.planner import published
 
-        print(published.table(published.check()))
+        checks = published.check()
+        print(report.to_json({"schema": report.SCHEMA, "published": published.rows(checks)}) if args.json
+              else published.table(checks))
         return 0
     c = inputs.make_cluster(args.gpu, args.nodes, args.gpus_per_node, inputs.parse_overrides(extra))
     if profile is not None:

@@ -154,6 +154,16 @@ def check(runs: tuple[Published, ...] = RUNS) -> list[Checked]:
     return out
 
 
+def rows(checks: list[Checked]) -> dict:
+    """The table as data (`plait plan --published --json`)."""
+    errs = [abs(c.error) for c in checks]
+    return {"runs": [{"run": c.run.name, "source": c.run.source, "gpu": c.run.gpu,
+                      "gpus": c.run.nodes * c.run.gpus_per_node, "fits": c.fits,
+                      "tokens_per_s_per_gpu": {"predicted": c.predicted, "measured": c.run.tokens_per_s_per_gpu,
+                                               "error": c.error}} for c in checks],
+            "error": {"mean": statistics.mean(errs), "worst": max(errs)}}
+
+
 def table(checks: list[Checked]) -> str:
     lines = [f"{'published run':<52} {'GPUs':>5} {'tok/s/GPU pred/meas':>21} {'err':>7}"]
     for c in checks:

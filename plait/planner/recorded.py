@@ -360,6 +360,26 @@ def table(checks: list[Check]) -> str:
     return "\n".join(lines)
 
 
+def rows(checks: list[Check]) -> dict:
+    """The table as data (`plait plan --check DIR --json`): every run with its predicted and measured
+    step time, peak memory and (pipelines) bubble, and whether the step statistics count it."""
+    counted = {id(c) for c in priced(checks)}
+    out = []
+    for c in checks:
+        r = c.run
+        out.append({"run": r.source, "gpu": r.gpu, "step_s": {"predicted": c.predicted_step_s, "measured": r.step_s,
+                                                             "error": c.step_error},
+                    "peak_gb": {"predicted": c.predicted_peak_gb, "measured": r.peak_gb, "error": c.memory_error},
+                    "bubble": None if r.bubble is None else {"predicted": c.predicted_bubble, "measured": r.bubble},
+                    "host_share": r.host_share, "counted": id(c) in counted,
+                    "left_out": "host-bound" if r.host_bound else ("untimed" if r.untimed else c.unmeasured)})
+    se, me = [abs(c.step_error) for c in priced(checks)], [abs(c.memory_error) for c in checks]
+    return {"runs": out, "step_error": {"mean": statistics.mean(se) if se else None, "worst": max(se) if se else None,
+                                        "runs": len(se)},
+            "memory_error": {"mean": statistics.mean(me) if me else None, "worst": max(me) if me else None,
+                             "runs": len(me)}}
+
+
 def bubble_table(checks: list[Check]) -> str:
     """Pipeline runs: the bubble measured on the run beside the planner's simulation of the same
     schedule with the stage costs it prices for the split that ran, and the textbook formula's
