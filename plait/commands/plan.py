@@ -56,7 +56,7 @@ def add_arguments(p) -> None:
                      help="context parallelism by ring (K/V around the ranks) or ulysses (all-to-all of heads); "
                           "a layout given without it is priced with the ring, a search tries both")
     lay.add_argument("--no-compile", action="store_true",
-                     help="price eager blocks (train.compile off): they keep more activations than compiled ones")
+                     help="price eager blocks (train.compile off): the activations they keep (their time is priced as compiled)")
     o = p.add_argument_group("output")
     o.add_argument("--search", action="store_true", help="search even when layout flags are given (they pin it)")
     o.add_argument("--top", type=int, default=10, help="layouts to list when searching")
