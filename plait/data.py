@@ -4,7 +4,10 @@
 token arrays (`train_000.bin`, `val_000.bin`, uint16 when the vocabulary fits, else uint32) plus
 `meta.json`. The validation split is held out by *document* (a whole text file, or one JSONL /
 Parquet / datasets row), chosen by a hash of its name, so no validation text was ever seen in
-training.
+training. Where that picks no document (one text file is one document; a handful of rows may all
+hash into one split), the last val_fraction of the token stream is held out instead, so a positive
+val_fraction always gives both splits. val_fraction 0 holds nothing out: an empty validation split,
+which training refuses (it evaluates on the split).
 
 Document boundaries. Each document ends with the tokenizer's EOS token; the byte tokenizer has
 none (all 256 ids are bytes), so its documents end with a newline as they always did. Either way
@@ -331,6 +334,9 @@ def prepare(inputs: list[str], out: str | Path, tokenizer, val_fraction: float =
               f"({meta['files_skipped']} skipped), {n['train']:,} train / {n['val']:,} val tokens, "
               f"{np.dtype(dtype).name}; {meta['_seconds']:.1f} s, {sum(n.values()) / meta['_seconds']:,.0f} "
               f"tokens/s on {max(1, workers)} worker(s)", file=sys.stderr)
+        if not n["val"]:
+            print("no validation split (--val-fraction 0): `plait train` and `plait eval` need one; prepare "
+                  "with --val-fraction above 0 to train on this folder", file=sys.stderr)
     return out
 
 
@@ -363,9 +369,10 @@ def _write_shards(tmp: Path, sources, tokenizer, dtype, val_fraction, text_field
     n_val = sum(s["tokens"] for s in shards["val"])
     if n_train + n_val == 0:
         raise bad_value("--input", " ".join(inputs), "contains no readable UTF-8 text; the corpus is empty")
-    if n_val == 0 or n_train == 0:
-        # too few documents to hold any out by name: split the token stream itself (tail = validation)
-        _split_tail(tmp, shards, dtype, max(val_fraction, 0.01))
+    if val_fraction > 0 and (n_val == 0 or n_train == 0):
+        # too few documents to hold any out by name (or one text file: one document): split the token
+        # stream itself (tail = validation). With val_fraction 0 the user asked for no validation data.
+        _split_tail(tmp, shards, dtype, val_fraction)
     save_spec_files(tokenizer, tmp)
     eos = getattr(tokenizer, "eos_id", None)
     meta = {"format": FORMAT_VERSION, "vocab_size": int(tokenizer.vocab_size),
@@ -395,6 +402,9 @@ def _split_tail(folder: Path, shards: dict, dtype, fraction: float) -> None:
 
 def default_corpus_dir(cache_dir: str, val_fraction: float) -> Path:
     """The Python standard library of this interpreter, prepared once (bytes) into the cache."""
+    if not val_fraction > 0:  # refused here, by the setting they gave: TokenData.check would name the cache
+        raise bad_value("data.val_fraction", val_fraction, "leaves the default corpus no validation split, "
+                        "which training evaluates on; use a value above 0 (default 0.01)")
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     tag = hashlib.sha256(f"{stdlib}:{sys.version}:{val_fraction}".encode()).hexdigest()[:10]
     out = Path(cache_dir).expanduser() / f"stdlib-py{sys.version_info[0]}.{sys.version_info[1]}-{tag}"
@@ -476,7 +486,7 @@ class TokenData(_Batches):
     """Prepared shards, memory-mapped; windows of `seq_len + 1` tokens give inputs and targets."""
 
     def __init__(self, path: str | Path, field: str = "data.path"):
-        self.path = Path(path).expanduser()
+        self.path, self.field = Path(path).expanduser(), field
         meta_file = self.path / META
         if not meta_file.is_file():
             raise bad_value(field, str(path), "holds no prepared data (meta.json missing); "
@@ -507,6 +517,11 @@ class TokenData(_Batches):
         """Whether document boundaries were recorded (folders prepared by plait's format 2)."""
         return all(s.doc_starts is not None for s in self.splits.values())
 
+    @property
+    def has_val(self) -> bool:
+        """Whether any tokens were held out for validation (none when prepared with val_fraction 0)."""
+        return "val" in self.splits and self.splits["val"].tokens > 0
+
     def tokenizer(self):
         return from_spec(self.tokenizer_spec, self.path)
 
@@ -514,6 +529,10 @@ class TokenData(_Batches):
         if self.vocab_size > vocab_size:
             raise bad_value("model.vocab_size", vocab_size,
                             f"is smaller than the data's vocabulary ({self.vocab_size}); set --model.vocab_size {self.vocab_size}")
+        if not self.has_val:  # else the seq_len check below would blame train.seq_len for a 0-token split
+            raise bad_value(self.field, str(self.path), "has no validation split (prepared with --val-fraction 0), "
+                            "and training evaluates on it (every train.eval_every steps and at the end); "
+                            "prepare it again with --val-fraction above 0, e.g. 0.01")
         for name, split in self.splits.items():
             longest = max((len(s) for s in split.shards), default=0)
             if longest < seq_len + 1:
@@ -622,6 +641,7 @@ class MixedData(_Batches):
                                 f"{self.parts[0].path}; prepare every folder with the same --tokenizer")
         self.vocab_size = self.parts[0].vocab_size
         self.has_documents = all(p.has_documents for p in self.parts)
+        self.has_val = all(p.has_val for p in self.parts)
 
     def tokenizer(self):
         return self.parts[0].tokenizer()

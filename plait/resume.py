@@ -127,13 +127,22 @@ def global_batch_of(micro_batch: int, grad_accum: int, dp: int) -> tuple[int, st
     return micro_batch * grad_accum * dp, f"micro_batch {micro_batch} x grad_accum {grad_accum} x dp {dp}"
 
 
-def global_batch_note(before: tuple[int, str] | None, now: tuple[int, str]) -> str | None:
-    """One line when a resumed run trains another number of sequences per step than its checkpoint."""
+def global_batch_note(before: tuple[int, str] | None, now: tuple[int, str], micro_batch: int = 1, dp: int = 1,
+                      microbatches: int = 0) -> str | None:
+    """One line when a resumed run trains another number of sequences per step than its checkpoint,
+    with the options that keep the run's batch at this layout (`micro_batch`, `dp`; a pipeline's
+    `microbatches` would contradict them) - or why none can."""
     if before is None or before[0] == now[0]:
         return None
-    return (f"the checkpoint trained {before[0]} sequences per step ({before[1]}); this run trains {now[0]} "
-            f"({now[1]}), which changes the tokens per step and the loss curve; pass --train.global_batch "
-            f"{before[0]} to keep the run's batch at this layout")
+    b = before[0]
+    line = (f"the checkpoint trained {b} sequences per step ({before[1]}); this run trains {now[0]} ({now[1]}), "
+            "which changes the tokens per step and the loss curve")
+    if b % dp:
+        return line + f"; this layout's {dp} data-parallel ranks cannot split {b} sequences evenly"
+    mb = max(m for m in range(1, min(micro_batch, b // dp) + 1) if (b // dp) % m == 0)  # the largest that fits
+    keep = f"--train.global_batch {b}" + (f" --train.micro_batch {mb}" if mb != micro_batch else "")
+    drop = " without --microbatches" if microbatches else ""
+    return line + f"; pass {keep}{drop} to keep the run's batch at this layout"
 
 
 def trim_metrics(path: Path, step: int) -> int:

@@ -18,15 +18,23 @@ from plait.profile import snapshot_on_oom
 from plait.train import preflight, resolve_device, train
 
 
-def launch_training(cfg: Config, note: str | None = None) -> dict | None:
-    """Preflight once, then train; returns rank 0's summary (None on other ranks under torchrun).
-    `note`: a line about the config (where a resumed run's came from), said once the config passed."""
+def launch_training(cfg: Config, note: str | None = None, model_given: dict | None = None) -> dict | None:
+    """Preflight once, then train; returns rank 0's summary (None on other ranks under torchrun, and
+    when a resumed run is already at train.steps). `note`: a line about the config (where a resumed
+    run's came from), said once the config passed. `model_given`: the [model] fields the user set
+    (`train.init_from` keeps them or refuses them)."""
     from plait.launch import detect_launch, run
     from plait.run_folder import RunFolder
     from plait.supervise import resume_after_outer_restart, run_workers
+    from plait.train import NothingToTrain
 
-    cfg = preflight(resume_after_outer_restart(cfg))
     le = detect_launch()
+    try:
+        cfg = preflight(resume_after_outer_restart(cfg), model_given)
+    except NothingToTrain as e:
+        if le is None or le.rank == 0:
+            print(f"plait: {e}", file=sys.stderr)
+        return None
     if note and (le is None or le.rank == 0):
         print(f"plait: {note}", file=sys.stderr)
     p = cfg.parallel

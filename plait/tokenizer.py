@@ -185,3 +185,17 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out: str | Path, show_progr
     tok.train_from_iterator(texts, trainer=trainer)
     tok.save(str(out))
     return HFTokenizer(out)
+
+
+def same_tokenizer(tokenizer, data) -> bool:
+    """Whether `data` (a prepared folder: its tokenizer spec and files) was tokenized by `tokenizer`:
+    the same kind, and for a HuggingFace file the same bytes."""
+    import hashlib
+
+    spec = data.tokenizer_spec
+    if getattr(tokenizer, "spec", {}).get("kind") != spec.get("kind"):
+        return False
+    if spec.get("kind") != "hf":
+        return True
+    digest = lambda p: hashlib.sha256(Path(p).read_bytes()).hexdigest()  # noqa: E731
+    return digest(tokenizer.path) == digest(data.path / spec.get("file", TOKENIZER_FILE))

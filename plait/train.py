@@ -22,7 +22,7 @@ from plait.bad_steps import StepHealth
 from plait.checkpointer import Checkpointer
 from plait.config import Config, config_from_dict
 from plait.data import default_corpus_dir, open_data
-from plait.errors import bad_value
+from plait.errors import UserError, bad_value
 from plait.generate import sample
 from plait.metrics import (MetricsLog, Progress, check_wandb, flops_per_token, peak_flops, peak_memory_bytes,
                            throughput)
@@ -59,11 +59,21 @@ def resolve_dtype(cfg: Config, device: torch.device) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.train.dtype]
 
 
-def preflight(cfg: Config) -> Config:
-    """Validate and resolve paths in the launching process; returns the config workers will use."""
+class NothingToTrain(Exception):
+    """A resumed run whose newest checkpoint is already at train.steps: nothing to do (not an error:
+    a requeued job that finds its run finished ends as it would have)."""
+
+
+def preflight(cfg: Config, model_given: dict | None = None) -> Config:
+    """Validate and resolve paths in the launching process; returns the config workers will use.
+    `model_given`: the [model] fields the command line or --config set, which `train.init_from`
+    must not silently replace."""
     t = cfg.train
-    if t.init_from:  # the model's shape comes from the weights being continued
-        cfg.model = init_model_config(t.init_from)
+    if cfg.checkpoint.resume is True and not t.out:  # a made-up folder would hold nothing to resume
+        raise bad_value("checkpoint.resume", True, "needs the run folder to continue: pass --out RUN")
+    if t.init_from and not (t.out and ckpt.list_checkpoints(Path(t.out).expanduser() / "checkpoints")
+                            and cfg.checkpoint.resume):  # a resumed run's own checkpoint decides its model
+        cfg.model = init_model_config(t.init_from, model_given or {})
     validate_config(cfg)
     if not t.out:
         from plait.launch import detect_launch
@@ -75,18 +85,58 @@ def preflight(cfg: Config) -> Config:
                             "all of them write to one run folder; pass --out runs/NAME")
         t.out = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
     out = Path(t.out).expanduser()
-    ckpt.check_writable(out, "train.out")
-    check_wandb(t.wandb)
-    _check_resume(cfg, out)
-    if not cfg.data.path and not cfg.data.mix:
-        cfg.data.path = str(default_corpus_dir(cfg.data.cache_dir, cfg.data.val_fraction))
-    open_data(cfg.data).check(cfg.model.vocab_size, t.seq_len)
+    created = not out.exists()
+    try:
+        ckpt.check_writable(out, "train.out")
+        check_wandb(t.wandb)
+        folder = _check_resume(cfg, out)
+        if not cfg.data.path and not cfg.data.mix:
+            cfg.data.path = str(default_corpus_dir(cfg.data.cache_dir, cfg.data.val_fraction))
+        data = open_data(cfg.data)
+        data.check(cfg.model.vocab_size, t.seq_len)
+        _check_tokenizer(data, folder if folder is not None else t.init_from)
+        if t.init_from and folder is None and _first_process():  # said once everything passed
+            m = cfg.model
+            _warn(f"starting from the weights in {t.init_from}: {m.n_layers} layers, dim {m.dim}, {m.n_heads} heads "
+                  f"({m.n_kv_heads} KV), vocabulary {m.vocab_size}, max_seq_len {m.max_seq_len}")
+    except UserError:
+        if created:  # a refused command leaves no empty run folder behind
+            try:
+                out.rmdir()
+            except OSError:
+                pass
+        raise
     return cfg
 
 
-def _check_resume(cfg: Config, out: Path) -> None:
+def _check_tokenizer(data, weights) -> None:
+    """Refuse data prepared with another tokenizer than the weights being continued were trained
+    with (the resumed checkpoint's, or train.init_from's): the ids would mean other text."""
+    from plait import hf
+    from plait.tokenizer import HFTokenizer, from_spec, same_tokenizer
+
+    if not weights:
+        return
+    path = Path(weights)
+    if hf.is_hf_dir(str(path)):
+        if not (path / "tokenizer.json").is_file():
+            return  # an HF folder without tokenizer.json does not say: the vocabulary check stands
+        tok = HFTokenizer(path / "tokenizer.json")
+    else:
+        folder = path if (path / "train_state.json").is_file() else ckpt.resolve_for_reading(str(path),
+                                                                                           field="train.init_from")
+        tok = from_spec(json.loads((folder / "train_state.json").read_text()).get("tokenizer", {"kind": "byte"}), folder)
+    part = data.parts[0] if hasattr(data, "parts") else data
+    if not same_tokenizer(tok, part):
+        raise bad_value("data.path", str(part.path), f"was prepared with another tokenizer than the weights in {weights}; "
+                        "prepare the data with their tokenizer (`plait data prepare --tokenizer` with the "
+                        "tokenizer.json saved beside them)")
+
+
+def _check_resume(cfg: Config, out: Path) -> Path | None:
     """The run folder's checkpoints against checkpoint.resume: refuse to overwrite a run, to
-    "resume" nothing, or to load weights of another shape; name a change of the global batch."""
+    "resume" nothing, to go back before its step or to load weights of another shape; name a
+    change of the global batch. Returns the checkpoint the run continues from (None: a fresh run)."""
     resume, existing = cfg.checkpoint.resume, ckpt.list_checkpoints(out / "checkpoints")
     if existing and not resume:
         raise bad_value("train.out", cfg.train.out, f"already holds {len(existing)} checkpoint(s); pass --resume to "
@@ -95,18 +145,27 @@ def _check_resume(cfg: Config, out: Path) -> None:
         if resume is True:  # a mistyped --out must not silently begin a new run
             raise bad_value("checkpoint.resume", True, f"{out} holds no checkpoint to resume; check --out, or pass "
                             "--resume auto to start fresh when there is none")
-        return
+        return None
     if not resume:
-        return
+        return None
     folder = ckpt.latest_valid(out / "checkpoints", log=_warn if _first_process() else (lambda m: None))
     if folder is None:
         raise bad_value("checkpoint.resume", resume, f"every checkpoint in {out / 'checkpoints'} is damaged; "
                         "move them away to start fresh")
     check_model_shape(cfg.model, folder)
-    note = global_batch_note(saved_global_batch(folder), global_batch_of(
-        cfg.train.micro_batch, cfg.train.grad_accum, data_parallel_size(cfg)))
+    step = int(json.loads((folder / "train_state.json").read_text())["step"])
+    if cfg.train.steps < step:
+        raise bad_value("train.steps", cfg.train.steps, f"but the run in {out} is already at step {step}; give "
+                        f"--steps above {step} to train it further")
+    if cfg.train.steps == step:
+        raise NothingToTrain(f"{out} is already at step {step} of {cfg.train.steps}: nothing to train; "
+                             "raise --steps to train it further")
+    dp = data_parallel_size(cfg)
+    note = global_batch_note(saved_global_batch(folder), global_batch_of(cfg.train.micro_batch, cfg.train.grad_accum, dp),
+                             cfg.train.micro_batch, dp, cfg.parallel.microbatches)
     if note and _first_process():
         _warn(note)
+    return folder
 
 
 def _first_process() -> bool:
@@ -117,15 +176,32 @@ def _first_process() -> bool:
     return le is None or le.rank == 0
 
 
-def init_model_config(path: str):
-    """The model config of the weights `train.init_from` names (HF folder or plait checkpoint)."""
+def init_model_config(path: str, given: dict | None = None):
+    """The model config of the weights `train.init_from` names (HF folder or plait checkpoint),
+    with the [model] fields the user `given` on top where they do not change a weight's shape
+    (max_seq_len, rope_theta...); one that does is refused: the weights decide the shape."""
+    from dataclasses import replace
+
     from plait import hf
+    from plait.config import build_config
+    from plait.resume import SHAPE_FIELDS
 
     if hf.is_hf_dir(path):
-        return hf.config_from_hf(path, field="train.init_from")
-    folder = ckpt.resolve_for_reading(path, field="train.init_from")
-    state = json.loads((folder / "train_state.json").read_text())
-    return config_from_dict(state["config"]).model
+        model = hf.config_from_hf(path, field="train.init_from")
+    else:
+        folder = ckpt.resolve_for_reading(path, field="train.init_from")
+        model = config_from_dict(json.loads((folder / "train_state.json").read_text())["config"]).model
+    given = given or {}
+    if not given:
+        return model
+    asked = build_config({"model": given}).model  # typed and checked; a preset brings its shape
+    keys = (set(given) - {"preset"}) | (set(SHAPE_FIELDS) if "preset" in given else set())
+    for key in sorted(keys & set(SHAPE_FIELDS)):
+        if getattr(asked, key) != getattr(model, key):
+            flag = "preset" if key not in given else key
+            raise bad_value(f"model.{flag}", given[flag], f"but train.init_from {path} holds a model with {key} = "
+                            f"{getattr(model, key)!r}: its weights decide the shape; drop --model.{flag}")
+    return replace(model, **{k: getattr(asked, k) for k in keys - set(SHAPE_FIELDS)})
 
 
 def init_weights_from(path: str, model_cfg) -> dict[str, torch.Tensor]:
@@ -276,7 +352,9 @@ def _train(cfg: Config, dims, stop: StopRequest) -> dict:
     if is_main:
         ckpt.write_atomic(out / "config.toml", cfg.to_toml())  # a resume reads it: never half of it
         if dropped := trim_metrics(out / "metrics.jsonl", start):  # one curve: the resumed segment replaces them
-            _warn(f"metrics.jsonl: dropped {dropped} entries past step {start}, logged after that checkpoint")
+            _warn(f"metrics.jsonl: dropped {dropped} entries past step {start}, logged after that checkpoint" if start
+                  else f"metrics.jsonl: replaced {dropped} entries of an earlier start in this folder that saved no "
+                       "checkpoint")
     log = MetricsLog(out if is_main else None, t.tensorboard, wandb_project=t.wandb, run_name=out.name,
                      config=cfg.to_dict())
     tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum * par.data_size

@@ -82,3 +82,59 @@ def test_real_process_exit_code_and_no_traceback(tmp_path):
     assert r.returncode == 2
     assert "Traceback" not in r.stderr and r.stderr.count("\n") == 1
     assert "model.n_kv_heads = 3" in r.stderr
+
+
+def test_train_refuses_data_without_a_validation_split(tmp_path, capsys):
+    # --val-fraction 0 now holds nothing out; training evaluates on the split, so it says so up front
+    (tmp_path / "c").mkdir()
+    for i in range(8):
+        (tmp_path / "c" / f"{i}.txt").write_text(f"document {i}: " + "some words " * 40)
+    assert main(["data", "prepare", "--input", str(tmp_path / "c"), "--out", str(tmp_path / "d"),
+                 "--val-fraction", "0"]) == 0
+    capsys.readouterr()
+    assert main(["train", *_micro_args(tmp_path / "d", tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "data.path = " in err[0] and "has no validation split" in err[0], err
+    assert "--val-fraction above 0" in err[0] and not (tmp_path / "r").exists()
+    # the default corpus (no --data.path) is named by the setting the user gave
+    base = _micro_args(tmp_path / "d", tmp_path / "r")
+    i = base.index("--data.path")
+    assert main(["train", *base[:i], *base[i + 2:], "--data.val_fraction", "0",
+                 "--data.cache_dir", str(tmp_path / "cache")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "data.val_fraction = 0.0: leaves the default corpus no validation split" in err[0], err
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--tp", "3", "--pp", "2", "--gpus-per-node", "4"],
+     "--tp = 3: 1 tensor-parallel group(s) span nodes of 4 GPUs (e.g. ranks [3, 4, 5])"),
+    (["--tp", "0"], "--tp = 0: must be a positive integer"),
+    (["--pp", "0"], "--pp = 0: must be a positive integer"),
+    (["--cp", "-2"], "--cp = -2: must be a positive integer"),
+    (["--dp-replicate", "0"], "--dp-replicate = 0: must be a positive integer"),
+    (["--nproc", "0"], "--nproc = 0: must be a positive integer"),
+    (["--gpus-per-node", "0"], "--gpus-per-node = 0: must be a positive integer"),
+    (["--tp", "2", "--dp", "-1"], "--dp = -1: must be a positive integer (or leave it out and give --nproc"),
+    (["--dp-shard", "0"], "--dp-shard = 0: must be a positive integer"),
+    (["--nproc", "8", "--tp", "3"],
+     "--nproc = 8: is not divisible by --dp-replicate 1 x --tp 3 x --pp 1 x --cp 1 = 3"),
+    (["--nproc", "8", "--dp", "2"],
+     "--nproc = 8: differs from --dp 2 x --dp-replicate 1 x --tp 1 x --pp 1 x --cp 1 = 2; "
+     "give --nproc 2, or leave --dp out"),
+])
+def test_plait_mesh_blames_the_flag_it_takes(argv, needle, capsys):
+    # not "world size = 0" (the product) nor parallel.* (the config's names, which mesh does not take)
+    assert main(["mesh", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err, err
+    assert "world size" not in err and "parallel." not in err
+    if "span nodes" in needle:
+        assert err.rstrip().endswith("or pass --allow-cross-node-tp to show the layout anyway")
+
+
+def test_plait_mesh_allow_cross_node_tp_warns_in_its_flags(capsys):
+    assert main(["mesh", "--tp", "3", "--pp", "2", "--gpus-per-node", "4", "--allow-cross-node-tp"]) == 0
+    out = capsys.readouterr().out
+    assert "warning: --tp = 3: 1 tensor-parallel group(s) span nodes" in out and "parallel." not in out
+    assert main(["mesh", "--nproc", "8", "--dp", "-1", "--tp", "2"]) == 0  # -1 with --nproc: inferred
+    assert "dp_shard 4" in capsys.readouterr().out

@@ -10,6 +10,7 @@ import pytest
 from plait import data as data_mod
 from plait.cli import main
 from plait.data import TokenData, prepare
+from plait.errors import UserError
 from plait.tokenizer import ByteTokenizer, train_bpe
 
 # no newlines inside a document: with the byte tokenizer a newline then marks exactly a document end
@@ -121,10 +122,12 @@ def test_documents_that_cross_a_shard_end_continue_in_the_next_shard(tmp_path, m
     assert docs[:-1] == [t + "\n" for t in DOCS[:len(docs) - 1]]
 
 
-def test_single_stream_tail_split_keeps_document_boundaries(tmp_path):
-    # val_fraction 0 holds no row out by name: the tail of the stream becomes the validation split
+def test_single_stream_tail_split_keeps_document_boundaries(tmp_path, monkeypatch):
+    # when no row hashes into validation (forced here; a few rows may all miss), the tail of the
+    # stream becomes the validation split
+    monkeypatch.setattr(data_mod, "_is_val", lambda key, fraction: False)
     out = prepare([str(_jsonl(tmp_path / "c" / "a.jsonl", DOCS))], tmp_path / "d", ByteTokenizer(),
-                  val_fraction=0.0, quiet=True)
+                  val_fraction=0.01, quiet=True)
     d = TokenData(out)
     train, val = _documents(d, "train"), _documents(d, "val")
     text = lambda doc: bytes(doc.astype(np.uint8)).decode()  # noqa: E731
@@ -135,6 +138,39 @@ def test_single_stream_tail_split_keeps_document_boundaries(tmp_path):
     assert [text(doc) for doc in train[:-1] + val[1:]] == whole[:len(train) - 1] + whole[len(train):]
     assert text(train[-1]) + text(val[0]) == whole[len(train) - 1]
 
+
+
+def test_val_fraction_zero_holds_nothing_out(tmp_path, capsys):
+    # it used to hold out the last 1% of the tokens anyway, cutting through a document
+    src = _jsonl(tmp_path / "c" / "a.jsonl", DOCS)
+    assert main(["data", "prepare", "--input", str(src), "--out", str(tmp_path / "d"), "--val-fraction", "0"]) == 0
+    err = capsys.readouterr().err
+    assert f"{sum(len(t) + 1 for t in DOCS):,} train / 0 val tokens" in err
+    assert "no validation split (--val-fraction 0)" in err
+    d = TokenData(tmp_path / "d")
+    assert d.meta["splits"]["val"] == [] and not d.has_val
+    assert [bytes(doc.astype(np.uint8)).decode() for doc in _documents(d, "train")] == [t + "\n" for t in DOCS]
+    # training would evaluate on the empty split: refused up front, naming the folder and the fix
+    with pytest.raises(UserError, match=r"data.path = .*: has no validation split \(prepared with --val-fraction 0\)"
+                       r".*prepare it again with --val-fraction above 0"):
+        d.check(256, 16)
+
+
+def test_a_single_text_file_holds_out_its_tail_only_when_asked(tmp_path):
+    # one text file is one document, which a hash cannot split: val_fraction > 0 takes the stream's tail
+    (tmp_path / "one.txt").write_text("".join(f"line {i} of the only file\n" for i in range(200)))
+    total = (tmp_path / "one.txt").stat().st_size + 1  # the document's end
+    d = TokenData(prepare([str(tmp_path / "one.txt")], tmp_path / "a", ByteTokenizer(), val_fraction=0.05, quiet=True))
+    assert len(_tokens(d, "val")) == int(total * 0.05) and len(_tokens(d, "train")) == total - int(total * 0.05)
+    d.check(256, 16)
+    d = TokenData(prepare([str(tmp_path / "one.txt")], tmp_path / "b", ByteTokenizer(), val_fraction=0.0, quiet=True))
+    assert len(_tokens(d, "train")) == total and not d.has_val
+
+
+def test_the_default_corpus_refuses_val_fraction_zero(tmp_path):
+    with pytest.raises(UserError, match=r"data.val_fraction = 0.0: leaves the default corpus no validation split"):
+        data_mod.default_corpus_dir(str(tmp_path / "cache"), 0.0)
+    assert not (tmp_path / "cache").exists()  # refused before any preparing
 
 def test_a_folder_prepared_before_document_files_still_loads(tmp_path):
     folder = tmp_path / "old"

@@ -73,6 +73,7 @@ def test_an_hf_export_evaluates_like_its_checkpoint(run, corpus, tmp_path, capsy
     ("other_tokenizer", "was prepared with another tokenizer than the checkpoint's"),
     ("long", "--seq-len = 70: exceeds the model's max_seq_len 64"),
     ("negative", "--batches = -1: must be positive"),
+    ("no_val", "has no validation split (prepared with --val-fraction 0)"),
 ])
 def test_eval_errors_are_one_line(run, corpus, tmp_path, capsys, case, needle):
     data, ckpt, extra = str(corpus), str(run), []
@@ -95,6 +96,9 @@ def test_eval_errors_are_one_line(run, corpus, tmp_path, capsys, case, needle):
         extra = ["--seq-len", "70"]
     elif case == "negative":
         extra = ["--batches", "-1"]
+    elif case == "no_val":
+        (tmp_path / "x.txt").write_text("def f(x):\n    return x\n" * 40)
+        data = str(prepare([str(tmp_path / "x.txt")], tmp_path / "d", ByteTokenizer(), val_fraction=0.0, quiet=True))
     assert main(["eval", "--checkpoint", ckpt, "--data", data, *extra]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err and needle.format(p=tmp_path) in err

@@ -99,3 +99,78 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, needle):
     rc, out, err = run(capsys, *argv)
     assert rc == 2 and out == ""
     assert err.count("\n") == 1 and err.startswith("plait plan: error:") and needle in err
+
+
+def test_v100_plans_at_its_fp16_rate(capsys):
+    # no bf16 tensor cores, and plan has no dtype flag: mixed precision there is fp16 (same bytes)
+    rc, out, err = run(capsys, "--model", "8b", "--gpu", "v100", "--tp", "8", "--json")
+    doc = json.loads(out)
+    assert rc == 0 and err == ""
+    assert doc["cluster"]["dtype"] == "fp16" and doc["cluster"]["peak_flops"] == 125e12
+    assert 0 < doc["prediction"]["mfu"] < 1
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--tp", "0"], "--tp = 0"),
+    (["--pp", "0"], "--pp = 0"),
+    (["--cp", "0"], "--cp = 0"),
+    (["--dp", "0"], "--dp = 0"),
+    (["--dp", "8", "--dp-replicate", "0"], "--dp-replicate = 0"),
+    (["--tp", "8", "--micro-batch", "0"], "--micro-batch = 0"),
+    (["--pp", "2", "--v", "0"], "--v = 0"),
+    # the search takes the same flags as pins: a 0 there divided by zero
+    (["--tp", "0", "--search"], "--tp = 0"),
+    (["--micro-batch", "0"], "--micro-batch = 0"),
+    (["--dp-replicate", "0"], "--dp-replicate = 0"),
+    (["--tp", "-2", "--search"], "--tp = -2"),
+    (["--global-batch", "0"], "--global-batch = 0"),
+    (["--global-batch", "-3", "--tp", "8"], "--global-batch = -3"),
+    (["--top", "0"], "--top = 0"),
+    (["--top", "-1"], "--top = -1"),
+    (["--fleet-jobs", "-1"], "--fleet-jobs = -1"),
+    (["--gpus-per-node", "0"], "--gpus-per-node = 0"),
+    (["--nodes", "0", "--tp", "8"], "--nodes = 0"),
+])
+def test_zero_or_negative_counts_are_refused(capsys, argv, flag):
+    rc, out, err = run(capsys, "--model", "8b", *argv)
+    assert rc == 2 and out == ""
+    assert err.count("\n") == 1 and flag in err
+    assert "--dp-replicate" not in err or "--dp-replicate" in argv  # --dp 0 blames --dp
+
+
+def test_check_of_a_folder_without_runs_is_an_error(capsys, tmp_path):
+    (tmp_path / "notes.json").write_text('{"benchmark": "other"}')
+    rc, out, err = run(capsys, "--check", str(tmp_path))
+    assert rc == 2 and out == ""
+    assert err.count("\n") == 1 and f"--check {tmp_path}" in err and "no recorded plait runs" in err
+
+
+def test_json_carries_explain_and_placement(capsys):
+    args = [*BASE, "--tp", "8", "--pp", "4", "--json"]
+    _, plain, _ = run(capsys, *args)
+    rc, out, _ = run(capsys, *args, "--explain", "--placement")
+    doc, base = json.loads(out), json.loads(plain)
+    assert rc == 0 and "explain" not in base and "placement" not in base
+    assert {k: v for k, v in doc.items() if k not in ("explain", "placement")} == base
+    assert any(e["quantity"] == "parameters" for e in doc["explain"])
+    assert len(doc["placement"]) == 64 and doc["placement"][8] == {
+        "rank": 8, "node": 1, "gpu": 0, "coords": {"pp": 0, "dp_replicate": 0, "dp_shard": 1, "cp": 0, "tp": 0}}
+
+
+def test_search_shows_the_best_layouts_placement(capsys):
+    args = ["--model", "8b", "--seq", "4096", "--global-batch", "64", "--tp", "2", "--search",
+            "--micro-batch", "1", "--recompute", "none", "--top", "2", "--placement"]
+    rc, out, _ = run(capsys, *args)
+    assert rc == 0 and "best layout's placement:" in out and "rank  node  gpu" in out
+    rc, out, _ = run(capsys, *args, "--json", "--explain")
+    doc = json.loads(out)
+    assert rc == 0 and len(doc["placement"]) == 8 and doc["explain"]
+    assert all(r["coords"]["tp"] == r["gpu"] % 2 for r in doc["placement"])
+
+
+def test_fleet_json(capsys):
+    rc, out, _ = run(capsys, "--nodes", "8", "--fleet-jobs", "60", "--json")
+    doc = json.loads(out)
+    assert rc == 0 and doc["mode"] == "fleet" and doc["jobs"] == 60
+    assert [r["policy"] for r in doc["fleet"]] == ["first-fit", "spread", "pack"]
+    assert all(r["placed"] + r["refused"] == 60 for r in doc["fleet"])

@@ -149,3 +149,95 @@ def test_old_configs_with_a_bool_resume_still_load(tmp_path):
     cfg, changed = resumed_config({"checkpoint": {"resume": False, "every": 7}, "train": {"gone_field": 1}},
                                   {"checkpoint": {"resume": "auto"}})
     assert cfg.checkpoint.resume == "auto" and cfg.checkpoint.every == 7 and changed == []
+
+
+def test_a_finished_run_trains_nothing_and_going_back_is_refused(corpus, tmp_path, capfd):
+    """A requeued `--resume` of a run already at train.steps says so and ends (exit 0, config.toml
+    as it was); asking for fewer steps than the run has is refused, not recorded."""
+    run = tmp_path / "r"
+    assert main(_first_run(corpus, run, steps=4)) == 0
+    config = (run / "config.toml").read_text()
+    capfd.readouterr()
+    assert main(["train", "--out", str(run), "--resume"]) == 0
+    assert _error_line(capfd) == f"plait: {run} is already at step 4 of 4: nothing to train; raise --steps to train it further"
+    assert main(["train", "--out", str(run), "--resume", "--steps", "2"]) == 2
+    assert f"train.steps = 2: but the run in {run} is already at step 4" in _error_line(capfd)
+    assert (run / "config.toml").read_text() == config
+
+
+def test_resume_needs_out_and_a_refused_command_leaves_no_folder(corpus, tmp_path, capfd, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--resume", "--steps", "2"]) == 2
+    assert "checkpoint.resume = True: needs the run folder to continue: pass --out RUN" in _error_line(capfd)
+    assert not (tmp_path / "runs").exists()
+    typo = tmp_path / "typo"
+    assert main(_first_run(corpus, typo, steps=2, extra=["--resume"])) == 2
+    capfd.readouterr()
+    assert not typo.exists()  # the folder the refused command would have made
+
+
+def test_one_field_given_twice_or_the_batch_twice_is_refused(corpus, tmp_path, capfd):
+    """A short flag and the long form of one field must agree (neither silently wins), and
+    train.global_batch derives grad_accum, so giving both is refused."""
+    run = tmp_path / "r"
+    assert main(_first_run(corpus, run, steps=2, extra=["--train.steps", "2000"])) == 2
+    assert "--steps = '2': and --train.steps 2000 set one field: give one of them" in _error_line(capfd)
+    assert main(_first_run(corpus, run, steps=2, extra=["--train.global_batch", "4", "--train.grad_accum", "3"])) == 2
+    assert "train.grad_accum = '3': is derived from train.global_batch = 4" in _error_line(capfd)
+    assert not run.exists()
+
+
+def test_the_global_batch_hint_works_at_the_new_layout():
+    from plait.resume import global_batch_note
+
+    before = (2, "micro_batch 2 x grad_accum 1 x dp 1")
+    note = global_batch_note(before, (4, "micro_batch 2 x grad_accum 1 x dp 2"), micro_batch=2, dp=2)
+    assert note.endswith("pass --train.global_batch 2 --train.micro_batch 1 to keep the run's batch at this layout")
+    note = global_batch_note(before, (4, "..."), micro_batch=2, dp=2, microbatches=2)
+    assert "--train.micro_batch 1 without --microbatches" in note
+    assert "cannot split 3 sequences evenly" in global_batch_note((3, "..."), (4, "..."), micro_batch=2, dp=2)
+    assert global_batch_note((8, "..."), (4, "..."), micro_batch=2, dp=2).endswith(
+        "pass --train.global_batch 8 to keep the run's batch at this layout")
+
+
+def test_init_from_keeps_the_weights_shape_and_the_fields_given(corpus, tmp_path, capfd):
+    """train.init_from decides the model's shape: a --model field that would change a weight is
+    refused in one line (it used to be dropped silently); one that does not (max_seq_len) is kept;
+    the run says whose weights it starts from."""
+    src = tmp_path / "src"
+    assert main(_first_run(corpus, src, steps=2)) == 0
+    step = src / "checkpoints" / "step_00000002"
+    capfd.readouterr()
+    new = tmp_path / "new"
+    args = _first_run(corpus, new, steps=1, extra=["--train.init_from", str(step)])  # the micro model's fields last
+    assert main(args + ["--model.n_layers", "3"]) == 2
+    assert (f"model.n_layers = '3': but train.init_from {step} holds a model with n_layers = 2: its weights decide the "
+            "shape; drop --model.n_layers") in _error_line(capfd)
+    assert not new.exists()
+    assert main(args + ["--model.max_seq_len", "48"]) == 0
+    assert f"plait: starting from the weights in {step}: 2 layers, dim 64" in capfd.readouterr().err
+    assert "max_seq_len = 48" in (new / "config.toml").read_text()
+
+
+def test_data_of_another_tokenizer_is_refused_on_resume_and_init_from(corpus, tmp_path, capfd):
+    """The ids of data prepared with another tokenizer mean other text: continuing weights on it is
+    refused in one line, as `plait eval` refuses it."""
+    src = tmp_path / "texts"
+    src.mkdir()
+    for i, f in enumerate(sorted((corpus.parent / "src").iterdir())[:10]):
+        (src / f"{i}.py").write_text(f.read_text())
+    tok = tmp_path / "tok.json"
+    assert main(["data", "tokenizer", "--input", str(src), "--vocab", "300", "--out", str(tok)]) == 0
+    bpe = tmp_path / "bpe"
+    assert main(["data", "prepare", "--input", str(src), "--out", str(bpe), "--tokenizer", str(tok), "--workers", "1"]) == 0
+    run = tmp_path / "r"
+    args = [a if a != str(corpus) else str(bpe) for a in _first_run(corpus, run, steps=2)]
+    args[args.index("--model.vocab_size") + 1] = "512"
+    assert main(args) == 0
+    capfd.readouterr()
+    assert main(["train", "--out", str(run), "--resume", "--steps", "3", "--data.path", str(corpus)]) == 2
+    assert f"data.path = '{corpus}': was prepared with another tokenizer than the weights in" in _error_line(capfd)
+    fresh = [a if a != str(bpe) else str(corpus) for a in args]
+    fresh[fresh.index("--out") + 1] = str(tmp_path / "new")
+    assert main(fresh + ["--train.init_from", str(run)]) == 2
+    assert "was prepared with another tokenizer than the weights in" in _error_line(capfd)

@@ -253,6 +253,30 @@ def test_schedule_command(capsys):
     assert err.count("\n") == 1 and "multiple of 4" in err
 
 
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved"])
+def test_schedule_command_refuses_w_where_backward_is_not_split(name, capsys):
+    # only zb and zbv time a separate W: elsewhere --w was silently ignored
+    assert main(["schedule", "--pp", "4", "--microbatches", "8", "--schedule", name, "--w", "5"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--w = 5.0: {name} has no separate weight-gradient pass" in err
+    assert "--schedule zb or zbv" in err
+    for split in ("zb", "zbv"):
+        assert main(["schedule", "--pp", "4", "--microbatches", "8", "--schedule", split, "--w", "0.5"]) == 0
+        assert "W = 0.5 per rank" in capsys.readouterr().out
+
+
+def test_schedule_command_png_that_cannot_be_written_is_one_line(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    (tmp_path / "file").write_text("a file, not a folder")
+    for png in (tmp_path / "s.txt", tmp_path / "file" / "s.png"):  # matplotlib's ValueError, an OSError
+        assert main(["schedule", "--pp", "2", "--microbatches", "2", "--png", str(png)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"--png = '{png}': cannot be written (" in err
+        assert err.rstrip().endswith("use a .png, .pdf or .svg path")
+    assert main(["schedule", "--pp", "2", "--microbatches", "2", "--png", str(tmp_path / "s.png")]) == 0
+    assert (tmp_path / "s.png").stat().st_size > 0
+
 def test_checker_finds_a_real_deadlock():
     """Rank 0 wants micro-batch 0's gradient before it sends micro-batch 1; rank 1 wants micro-batch
     1 before it sends that gradient: each waits on the other."""

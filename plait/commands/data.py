@@ -17,7 +17,8 @@ def add_arguments(p) -> None:
     prep.add_argument("--out", required=True, help="new folder for the shards and meta.json")
     prep.add_argument("--tokenizer", help="HuggingFace tokenizer.json (default: built-in bytes, vocab 256)")
     prep.add_argument("--text-field", default="text", help="field holding the text in JSONL / Parquet / datasets rows")
-    prep.add_argument("--val-fraction", type=float, default=0.01, help="share of documents held out for validation")
+    prep.add_argument("--val-fraction", type=float, default=0.01,
+                      help="share of documents held out for validation (0 holds out none, which training refuses)")
     prep.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 8),
                       help="tokenizing processes (default: min(CPU count, 8)); the shards do not depend on it")
 

@@ -74,18 +74,6 @@ def run_data(checkpoint: str) -> str:
     return data["path"]
 
 
-def _same_tokenizer(model_tok, data) -> bool:
-    import hashlib
-
-    spec = data.tokenizer_spec
-    if getattr(model_tok, "spec", {}).get("kind") != spec.get("kind"):
-        return False
-    if spec.get("kind") != "hf":
-        return True
-    digest = lambda p: hashlib.sha256(p.read_bytes()).hexdigest()  # noqa: E731
-    return digest(model_tok.path) == digest(data.path / spec.get("file", "tokenizer.json"))
-
-
 def _global_batch(checkpoint: str, t) -> int:
     """Sequences per optimizer step of the run (an HF folder records none: one micro-batch)."""
     import json
@@ -113,6 +101,7 @@ def evaluate(checkpoint: str, data, *, batches: int = 0, batch_size: int = 0, se
 
     from plait import hf
     from plait.errors import bad_value
+    from plait.tokenizer import same_tokenizer
     from plait.train import model_from_checkpoint
 
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -123,7 +112,7 @@ def evaluate(checkpoint: str, data, *, batches: int = 0, batch_size: int = 0, se
                         f"{cfg.model.vocab_size}; use data prepared with the model's tokenizer")
     # an HF folder without tokenizer.json does not say which tokenizer it had: trust the vocab check
     known = not hf.is_hf_dir(checkpoint) or (Path(checkpoint) / "tokenizer.json").is_file()
-    if known and not _same_tokenizer(tokenizer, data):
+    if known and not same_tokenizer(tokenizer, data):
         raise bad_value("--data", str(data.path), "was prepared with another tokenizer than the checkpoint's; "
                         "prepare it with the model's tokenizer.json")
     t = cfg.train
@@ -132,6 +121,9 @@ def evaluate(checkpoint: str, data, *, batches: int = 0, batch_size: int = 0, se
     batch_size, seq_len = batch_size or t.micro_batch, seq_len or t.seq_len
     if seq_len > cfg.model.max_seq_len:
         raise bad_value("--seq-len", seq_len, f"exceeds the model's max_seq_len {cfg.model.max_seq_len}; use a shorter one")
+    if not data.has_val:  # else the length check below would blame --seq-len for a split of 0 tokens
+        raise bad_value("--data", str(data.path), "has no validation split (prepared with --val-fraction 0); prepare "
+                        "it again with --val-fraction above 0")
     longest = max((len(s) for s in data.splits["val"].shards), default=0)
     if longest < seq_len + 1:
         raise bad_value("--seq-len", seq_len, f"is longer than the validation split of {data.path} "

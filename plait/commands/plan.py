@@ -59,10 +59,13 @@ def add_arguments(p) -> None:
                      help="price eager blocks (train.compile off): the activations they keep (their time is priced as compiled)")
     o = p.add_argument_group("output")
     o.add_argument("--search", action="store_true", help="search even when layout flags are given (they pin it)")
-    o.add_argument("--top", type=int, default=10, help="layouts to list when searching")
+    o.add_argument("--top", type=int, default=10, help="layouts to list when searching (at least 1)")
     o.add_argument("--json", action="store_true", help="machine-readable output (stable keys, schema plait.plan/1)")
-    o.add_argument("--explain", action="store_true", help="show every formula with its numbers")
-    o.add_argument("--placement", action="store_true", help="also print which node and GPU each rank gets")
+    o.add_argument("--explain", action="store_true",
+                   help="show every formula with its numbers (a search: the best layout's; --json: under \"explain\")")
+    o.add_argument("--placement", action="store_true",
+                   help="also print which node and GPU each rank gets (a search: the best layout's; "
+                        "--json: under \"placement\")")
     o.add_argument("--validate", action="store_true",
                    help="run the layout here for a few steps and print predicted vs measured (data-parallel layouts)")
     o.add_argument("--validate-steps", type=int, default=6, help="steps of the --validate run")
@@ -78,13 +81,14 @@ def add_arguments(p) -> None:
 
 
 def run(args, extra) -> int:
-    from plait.errors import bad_value
-    from plait.planner import fleet, inputs, report
+    from plait.errors import UserError, bad_value
+    from plait.planner import inputs, report
     from plait.planner.layout import check_fp8
     from plait.planner.placement import place
     from plait.planner.predict import predict
     from plait.planner.search import search
 
+    _check_counts(args)
     profiles, profile, path = {}, None, None
     if args.hardware:
         from plait.planner.profile import load
@@ -97,7 +101,12 @@ def run(args, extra) -> int:
     if args.check:
         from plait.planner import recorded
 
-        checks = recorded.check(recorded.load(args.check), {g: prof for g, (prof, _) in profiles.items()} or None)
+        runs = recorded.load(args.check)
+        if not runs:  # else empty tables and exit 0, as if every prediction had matched
+            raise UserError(f"--check {args.check}: no recorded plait runs in {args.check} (the *.json results of "
+                            f"{', '.join(recorded.BENCHES)} on a card the planner knows); point it at plait's "
+                            f"bench/results")
+        checks = recorded.check(runs, {g: prof for g, (prof, _) in profiles.items()} or None)
         if args.json:
             print(report.to_json({"schema": report.SCHEMA, "check": recorded.rows(checks)}))
             return 0
@@ -126,12 +135,7 @@ def run(args, extra) -> int:
 
         c = apply_profile(c, profile, path)
     if args.fleet_jobs:
-        jobs = fleet.random_jobs(args.fleet_jobs, c.nodes, c.gpus_per_node, args.seed)
-        for policy in fleet.POLICIES:
-            r = fleet.run(jobs, c.nodes, c.gpus_per_node, policy)
-            print(f"{policy:>9}: placed {len(r.placed)}, refused {len(r.unplaceable)}, placed with a TP group "
-                  f"cut across nodes {len(r.split_jobs)}, mean fragmentation {r.mean_fragmentation:.1%}")
-        return 0
+        return _fleet(args, c)
     d = inputs.model_dims(args.model, args.arch, None, layers=args.layers, hidden=args.hidden,
                           heads=args.heads, kv_heads=args.kv_heads, ffn=args.ffn, vocab=args.vocab, seq=args.seq)
     knobs = dict(zero=args.zero, v=args.v, schedule=args.schedule, micro_batch=args.micro_batch,
@@ -157,7 +161,8 @@ def run(args, extra) -> int:
                                  dp_replicate=args.dp_replicate, **knobs)
         p = predict(d, lay, c, args.global_batch, args.precision)
         if args.json:
-            print(report.to_json({**head, "mode": "breakdown", "prediction": report.prediction_dict(p)}))
+            doc = {**head, "mode": "breakdown", "prediction": report.prediction_dict(p)}
+            print(report.to_json(_details(doc, args, p, c)))
             return 0
         print(report.title(d, c, args.global_batch, args.precision))
         print(report.breakdown_text(p, args.explain))
@@ -165,7 +170,6 @@ def run(args, extra) -> int:
             print("\n" + place(lay.sizes(), c.nodes, c.gpus_per_node).table())
         return 0
     if args.dp is not None:
-        from plait.errors import UserError
         raise UserError("--dp is implied by the other degrees when searching; drop it or leave out --search")
     for knob in ("zero3_cast_once", "zero3_fp8_gather"):
         if knobs.pop(knob, False):
@@ -173,16 +177,65 @@ def run(args, extra) -> int:
                             "it: give the layout (--dp, --tp, ...) without --search")
     space = inputs.make_space(tp=args.tp, pp=args.pp, cp=args.cp, dp_replicate=args.dp_replicate, **knobs)
     res = search(d, c, args.global_batch, args.precision, space, top=args.top)
+    best = res.best if res.ranked else None
     if args.json:
-        print(report.to_json({**head, "mode": "search", "considered": res.considered,
-                              "rejected": dict(res.rejected),
-                              "ranked": [report.prediction_dict(p) for p in res.ranked]}))
+        doc = {**head, "mode": "search", "considered": res.considered, "rejected": dict(res.rejected),
+               "ranked": [report.prediction_dict(p) for p in res.ranked]}
+        print(report.to_json(_details(doc, args, best, c)))
         return 0 if res.ranked else 1
     print(report.title(d, c, args.global_batch, args.precision))
     print(report.ranking_text(res))
-    if args.explain and res.ranked:
-        print("\nbest layout in detail:\n" + report.breakdown_text(res.best, explain=True))
+    if args.explain and best:
+        print("\nbest layout in detail:\n" + report.breakdown_text(best, explain=True))
+    if args.placement and best:
+        print("\nbest layout's placement:\n" + place(best.layout.sizes(), c.nodes, c.gpus_per_node).table())
     return 0 if res.ranked else 1
+
+
+def _check_counts(args) -> None:
+    """The counts argparse takes as any integer: 0 or a negative means nothing, and would otherwise
+    print an empty search, slice the ranking (--top -1 drops its last row) or compare no jobs."""
+    from plait.errors import bad_value
+
+    if args.global_batch < 1:
+        raise bad_value("--global-batch", args.global_batch, "must be a positive number of sequences")
+    if args.top < 1:
+        raise bad_value("--top", args.top, "must be at least 1 (the layouts a search lists)")
+    if args.fleet_jobs < 0:
+        raise bad_value("--fleet-jobs", args.fleet_jobs, "must be a positive number of jobs")
+
+
+def _details(doc: dict, args, p, c) -> dict:
+    """--explain and --placement in the JSON (of the prediction `p`, a search's best), under keys of
+    their own: absent without the flags, so the default document keeps its shape."""
+    from plait.planner.placement import place
+
+    if p is None:
+        return doc
+    if args.explain:
+        doc["explain"] = [{"quantity": k, "formula": v} for k, v in p.explain]
+    if args.placement:
+        doc["placement"] = [{"rank": r, "node": n, "gpu": g, "coords": dict(xy)}
+                            for r, n, g, xy in place(p.layout.sizes(), c.nodes, c.gpus_per_node).rows]
+    return doc
+
+
+def _fleet(args, c) -> int:
+    """--fleet-jobs: the same random jobs placed by each policy, as text or (--json) a document."""
+    from plait.planner import fleet, report
+
+    jobs = fleet.random_jobs(args.fleet_jobs, c.nodes, c.gpus_per_node, args.seed)
+    runs = [fleet.run(jobs, c.nodes, c.gpus_per_node, policy) for policy in fleet.POLICIES]
+    if args.json:
+        rows = [{"policy": r.policy, "placed": len(r.placed), "refused": len(r.unplaceable),
+                 "split_jobs": len(r.split_jobs), "mean_fragmentation": r.mean_fragmentation} for r in runs]
+        print(report.to_json({"schema": report.SCHEMA, "mode": "fleet", "jobs": args.fleet_jobs, "seed": args.seed,
+                              "nodes": c.nodes, "gpus_per_node": c.gpus_per_node, "fleet": rows}))
+        return 0
+    for r in runs:
+        print(f"{r.policy:>9}: placed {len(r.placed)}, refused {len(r.unplaceable)}, placed with a TP group "
+              f"cut across nodes {len(r.split_jobs)}, mean fragmentation {r.mean_fragmentation:.1%}")
+    return 0
 
 
 def _validate(args, d, c, knobs, head) -> int:

@@ -13,8 +13,8 @@ def add_arguments(p) -> None:
     p.add_argument("--v", type=int, default=None, help="model chunks per rank (interleaved; default 2)")
     p.add_argument("--f", type=float, default=1.0, help="forward cost of a rank's layers (time units)")
     p.add_argument("--b", type=float, default=None,
-                   help="backward cost (default 2 x f; for zb the input-gradient half, default f)")
-    p.add_argument("--w", type=float, default=None, help="zb only: weight-gradient cost (default f)")
+                   help="backward cost (default 2 x f; for zb and zbv the input-gradient half, default f)")
+    p.add_argument("--w", type=float, default=None, help="zb and zbv only: weight-gradient cost (default f)")
     p.add_argument("--actions", action="store_true", help="also list every rank's actions, sends and receives")
     p.add_argument("--png", help="also draw the timeline into this PNG file (needs matplotlib)")
 
@@ -26,10 +26,13 @@ def run(args, extra) -> int:
 
     v = args.v if args.v is not None else (2 if str(args.schedule).lower() in ("interleaved", "zbv", "zb-v") else 1)
     name = check_args(args.schedule, args.pp, args.microbatches, v)
+    split = name in SPLIT_BACKWARD
+    if args.w is not None and not split:  # the other schedules' B does the weight gradient too: no W to time
+        raise bad_value("--w", args.w, f"{name} has no separate weight-gradient pass (only zb and zbv split B "
+                        f"from W); leave --w out or use --schedule zb or zbv")
     for flag, val in (("--f", args.f), ("--b", args.b), ("--w", args.w)):
         if val is not None and not val > 0:
             raise bad_value(flag, val, "must be a positive time")
-    split = name in SPLIT_BACKWARD
     b = args.b if args.b is not None else (args.f if split else 2 * args.f)
     w = (args.w if args.w is not None else args.f) if split else 0.0
     sched = build_schedule(name, args.pp, args.microbatches, v)
@@ -57,5 +60,9 @@ def run(args, extra) -> int:
 
         spans = [(s.rank, s.start_s, s.end_s, s.action.kind, s.action.microbatch, s.action.chunk) for s in tl.spans]
         title = f"{name}, pp {p}, {m} micro-batches" + (f", v {v}" if v > 1 else "") + f": bubble {tl.bubble_fraction:.1%}"
-        print(f"wrote {draw(spans, p, v, args.png, title, unit='units of --f')}")
+        try:
+            print(f"wrote {draw(spans, p, v, args.png, title, unit='units of --f')}")
+        except (ValueError, OSError) as e:  # a suffix matplotlib cannot write, an unwritable folder
+            why = f"cannot be written ({e}); use a .png, .pdf or .svg path"  # as `plait plot --out` says it
+            raise bad_value("--png", args.png, why) from None
     return 0

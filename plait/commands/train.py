@@ -40,15 +40,26 @@ def add_arguments(p) -> None:
 
 def config_from_args(args, extra):
     """The run's config: defaults (or, when resuming, the run's saved config), then --config, then
-    flags; and, when resuming, the line that says where the config came from and what changed."""
+    flags; when resuming, the line that says where the config came from and what changed; and the
+    [model] fields given (which `train.init_from` must not silently replace)."""
     from plait.config import build_config, load_toml, merge, parse_overrides
 
+    from plait.errors import bad_value
+
     raw = load_toml(args.config) if args.config else {}
-    raw = merge(raw, parse_overrides(extra))
+    long_form = parse_overrides(extra)
+    raw = merge(raw, long_form)
     for flag, (section, key) in ALIASES.items():
         value = getattr(args, flag, None)
         if value is not None:
+            other = long_form.get(section, {}).get(key)
+            if other is not None and str(other) != str(value):  # neither may silently win
+                raise bad_value(f"--{flag}", value, f"and --{section}.{key} {other} set one field: give one of them")
             raw = merge(raw, {section: {key: value}})
+    given = raw.get("train", {})
+    if "global_batch" in given and "grad_accum" in given:  # the batch derives the accumulation at each layout
+        raise bad_value("train.grad_accum", given["grad_accum"], f"is derived from train.global_batch = "
+                        f"{given['global_batch']} (global_batch / (micro_batch x dp)): give one of them")
     cfg = build_config(raw)  # checks every value given, and reads --resume / --out
     if cfg.checkpoint.resume and cfg.train.out:
         from pathlib import Path
@@ -58,8 +69,8 @@ def config_from_args(args, extra):
         saved = resume.saved_config(Path(cfg.train.out).expanduser())
         if saved is not None:
             cfg, changed = resume.resumed_config(saved[0], raw)
-            return cfg, resume.describe_resume(saved[1], changed)
-    return cfg, None
+            return cfg, resume.describe_resume(saved[1], changed), raw.get("model", {})
+    return cfg, None, raw.get("model", {})
 
 
 def print_config_help() -> None:
@@ -105,9 +116,9 @@ def run(args, extra) -> int:
     from plait.launch import SpawnError, Stopped
     from plait.run import launch_training
 
-    cfg, note = config_from_args(args, extra)
+    cfg, note, model_given = config_from_args(args, extra)
     try:
-        summary = launch_training(cfg, note)
+        summary = launch_training(cfg, note, model_given)
     except Stopped as e:  # SIGTERM to the launcher: its agent ended the workers (SIGUSR1 is the stop that saves)
         print(f"plait {NAME}: stopped by {e.signame}; {how_to_continue(cfg)}", file=sys.stderr)
         return 143

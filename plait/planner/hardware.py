@@ -177,7 +177,16 @@ class Cluster:
 def cluster(gpu_name: str = "h100", nodes: int = 1, gpus_per_node: int = 8, **kw) -> Cluster:
     """A cluster of `gpu_name` with its default links (override any field through `kw`)."""
     g = gpu(gpu_name)
+    kw.setdefault("dtype", half_dtype(g))
     return Cluster(g, nodes, gpus_per_node, LINKS[g.intra_link], LINKS[g.inter_link], **kw)
+
+
+def half_dtype(g: GPU) -> str:
+    """The 16-bit dtype mixed precision computes in on `g`: bf16, or fp16 on a card without bf16
+    tensor cores (V100). fp16 with fp32 master weights keeps the same bytes per parameter and per
+    activation, so only the peak differs, and pricing the card at its fp16 rate is what training
+    on it does (`plait plan` has no dtype flag to pick it by hand)."""
+    return "bf16" if "bf16" in g.tflops else "fp16"
 
 
 # `--link.nvlink-gbps 370`, `--gpu.tflops 900`, ...: the command line's way into the catalog.

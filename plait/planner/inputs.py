@@ -58,26 +58,38 @@ def make_cluster(gpu: str, nodes: int, gpus_per_node: int, overrides: dict[str, 
     return apply_overrides(cluster(gpu, nodes, gpus_per_node), overrides)
 
 
+def check_positive(**counts) -> None:
+    """Reject a degree or count given as 0 or less. None means not given; 0 must not read as that
+    (it is falsy, so `tp or 1` used to turn --tp 0 into tp 1), nor reach the search as a pin that
+    divides by zero."""
+    for name, val in counts.items():
+        if val is not None and val < 1:
+            raise bad_value(f"--{name.replace('_', '-')}", val, "must be a positive integer")
+
+
+def _given(val) -> int:
+    """The value given, else 1 (`val or 1` would also turn a 0 into 1)."""
+    return 1 if val is None else val
+
+
 def make_layout(c: Cluster, tp=None, pp=None, dp=None, cp=None, dp_replicate=None, zero=None, v=None,
                 schedule=None, micro_batch=None, recompute=None, sp=True, compile=True, cp_impl=None,
                 stage_split="", head_in_forward=False, recompute_matmuls=0.0, zero3_whole_root=False,
                 zero3_cast_once=False, eager_head=False, fp8="off", zero3_fp8_gather=False,
                 head_wgrad_in_b=False, grad_overlap=True, recompute_whole=False) -> Layout:
     """A full layout from the degrees given; dp defaults to what the others leave."""
-    tp, pp, cp = tp or 1, pp or 1, cp or 1
-    for flag, val in (("--tp", tp), ("--pp", pp), ("--cp", cp)):
-        if val < 1:
-            raise bad_value(flag, val, "must be a positive integer")
+    check_positive(tp=tp, pp=pp, dp=dp, cp=cp, dp_replicate=dp_replicate, v=v, micro_batch=micro_batch)
+    tp, pp, cp = _given(tp), _given(pp), _given(cp)
     if dp is None:
         if c.n_gpus % (tp * pp * cp):
             raise UserError(f"tp {tp} x pp {pp} x cp {cp} = {tp * pp * cp} does not divide the {c.n_gpus} GPUs "
                             f"({c.nodes} x {c.gpus_per_node}): choose degrees whose product divides it")
         dp = c.n_gpus // (tp * pp * cp)
-    rep = dp_replicate or 1
-    if dp < 1 or rep < 1 or dp % rep:
+    rep = _given(dp_replicate)
+    if dp % rep:
         raise bad_value("--dp-replicate", rep, f"must divide --dp = {dp}")
     return Layout(tp=tp, pp=pp, dp_replicate=rep, dp_shard=dp // rep, cp=cp, zero=0 if zero is None else zero,
-                  v=v or 1, schedule=schedule or "1f1b", micro_batch=micro_batch or 1,
+                  v=_given(v), schedule=schedule or "1f1b", micro_batch=_given(micro_batch),
                   recompute=recompute or "none", sp=sp, compile=compile, cp_impl=cp_impl or "ring",
                   stage_split=stage_split or "", head_in_forward=head_in_forward, recompute_matmuls=recompute_matmuls,
                   zero3_whole_root=zero3_whole_root, zero3_cast_once=zero3_cast_once, eager_head=eager_head, fp8=fp8,
@@ -89,6 +101,7 @@ def make_space(tp=None, pp=None, cp=None, dp_replicate=None, zero=None, v=None, 
                micro_batch=None, recompute=None, sp=True, compile=True, cp_impl=None, stage_split=None,
                fp8="off") -> Space:
     """The search space with every flag the user gave pinned."""
+    check_positive(tp=tp, pp=pp, cp=cp, dp_replicate=dp_replicate, v=v, micro_batch=micro_batch)
     s = Space(sp=sp, compile=compile, fp8=fp8)
     pins = {"tp": tp, "pp": pp, "cp": cp, "dp_replicate": dp_replicate, "zero": zero, "v": v,
             "schedule": schedule, "micro_batch": micro_batch, "recompute": recompute, "stage_split": stage_split,
