@@ -27,6 +27,7 @@ from plait.errors import UserError, bad_value
 
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+_ASIDE = ".replaced-"  # step_00000010.replaced-<unix time>: an earlier save of a step saved again
 
 
 def step_dir_name(step: int) -> str:
@@ -168,8 +169,11 @@ def commit(root: Path, tmp: Path, step: int, files: dict, info: dict, keep_last:
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     _fsync_dir(tmp)
     if final.exists():
-        # never destroy an earlier save of the same step (e.g. a damaged one): set it aside
-        final.rename(final.with_name(f"{final.name}.replaced-{int(time.time())}"))
+        # never destroy an earlier save of the same step (e.g. a damaged one): set it aside, and say so
+        aside = final.with_name(f"{final.name}{_ASIDE}{int(time.time())}")
+        final.rename(aside)
+        print(f"plait: {final} saved again; the earlier save is set aside as {aside.name} (deleted once "
+              "checkpoint.keep_last moves past its step)", file=sys.stderr)
     os.replace(tmp, final)
     _fsync_dir(root)
     prune(root, keep_last)
@@ -177,13 +181,18 @@ def commit(root: Path, tmp: Path, step: int, files: dict, info: dict, keep_last:
 
 
 def prune(root: Path, keep_last: int) -> None:
-    """Delete the oldest checkpoints beyond keep_last, counting only intact ones as kept."""
-    kept = 0
-    for _, folder in list_checkpoints(root):
+    """Delete the oldest checkpoints beyond keep_last, counting only intact ones as kept, and the
+    saves set aside (`commit`) of steps older than any it keeps."""
+    kept, oldest = 0, None
+    for step, folder in list_checkpoints(root):
         if kept >= keep_last:
             shutil.rmtree(folder, ignore_errors=True)
         elif (folder / MANIFEST).is_file():
-            kept += 1
+            kept, oldest = kept + 1, step
+    if kept >= keep_last and oldest is not None:
+        for folder in root.glob(f"step_*{_ASIDE}*"):
+            if int(folder.name[5:13]) < oldest:
+                shutil.rmtree(folder, ignore_errors=True)
 
 
 def remove_partial(root: Path) -> list[str]:

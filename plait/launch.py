@@ -358,7 +358,7 @@ def _failure(e, workdir: str) -> Exception:
         if r not in reports:  # died before or outside `entry` (import error, signal, os._exit): no Python error
             how = (f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}")
             reports[r] = {"time": float("inf"), "traceback": "",
-                          "message": f"process ended with {how} and recorded no Python error (see its output above)"}
+                          "message": f"process ended with {how} and recorded no Python error (whatever it printed is above)"}
     root = min(reports, key=lambda r: (bool(_PEER_LOSS.search(reports[r]["message"])), reports[r]["time"], r))
     # the same error on several ranks (a bad config, say) is reported for the lowest of them
     root = min(r for r in reports if reports[r]["message"] == reports[root]["message"])

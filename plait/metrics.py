@@ -157,6 +157,11 @@ def _start_wandb(folder: Path, project: str, name: str, config: dict | None):
     return run
 
 
+def _rate(per_s: float) -> str:
+    """Tokens a second as a person reads them: 64.5k, or 37 on a slow run (not 0.0k)."""
+    return f"{per_s / 1e3:.1f}k" if per_s >= 1e3 else f"{per_s:.0f}"
+
+
 def _fmt_time(s: float) -> str:
     s = int(max(0, s))
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
@@ -181,7 +186,7 @@ class Progress:
         width = 24
         filled = int(width * step / self.total)
         line = (f"step {step}/{self.total} [{'#' * filled}{'.' * (width - filled)}] loss {loss:.3f} "
-                f"| {tokens_per_s / 1e3:.1f}k tok/s | ETA {_fmt_time(eta)}{extra}")
+                f"| {_rate(tokens_per_s)} tok/s | ETA {_fmt_time(eta)}{extra}")
         if self.tty:
             self.stream.write("\r" + line.ljust(100))
             self.stream.flush()

@@ -48,3 +48,9 @@ def test_resaving_a_step_keeps_the_old_folder(tmp_path):
     _save(saver, 10, b"b" * 10)
     assert (tmp_path / "step_00000010" / "model.pt").read_bytes() == b"b" * 10
     assert len(list(tmp_path.glob("step_00000010.replaced-*"))) == 1
+    # the set-aside save goes once keep_last no longer keeps step 10
+    for step in (20, 30, 40, 50):
+        _save(saver, step, b"c" * 10)
+    assert len(list(tmp_path.glob("step_00000010.replaced-*"))) == 1  # step 10 still kept (5 of 5)
+    _save(saver, 60, b"c" * 10)
+    assert not list(tmp_path.glob("step_00000010*"))

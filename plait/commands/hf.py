@@ -15,7 +15,7 @@ def add_arguments(p) -> None:
     exp = sub.add_parser("export", help="write a checkpoint as config.json + safetensors")
     exp.add_argument("--checkpoint", required=True, help="step_XXXXXXXX folder or run folder")
     exp.add_argument("--out", required=True, help="new folder")
-    exp.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"], help="dtype of the saved weights")
+    exp.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"], help="dtype of the saved weights (default bf16)")
 
 
 def run(args, extra) -> int:
