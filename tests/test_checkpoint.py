@@ -54,3 +54,19 @@ def test_resaving_a_step_keeps_the_old_folder(tmp_path):
     assert len(list(tmp_path.glob("step_00000010.replaced-*"))) == 1  # step 10 still kept (5 of 5)
     _save(saver, 60, b"c" * 10)
     assert not list(tmp_path.glob("step_00000010*"))
+
+
+def test_only_the_files_the_manifest_lists_are_read(tmp_path):
+    """A file dropped beside a sharded checkpoint's files (a model.pt nobody saved) is not loaded in
+    their place: its bytes were never checksummed."""
+    import json
+
+    from plait.parallel.sharded_state import state_files
+
+    shard = tmp_path / "model.shard000-of-001.pt"
+    shard.write_bytes(b"x")
+    (tmp_path / "model.pt").write_bytes(b"stray")
+    (tmp_path / "manifest.json").write_text(json.dumps({"files": {shard.name: {"bytes": 1, "sha256": ""}}}))
+    assert state_files(tmp_path, "model") == [shard]
+    (tmp_path / "manifest.json").unlink()  # a folder without a manifest: what is there
+    assert state_files(tmp_path, "model") == [tmp_path / "model.pt"]

@@ -71,17 +71,27 @@ def write(folder: Path, pieces: list[Piece], opt, shard: tuple[int, int] | None)
 
 
 def state_files(folder: Path, kind: str) -> list[Path]:
-    """`model` or `optim` files of a checkpoint folder: the full one, or every shard (checked complete)."""
+    """`model` or `optim` files of a checkpoint folder: the full one, or every shard (checked complete).
+    Only the files its manifest lists (and checksums) count: a stray file beside them is not read."""
+    listed = _listed(folder)
     full = folder / f"{kind}.pt"
-    if full.is_file():
+    if full.is_file() and (listed is None or full.name in listed):
         return [full]
     shards = sorted((int(m.group(2)), int(m.group(3)), f) for f in folder.iterdir() if (m := _SHARD.match(f.name))
-                    and m.group(1) == kind)
+                    and m.group(1) == kind and (listed is None or f.name in listed))
     counts = {c for _, c, _ in shards}
     if not shards or len(counts) != 1 or [i for i, _, _ in shards] != list(range(next(iter(counts)))):
         raise bad_value("checkpoint", str(folder), f"has no complete set of {kind} files ({kind}.pt or "
                         f"{kind}.shardIII-of-NNN.pt); it is not a plait checkpoint")
     return [f for _, _, f in shards]
+
+
+def _listed(folder: Path) -> set[str] | None:
+    """The file names a checkpoint's manifest lists; None for a folder without a readable one."""
+    try:
+        return set(ckpt.load_manifest(folder)["files"])
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def _entries(path: Path, keys: tuple[str, ...]) -> tuple[int | None, dict[str, tuple[Box, int, list]]]:
