@@ -15,7 +15,8 @@ import sys
 
 from plait.config import Config
 from plait.profile import snapshot_on_oom
-from plait.train import preflight, resolve_device, train
+from plait.preflight import preflight
+from plait.train import resolve_device, train
 
 
 def launch_training(cfg: Config, note: str | None = None, model_given: dict | None = None) -> dict | None:
@@ -26,7 +27,7 @@ def launch_training(cfg: Config, note: str | None = None, model_given: dict | No
     from plait.launch import detect_launch, run
     from plait.run_folder import RunFolder
     from plait.supervise import resume_after_outer_restart, run_workers
-    from plait.train import NothingToTrain
+    from plait.preflight import NothingToTrain
 
     le = detect_launch()
     try:

@@ -10,7 +10,8 @@ import pytest
 from plait.cli import main
 from plait.data import TokenData, prepare
 from plait.tokenizer import ByteTokenizer, from_path
-from plait.train import preflight, train
+from plait.preflight import preflight
+from plait.train import train
 from conftest import micro_config
 
 

@@ -90,7 +90,8 @@ def test_sampling_needs_a_prompt_token(model):
 def run(corpus, tmp_path_factory):
     """A checkpoint of the micro model after two steps (enough to generate from)."""
     from conftest import micro_config
-    from plait.train import preflight, train
+    from plait.preflight import preflight
+    from plait.train import train
 
     out = tmp_path_factory.mktemp("gen") / "run"
     train(preflight(micro_config(corpus, out, train={"steps": 2})))

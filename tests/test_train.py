@@ -9,7 +9,8 @@ import torch
 
 from plait.config import TrainConfig
 from plait.optim import lr_at
-from plait.train import preflight, train
+from plait.preflight import preflight
+from plait.train import train
 from conftest import micro_config
 
 

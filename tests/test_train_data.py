@@ -14,7 +14,8 @@ from conftest import micro_config
 from plait.data import MixedData, prepare
 from plait.errors import UserError
 from plait.tokenizer import ByteTokenizer
-from plait.train import preflight, train
+from plait.preflight import preflight
+from plait.train import train
 
 STEPS = 8
 

@@ -12,7 +12,8 @@ import torch
 from conftest import micro_config
 from plait.errors import UserError
 from plait.profile import snapshot_on_oom
-from plait.train import preflight, train
+from plait.preflight import preflight
+from plait.train import train
 from plait.validate import validate_config
 
 

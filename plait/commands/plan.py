@@ -202,7 +202,7 @@ def _check_counts(args) -> None:
     if args.top < 1:
         raise bad_value("--top", args.top, "must be at least 1 (the layouts a search lists)")
     if args.fleet_jobs < 0:
-        raise bad_value("--fleet-jobs", args.fleet_jobs, "must be a positive number of jobs")
+        raise bad_value("--fleet-jobs", args.fleet_jobs, "must be 0 (no fleet comparison) or a positive number of jobs")
 
 
 def _details(doc: dict, args, p, c) -> dict:
