@@ -56,8 +56,10 @@ from plait.preempt import STOP_FILE_ENV, relay_to
 
 # Modules the fork server imports once, so that each worker starts in ~0.1 s instead of paying for
 # `import torch` again (2-4 s per rank on a small CPU, the bulk of a short multi-process test).
-PRELOAD = ["torch", "torch.distributed", "torch.distributed.device_mesh", "plait.launch", "plait.comm",
-           "plait.collectives", "plait.parallel.dims"]
+# torch._dynamo too: building any model imports it (a meta-device `normal_` goes through its
+# disable wrapper), 2 s of CPU per rank otherwise; and plait's trainer with everything it imports.
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.device_mesh", "torch._dynamo", "plait.launch",
+           "plait.comm", "plait.collectives", "plait.parallel.dims", "plait.run"]
 
 
 class Stopped(Exception):
