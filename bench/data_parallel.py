@@ -10,7 +10,10 @@ GPUs over tokens/s on one (same micro-batch per GPU). `--accum N` runs N micro-b
 step (gradient accumulation) in every variant.
 
   plait-1gpu    plait's single-device step: bf16 parameters, fp32 masters, compiled blocks, fused AdamW
-  plait-ddp     plait.parallel DDP: bucketed all-reduce from backward hooks, bf16 gradients
+  plait-ddp     plait.parallel DDP: bucketed all-reduce from backward hooks, bf16 gradients, the
+                embedding's gradient sent as the rows a step touched where that is fewer bytes
+                (parallel.embedding_rows auto)
+  plait-ddp-dense  the same with the embedding's dense gradient all-reduced (embedding_rows off)
   plait-zero1   optimizer state sharded; reduce-scatter + all-gather after backward
   plait-zero2   + gradients: buckets reduce-scattered during backward
   plait-zero3   + parameters, per block, prefetched; bf16 on the wire both ways
@@ -48,10 +51,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-PLAIT = ["plait-ddp", "plait-zero1", "plait-zero2", "plait-zero3", "plait-zero3-cast-once", "plait-zero3-fp8-gather"]
+PLAIT = ["plait-ddp", "plait-ddp-dense", "plait-zero1", "plait-zero2", "plait-zero3", "plait-zero3-cast-once", "plait-zero3-fp8-gather"]
 ALL = PLAIT + ["fsdp2", "torch-ddp"]  # torch DDP (fp32 params + grads) needs the most memory: last
 # cast-once differs from plait-zero3 only with --accum > 1; the FP8 gather needs --fp8 tensorwise
-DEFAULT = [v for v in ALL if v not in ("plait-zero3-cast-once", "plait-zero3-fp8-gather")]
+DEFAULT = [v for v in ALL if v not in ("plait-ddp-dense", "plait-zero3-cast-once", "plait-zero3-fp8-gather")]
 
 
 def card_slug(name: str) -> str:
@@ -96,12 +99,13 @@ def _plait_step(a, variant, device, comm):
     from plait.config import build_config
     from plait.parallel.build import parallelize
 
-    zero = {"plait-1gpu": 0, "plait-ddp": 0, "plait-zero1": 1, "plait-zero2": 2, "plait-zero3": 3,
+    zero = {"plait-1gpu": 0, "plait-ddp": 0, "plait-ddp-dense": 0, "plait-zero1": 1, "plait-zero2": 2, "plait-zero3": 3,
             "plait-zero3-cast-once": 3, "plait-zero3-fp8-gather": 3}[variant]
     cfg = build_config({"model": _model_section(a),
                         "train": {"lr": 1e-4, "warmup_steps": 0, "recompute": a.recompute, "fp8": a.fp8},
                         "parallel": {"zero": zero, "bucket_mb": a.bucket_mb,
                                      "overlap_ctas": a.overlap_ctas if zero == 0 else 0,
+                                     "embedding_rows": "off" if variant == "plait-ddp-dense" else "auto",
                                      "zero3_cast_once": variant == "plait-zero3-cast-once",
                                      "zero3_fp8_gather": variant == "plait-zero3-fp8-gather"}})
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -474,6 +478,7 @@ def main(argv=None) -> int:
     result = {"benchmark": "data_parallel", "head": HEAD_RUNTIME, "card": card, "gpus": a.gpus, "torch": torch.__version__, "nccl": nccl,
               "date": time.strftime("%Y-%m-%d"), "config": {"preset": a.preset, "model": a.model, "seq": a.seq, "micro_batch": a.micro_batch,
               "accum": a.accum, "steps": a.steps, "warmup": a.warmup, "bucket_mb": a.bucket_mb, "overlap_ctas": a.overlap_ctas,
+              "embedding_rows": "auto (plait-ddp-dense: off)",
               "compile": a.compile, "recompute": a.recompute, "fp8": a.fp8, "bind_cpus": a.bind_cpus,
               "nccl_env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}}, "rows": []}
     t0 = time.perf_counter()

@@ -105,7 +105,8 @@ def main(argv=None) -> int:
     result = {"benchmark": "layouts", "head": HEAD_RUNTIME, "card": card, "gpus": a.gpus, "torch": torch.__version__,
               "nccl": ".".join(map(str, torch.cuda.nccl.version())), "date": time.strftime("%Y-%m-%d"),
               "command": " ".join(["python", "bench/layouts.py"] + (argv or sys.argv[1:])),
-              "config": {"preset": a.model, "model": [f"n_layers={a.layers}"] if a.layers else [], "seq": a.seq, "global_batch": a.global_batch, "hardware": a.hardware},
+              "config": {"preset": a.model, "model": [f"n_layers={a.layers}"] if a.layers else [], "seq": a.seq, "global_batch": a.global_batch, "hardware": a.hardware,
+                         "embedding_rows": "auto"},
               "search": [{"rank": i + 1, "layout": r["layout_name"], "step_s": r["step_time_s"]}
                          for i, r in enumerate(ranked)],
               "rows": []}

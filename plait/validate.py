@@ -164,6 +164,11 @@ def validate_parallel(cfg: Config):
         raise bad_value("parallel.zero", p.zero, "choose 0 (DDP), 1, 2 or 3 (FSDP)")
     _positive("parallel.timeout_s", p.timeout_s)
     _positive("parallel.bucket_mb", p.bucket_mb)
+    if p.embedding_rows not in rules.EMBEDDING_ROWS:
+        raise bad_value("parallel.embedding_rows", p.embedding_rows, "choose auto, on or off")
+    if p.embedding_rows == "on" and (p.zero != 0 or max(p.tp, p.pp, p.cp) > 1):
+        raise bad_value("parallel.embedding_rows", "on", "sends DDP's embedding gradient as rows: it needs "
+                        "--zero 0 and no tp, pp or cp split; use auto or off")
     if not isinstance(p.overlap_ctas, int) or isinstance(p.overlap_ctas, bool) or not 0 <= p.overlap_ctas <= 64:
         raise bad_value("parallel.overlap_ctas", p.overlap_ctas, "give 0 (NCCL's choice) or a count of 1-64 thread blocks")
     if p.overlap_ctas and p.zero != 0:

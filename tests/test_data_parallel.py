@@ -11,22 +11,36 @@ import torch
 import pytest
 
 from dist import run_dist
-from dp_runs import Groups, MICRO, STEPS, assert_equivalent, backwards_reversed, config, train
+from dp_runs import Groups, MICRO, STEPS, UNEVEN, assert_equivalent, backwards_reversed, config, train
 from plait.parallel.sharded_state import full_weights
 
-# name: (layout, zero, grad_accum); "pair" runs go two at a time, one on ranks {0,1}, one on {2,3}.
-# "-rev" runs accumulate 3 micro-batches whose backwards run after every forward, in reverse order
-# (as a pipeline schedule may): the engines must reduce by backward order, not forward order.
+# name: (layout, zero, grad_accum[, options]); "pair" runs go two at a time, one on ranks {0,1}, one
+# on {2,3}. "-rev" runs accumulate 3 micro-batches whose backwards run after every forward, in
+# reverse order (as a pipeline schedule may): the engines must reduce by backward order, not forward
+# order. DDP's embedding goes as rows (parallel.embedding_rows auto: the micro model's few tokens
+# a step pay) except where OFF says otherwise; UNTIED runs train the model with its own output matrix.
+OFF = {"parallel": {"embedding_rows": "off"}}
+UNTIED = {"model": {"tie_embeddings": False}}
 RUNS = {
-    "n2-z0": ("pair", 0, 1), "n2-z1": ("pair", 1, 1), "n2-z2": ("pair", 2, 1), "n2-z3": ("pair", 3, 1),
+    "n2-z0": ("pair", 0, 1, OFF), "n2-z1": ("pair", 1, 1), "n2-z2": ("pair", 2, 1), "n2-z3": ("pair", 3, 1),
     "n2-z0-accum": ("pair", 0, 2), "n2-z2-accum": ("pair", 2, 2), "n2-z1-accum": ("pair", 1, 2), "n2-z3-accum": ("pair", 3, 2),
     "n2-z0-rev": ("pair", 0, 3), "n2-z2-rev": ("pair", 2, 3), "n2-z3-rev": ("pair", 3, 3), "n2-z1-rev": ("pair", 1, 3),
-    "n4-z0": ("world", 0, 1), "n4-z1": ("world", 1, 1), "n4-z2": ("world", 2, 1), "n4-z3": ("world", 3, 1),
+    "n2-z0-untied": ("pair", 0, 2, UNTIED), "n2-z0-untied-off": ("pair", 0, 2, {**UNTIED, **OFF}),
+    "n4-z0": ("world", 0, 1, OFF), "n4-z1": ("world", 1, 1), "n4-z2": ("world", 2, 1), "n4-z3": ("world", 3, 1),
     "hsdp-z1": ("hsdp", 1, 1), "hsdp-z3": ("hsdp", 3, 1),
 }
 SCHEDULE = [("n2-z0", "n2-z1"), ("n2-z2", "n2-z3"), ("n2-z0-accum", "n2-z2-accum"), ("n2-z1-accum", "n2-z3-accum"),
-            ("n2-z0-rev", "n2-z2-rev"), ("n2-z3-rev", "n2-z1-rev"),
+            ("n2-z0-rev", "n2-z2-rev"), ("n2-z3-rev", "n2-z1-rev"), ("n2-z0-untied", "n2-z0-untied-off"),
             "n4-z0", "n4-z1", "n4-z2", "n4-z3", "hsdp-z1", "hsdp-z3"]
+
+
+def _run_config(corpus, name, micro_batch=MICRO, **kw):
+    """The config of run `name` (its options applied), or of its single-process reference."""
+    layout, zero, accum, *options = RUNS[name]
+    opts = options[0] if options else {}
+    model = {**UNEVEN, **opts.get("model", {})}
+    return config(corpus, micro_batch=micro_batch, zero=zero, grad_accum=accum, model=model,
+                  **{**opts.get("parallel", {}), **kw})
 
 
 def _layout_facts(engine) -> dict:
@@ -55,9 +69,11 @@ def _mechanisms(corpus, comm) -> dict:
         par = parallelize(cfg, comm, torch.device("cpu"), torch.float32, compile=False)
         model, engine = par.model, par.engine
         lean = []  # DDP: which all-reduces asked for the few-SM communicator (parallel.overlap_ctas)
+        starts = []  # and where each one's tensor starts
         if zero == 0:
             plain = comm.all_reduce
-            comm.all_reduce = lambda *a, **k: (lean.append(k.get("lean", False)), plain(*a, **k))[1]
+            comm.all_reduce = lambda *a, **k: (lean.append(k.get("lean", False)), starts.append(a[0].data_ptr()),
+                                               plain(*a, **k))[2]
         data = TokenData(cfg.data.path)
         x, y = data.batch(0, 0, micro_batch=MICRO, grad_accum=2, dp_rank=par.data_rank, dp_size=par.data_size,
                           seq_len=32, seed=0)
@@ -69,9 +85,11 @@ def _mechanisms(corpus, comm) -> dict:
         (model(x, y) / 2).backward()
         s = comm.ledger.summary()
         if zero == 0:
+            embedding = engine.flat.view(engine.flat.grad, engine.rows_slot).data_ptr()
             out["ddp"] = {"first_micro_bytes": first, "buckets": len(engine.ranges),
                           "launched_in_backward": s.get("dp", {}).get("all_reduce", {}).get("calls", 0),
-                          "lean": list(lean)}
+                          "lean": list(lean), "first_is_embedding": starts[0] == embedding,
+                          "embedding_launched": starts.count(embedding)}
             comm.all_reduce = plain
         else:
             biggest = max(u.padded for u in engine.layout.units)
@@ -91,10 +109,9 @@ def _body(dims, corpus, root):
     results = {}
     for entry in SCHEDULE:
         name = entry[r // 2] if isinstance(entry, tuple) else entry
-        layout, zero, accum = RUNS[name]
-        comm = groups.comm(layout)
+        comm = groups.comm(RUNS[name][0])
         facts = {}
-        res = train(config(corpus, zero=zero, grad_accum=accum), comm, root / name,
+        res = train(_run_config(corpus, name), comm, root / name,
                     engine_hook=lambda e: facts.update(_layout_facts(e)),
                     step_fn=backwards_reversed if name.endswith("-rev") else None)
         res["facts"] = facts
@@ -113,11 +130,18 @@ def runs(corpus, tmp_path_factory):
         for name, v in res.items():
             merged.setdefault(name, v)
     refs = {}
-    for n, accum in ((2, 1), (4, 1), (2, 2), (2, 3)):
-        out = root / f"ref-{n}-{accum}"
-        refs[(n, accum)] = train(config(corpus, micro_batch=MICRO * n, grad_accum=accum), None, out)
-        refs[(n, accum)]["weights"] = full_weights(out)
+    for name in ("n2-z0", "n4-z0", "n2-z0-accum", "n2-z0-rev", "n2-z0-untied"):
+        key = _ref_key(name)
+        out = root / f"ref-{'-'.join(map(str, key))}"
+        refs[key] = train(_run_config(corpus, name, micro_batch=MICRO * key[0]), None, out)
+        refs[key]["weights"] = full_weights(out)
     return merged, refs, root
+
+
+def _ref_key(name):
+    """What a run's single-process reference depends on: ranks, micro-batches, tied or not."""
+    layout, _, accum, *options = RUNS[name]
+    return 2 if layout == "pair" else 4, accum, "model" not in (options[0] if options else {})
 
 
 @pytest.mark.parametrize("name", list(RUNS))
@@ -129,8 +153,7 @@ def test_matches_the_single_process_run(runs, name):
     because by step 20 the weights differ by rounding (~1e-7) and a sharp step can amplify that into
     the norm (seen: 8e-6 at the last step, with the same step's reduction itself exact to 1e-7)."""
     merged, refs, root = runs
-    layout, zero, accum = RUNS[name]
-    ref = refs[(2 if layout == "pair" else 4, accum)]
+    ref = refs[_ref_key(name)]
     got = merged[name]
     assert len(got["losses"]) == STEPS
     assert_equivalent(name, got, ref, root / name, ref["weights"])
@@ -141,22 +164,31 @@ def _sent(s, dim):
     return s.get(dim, {}).get("sent_bytes", 0.0)
 
 
-@pytest.mark.parametrize("name", ["n4-z0", "n4-z1", "n4-z2", "n4-z3", "n2-z0-accum", "n2-z2-accum", "hsdp-z1",
-                                  "hsdp-z3"])
+@pytest.mark.parametrize("name", ["n4-z0", "n4-z1", "n4-z2", "n4-z3", "n2-z0-accum", "n2-z0-untied", "n2-z2-accum",
+                                  "hsdp-z1", "hsdp-z3"])
 def test_traffic_to_the_byte(runs, name):
     """Ledger per step (bytes sent per device, ring): DDP / ZeRO-1 / ZeRO-2 2P(N-1)/N, ZeRO-3 3P(N-1)/N
-    less the root unit's second gather; P in bytes (fp32, 4 per element) of the padded units."""
+    less the root unit's second gather; P in bytes (fp32, 4 per element) of the padded units. DDP
+    with the embedding as rows: an untied embedding's V x dim leave the all-reduce, and every rank
+    gathers all ranks' T token ids (int64) and T x dim gradients, T its tokens a step."""
     merged, _, _ = runs
-    layout, zero, accum = RUNS[name]
+    layout, zero, accum, *options = RUNS[name]
     got = merged[name]
     f = got["facts"]
     N = {"pair": 2, "world": 4, "hsdp": 2}[layout]
+    opts = options[0] if options else {}
+    rows = zero == 0 and "parallel" not in opts  # the runs whose embedding goes as rows (auto)
+    untied = "model" in opts
+    reduced = 4 * (f["P"] - (UNEVEN["vocab_size"] * UNEVEN["dim"] if untied and rows else 0))
+    T = MICRO * 32 * accum
+    gathered = N * T * (8 + 4 * UNEVEN["dim"]) if rows else 0
     for s in got["ledger"]:
         stats = s["world"]["all_reduce"]  # one message a step: squared grad norm, loss, loss count (3 fp32)
         assert stats["bytes"] == 12 and stats["calls"] == 1
         if zero == 0:
-            assert s["dp"]["all_reduce"]["bytes"] == 4 * f["P"]
-            assert s["dp"]["sent_bytes"] == 2 * 4 * f["P"] * (N - 1) / N
+            assert s["dp"]["all_reduce"]["bytes"] == reduced
+            assert s["dp"].get("all_gather", {}).get("bytes", 0) == gathered
+            assert s["dp"]["sent_bytes"] == (2 * reduced + gathered) * (N - 1) / N
             assert s["dp"]["all_reduce"]["calls"] == f["buckets"] and f["buckets"] > 3
             continue
         Pb = 4 * f["padded"]
@@ -183,6 +215,9 @@ def test_ddp_buckets_launch_during_backward_and_not_on_early_micro_batches(runs)
     # parallel.overlap_ctas: the buckets the backward overlaps go to the few-SM communicator, the
     # last one (nothing left to overlap it) does not
     assert m["lean"] == [True] * (m["buckets"] - 1) + [False]
+    # the embedding as rows (auto): the tied matrix's dense part (the output layer's gradient) is
+    # the first bucket out, as the backward starts, not the last
+    assert m["first_is_embedding"] and m["embedding_launched"] == 1
 
 
 def test_zero2_never_holds_a_full_gradient(runs):

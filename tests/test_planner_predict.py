@@ -85,8 +85,13 @@ def test_dp_traffic_ddp_zero1_zero2_zero3():
     2P ("free"); ZeRO-3 3P(N-1)/N (1.5x), paid again for every micro-batch."""
     c = cluster("h100", 1, 8)
     psi = costs.param_count(L8B)
-    vol = {z: predict(L8B, Layout(dp_shard=8, zero=z), c, 8).traffic for z in (0, 1, 2, 3)}
+    vol = {z: predict(L8B, Layout(dp_shard=8, zero=z, embedding_rows="off"), c, 8).traffic for z in (0, 1, 2, 3)}
     assert vol[0]["dp"].bytes_per_device == pytest.approx(2 * 7 / 8 * psi * 2)
+    # DDP with the embedding as rows (auto: 8 ranks x 4096 tokens < 2 x 128k rows): 8b's untied
+    # embedding leaves the all-reduce; every rank's 4096 ids (int64) and bf16 gradients are gathered
+    rows = predict(L8B, Layout(dp_shard=8, zero=0), c, 8).traffic["dp"]
+    embed = L8B.vocab * L8B.hidden
+    assert rows.bytes_per_device == pytest.approx(2 * 7 / 8 * (psi - embed) * 2 + 7 / 8 * 8 * L8B.seq * (L8B.hidden * 2 + 8))
     assert vol[1]["dp_shard"].bytes_per_device == pytest.approx(2 * 7 / 8 * psi * 2)
     assert vol[2]["dp_shard"].bytes_per_device == pytest.approx(2 * 7 / 8 * psi * 2)
     assert vol[3]["dp_shard"].bytes_per_device == pytest.approx(3 * 7 / 8 * psi * 2)
@@ -324,11 +329,15 @@ def test_the_gradients_backward_makes_last_are_reduced_after_it():
     prec = memory.precision("mixed")
     embed = costs.tp_share(d, 1)[1]
     for zero, op, group in ((0, "all_reduce", "grad"), (2, "reduce_scatter", "shard")):
-        lay = Layout(dp_shard=4, zero=zero, micro_batch=8)
+        lay = Layout(dp_shard=4, zero=zero, micro_batch=8, embedding_rows="off")
         sc = stage_costs(d, lay, c, prec)
         assert sc.last_params[0] == embed
         tail = Collective(op, embed * prec.wire_grad_bytes, 4, 1, "").time_s(sc.links[group][0])
         assert predict(d, lay, c, 32).time_s["dp_sync"] >= tail * (1 - 1e-9) and tail > 0
+        if zero == 0:  # as rows (auto) only their all-gather is left after the backward
+            gather = Collective("all_gather", 4 * 8 * 2048 * (d.hidden * 2 + 8), 4, 1, "").time_s(sc.links[group][0])
+            rows = predict(d, dataclasses.replace(lay, embedding_rows="auto"), c, 32).time_s["dp_sync"]
+            assert gather * (1 - 1e-9) <= rows < tail
     # with a pipeline, a later stage's last bucket is one bucket, not the embedding
     sc = stage_costs(d, Layout(pp=2, dp_shard=2, micro_batch=1), cluster("h100", 1, 4), prec)
     assert sc.last_params[1] < embed

@@ -6,8 +6,9 @@ order is reverse registration order, roughly the order in which backward produce
 the first buckets fill first and their reduction overlaps the rest of backward.
 
 Every rank must issue its collectives in the same order (NCCL matches them by position, not by
-name), so `Ready` launches buckets strictly in index order: a bucket that fills early waits for its
-predecessors. Backward is deterministic, so in practice they fill in order anyway.
+name), so `Ready` launches buckets strictly in one fixed order (index order unless told otherwise):
+a bucket that fills early waits for its predecessors. Backward is deterministic, so in practice
+they fill in order anyway.
 """
 
 from __future__ import annotations
@@ -34,13 +35,17 @@ def bucket_cap(bucket_mb: float, element_size: int) -> int:
 
 
 class Ready:
-    """Counts the gradients each bucket still waits for; launches full buckets in index order.
+    """Counts the gradients each bucket still waits for; launches full buckets in `order` (default
+    index order), each once it is full and every bucket before it in that order is launched.
 
     members[b]: how many hook calls bucket b needs; owners[key]: the buckets a hook call counts for.
     """
 
-    def __init__(self, members: list[int], owners: dict, launch: Callable[[int], None]):
+    def __init__(self, members: list[int], owners: dict, launch: Callable[[int], None],
+                 order: list[int] | None = None):
         self.members, self.owners, self.launch = members, owners, launch
+        self.order = list(range(len(members))) if order is None else list(order)
+        assert sorted(self.order) == list(range(len(members))), "order must list every bucket once"
         self.reset()
 
     def reset(self) -> None:
@@ -50,19 +55,19 @@ class Ready:
     def arrived(self, key) -> None:
         for b in self.owners[key]:
             self.pending[b] -= 1
-        while self.next < len(self.pending) and self.pending[self.next] == 0:
+        while self.next < len(self.order) and self.pending[self.order[self.next]] == 0:
             self.next += 1
-            self.launch(self.next - 1)
+            self.launch(self.order[self.next - 1])
 
     def flush(self) -> None:
         """Launch what is left: buckets whose parameters received no gradient this backward."""
-        while self.next < len(self.pending):
+        while self.next < len(self.order):
             self.next += 1
-            self.launch(self.next - 1)
+            self.launch(self.order[self.next - 1])
 
     @property
     def done(self) -> bool:
-        return self.next == len(self.pending)
+        return self.next == len(self.order)
 
 
 class InFlight:

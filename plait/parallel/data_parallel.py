@@ -44,7 +44,8 @@ def apply_data_parallel(model, cfg, comm=None, groups: Groups = Groups(), compil
 
         flat = FlatParams(named)
         cap = bucket_cap(p.bucket_mb, flat.grad.element_size())
-        return DDP(model, FlatAdamW(flat, t, compile=compile), comm, groups, cap, split, p.overlap_ctas)
+        return DDP(model, FlatAdamW(flat, t, compile=compile), comm, groups, cap, split, p.overlap_ctas,
+                   rows=_embedding_rows(cfg, model, comm.size(groups.grad), pipeline))
     from plait.parallel import zero
 
     if p.zero == 1:
@@ -57,3 +58,15 @@ def apply_data_parallel(model, cfg, comm=None, groups: Groups = Groups(), compil
 
     return Zero3(model, t, comm, groups, reduce_dtype, compile, split, keep=pipeline, cast_once=p.zero3_cast_once,
                  fp8_gather=p.zero3_fp8_gather)
+
+
+def _embedding_rows(cfg, model, ranks: int, pipeline: bool) -> bool:
+    """Whether DDP sends the embedding's gradient as rows (`parallel.embedding_rows`): only for a
+    whole model (no tp/pp/cp split), on `auto` where the rows are fewer bytes than the matrix."""
+    from plait.model import DENSE
+    from plait.parallel.rules import embedding_rows
+
+    p, t = cfg.parallel, cfg.train
+    if pipeline or model.tp is not DENSE or model.cp is not None or model.embed is None:
+        return False
+    return embedding_rows(p.embedding_rows, ranks, t.micro_batch * t.seq_len * t.grad_accum, model.cfg.vocab_size)

@@ -20,6 +20,20 @@ prices its memory with the same number): 1 GiB in bf16; fewer chunks = fewer pas
 SP_MODES = ("auto", "on", "off")
 
 
+EMBEDDING_ROWS = ("auto", "on", "off")
+
+
+def embedding_rows(mode: str, ranks: int, tokens: int, vocab: int) -> bool:
+    """Whether DDP sends the embedding's gradient as the rows a step touched
+    (`plait.parallel.embedding_rows`): `on`, or on `auto` where all-gathering the `tokens` rows a
+    rank (and their ids) over `ranks` sends fewer bytes than all-reducing the dense (vocab, dim)
+    matrix: (N-1) T against 2 (N-1)/N V elements a row of dim (an int64 id a row is under 1% of any
+    real model's row). The caller decides whether the layout allows it (DDP, no tp/pp/cp split)."""
+    if ranks < 2 or mode == "off":
+        return False
+    return mode == "on" or ranks * tokens < 2 * vocab
+
+
 def run_field(knob: str) -> str:
     return f"parallel.{knob}"
 

@@ -86,6 +86,12 @@ class Layout:
     all-reduce after the whole backward, as Megatron-LM's "local" DDP ran its 2021 pipelined runs
     (published runs: `plait.planner.published`)."""
 
+    embedding_rows: str = "auto"
+    """DDP sends the embedding's gradient as the rows a step touched (`parallel.embedding_rows`:
+    auto, on, off; plait/parallel/embedding_rows.py): the rows' all-gather after the backward
+    replaces the dense embedding's all-reduce there, and a tied matrix's dense part (the output
+    layer's gradient) reduces beside the backward."""
+
     fp8: str = "off"
     """The blocks' linears run as FP8 GEMMs with this scaling (`train.fp8`: off, tensorwise, rowwise)."""
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
+from plait.parallel.rules import embedding_rows
 from plait.parallel.schedules import SPLIT_BACKWARD, Action, build_schedule, stage_of
 from plait.planner import costs, memory
 from plait.planner.costs import ModelDims
@@ -124,8 +125,22 @@ def simulate_makespan(name: str, pp: int, m: int, v: int, durs: tuple, p2p_s: fl
     return tl.makespan_s, tl.bubble_fraction, tuple(ends)
 
 
+def _rows(d: ModelDims, lay: Layout, m: int, prec: Precision) -> tuple[float, Collective] | None:
+    """DDP with the embedding as rows (`Layout.embedding_rows`, decided as the engine decides):
+    (the dense parameters that leave the all-reduce - an untied embedding's -, the rows'
+    all-gather: every rank's T token ids, int64, and T x dim gradients); None without."""
+    tokens = lay.micro_batch * d.seq * m
+    if lay.zero != 0 or max(lay.tp, lay.pp, lay.cp) > 1 or not embedding_rows(lay.embedding_rows, lay.grad_group,
+                                                                              tokens, d.vocab):
+        return None
+    n = lay.grad_group
+    gather = Collective("all_gather", n * tokens * (d.hidden * prec.wire_grad_bytes + 8), n, 1,
+                        "embedding rows: token ids and their gradients")
+    return (0.0 if d.tie_embeddings else d.vocab * d.hidden), gather
+
+
 def _sync_s(lay: Layout, psi: float, last: float, m: int, prec: Precision,
-            sc: StageCosts) -> tuple[tuple[tuple[str, float], ...], float]:
+            sc: StageCosts, rows: tuple[float, Collective] | None = None) -> tuple[tuple[tuple[str, float], ...], float]:
     """Gradient synchronisation of a rank holding `psi` parameters, as the engines run it: ((op,
     seconds alone) that can hide behind the backward, seconds after the backward). DDP all-reduces
     buckets as the backward frees them; ZeRO-2 reduce-scatters them so; ZeRO-1 reduce-scatters its
@@ -134,9 +149,14 @@ def _sync_s(lay: Layout, psi: float, last: float, m: int, prec: Precision,
 
     `last` of the `psi` parameters get their gradients when the backward ends (the first stage's
     embedding, else one bucket): nothing is left to hide their reduction behind (4 x H100, 1b DDP:
-    3.0 ms of all-reduce ran after the backward, the embedding's bucket)."""
+    3.0 ms of all-reduce ran after the backward, the embedding's bucket). `rows` (`_rows`): the
+    embedding goes as rows, all-gathered after the backward; the rest all hides behind it."""
     shard, hidden, after = lay.shard_group, (), 0.0
     last = min(last, psi)
+    if rows is not None:
+        dense_out, gather = rows
+        psi, last = psi - dense_out, 0.0
+        after += gather.time_s(sc.links["grad"][0])
     if lay.zero == 0 and lay.grad_group > 1 and not lay.grad_overlap:  # one all-reduce after the backward
         after += Collective("all_reduce", psi * prec.wire_grad_bytes, lay.grad_group, 1, "").time_s(sc.links["grad"][0])
     elif lay.zero == 0 and lay.grad_group > 1:
@@ -214,8 +234,10 @@ def _traffic(d: ModelDims, lay: Layout, prec: Precision, sc: StageCosts, m: int)
             "activation forward + gradient backward per micro-batch and chunk (a middle stage)"),))
     psi = sc.rank_params[0]
     if lay.zero == 0 and lay.grad_group > 1:
+        rows = _rows(d, lay, m, prec)
+        dense_out, extra = (rows[0], (rows[1],)) if rows is not None else (0.0, ())
         out["dp"] = DimTraffic("dp", lay.grad_group, *sc.links["grad"], (
-            Collective("all_reduce", psi * g, lay.grad_group, 1, "gradient all-reduce"),))
+            Collective("all_reduce", (psi - dense_out) * g, lay.grad_group, 1, "gradient all-reduce"),) + extra)
     if lay.zero >= 1 and shard > 1:
         if lay.zero == 3:  # FSDP gathers and reduces again for every micro-batch
             if lay.zero3_fp8_gather:  # the blocks' weights in FP8: a byte a parameter
@@ -257,7 +279,7 @@ def predict(d: ModelDims, lay: Layout, c: Cluster, global_batch: int,
     for r in range(pp):
         psi = sc.rank_params[r]
         last_bwd = sum(sc.durations[r * v + ch][1] + sc.durations[r * v + ch][2] for ch in range(v))
-        hidden, after = _sync_s(lay, psi, sc.last_params[r], m, prec, sc)
+        hidden, after = _sync_s(lay, psi, sc.last_params[r], m, prec, sc, _rows(d, lay, m, prec) if r == 0 else None)
         room = last_bwd * (m if lay.zero == 2 else 1)
         exposed = sum(hide(hidden, room, c)) + after
         local = psi / (lay.shard_group if lay.zero >= 1 else 1)

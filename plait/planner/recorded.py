@@ -147,14 +147,16 @@ def _layout(bench: str, variant: str, row: dict, config: dict, n_gpus: int, comm
         accum = config.get("accum", 1)  # micro-batches a GPU runs a step (runs before --accum ran one)
         if variant == "plait-1gpu":
             return dict(dp=1, zero=0, micro_batch=mb, recompute=rc, fp8=fp8), mb * accum
-        zero = {"plait-ddp": 0, "plait-zero1": 1, "plait-zero2": 2, "plait-zero3": 3, "plait-zero3-cast-once": 3,
+        zero = {"plait-ddp": 0, "plait-ddp-dense": 0, "plait-zero1": 1, "plait-zero2": 2, "plait-zero3": 3, "plait-zero3-cast-once": 3,
                 "plait-zero3-fp8-gather": 3}.get(variant)
         if zero is None:
             raise UserError(f"recorded run {variant!r}: plait.planner.recorded does not know this data-parallel "
                             f"variant; teach _layout its layout")
         once = {"zero3_cast_once": True} if variant == "plait-zero3-cast-once" else {}
         gather = {"zero3_fp8_gather": True} if variant == "plait-zero3-fp8-gather" else {}
-        return dict(dp=n_gpus, zero=zero, micro_batch=mb, recompute=rc, fp8=fp8, **once, **gather), mb * n_gpus * accum
+        rows = {"embedding_rows": "off"} if variant == "plait-ddp-dense" else {}
+        return (dict(dp=n_gpus, zero=zero, micro_batch=mb, recompute=rc, fp8=fp8, **once, **gather, **rows),
+                mb * n_gpus * accum)
     if bench == "tensor_parallel":  # one micro-batch of global_batch / dp sequences per rank
         tp, dp, gb = row["tp"], row["dp"], config["global_batch"]
         return dict(tp=tp, dp=dp, zero=row["zero"], micro_batch=gb // dp, recompute=row["recompute"],
@@ -230,6 +232,8 @@ def load(folder: str | Path) -> list[Run]:
                 lay = {**lay, "head_wgrad_in_b": True}  # ran before the loss deferred it (HEAD_WGRAD)
             if data.get("head") != HEAD_RUNTIME:
                 lay = {**lay, "eager_head": True}
+            if "embedding_rows" not in config:  # recorded before DDP sent the embedding as rows
+                lay = {**lay, "embedding_rows": "off"}
             if path.name in ZERO3_WHOLE_ROOT and lay.get("zero") == 3:
                 lay = {**lay, "zero3_whole_root": True}
             used = n if variant_spans_all(lay) else 1
