@@ -359,6 +359,8 @@ def worker(a) -> list[dict]:
             else:
                 step, keep = _torch_step(a, variant, device, dims)
             row = _measure(a, variant, step, device, ledger)
+            if variant in ("plait-ddp", "plait-ddp-dense"):  # what parallel.embedding_rows decided
+                row["embedding_rows"] = getattr(keep[1], "rows", None) is not None
             if variant in PLAIT and device.type == "cuda" and a.host_share_steps and _brackets_hooks(a, variant):
                 # every rank's, as the pipeline's: the slowest host paces the collectives
                 share = _forward_host_share(a, step, keep[0], device)
@@ -478,7 +480,7 @@ def main(argv=None) -> int:
     result = {"benchmark": "data_parallel", "head": HEAD_RUNTIME, "card": card, "gpus": a.gpus, "torch": torch.__version__, "nccl": nccl,
               "date": time.strftime("%Y-%m-%d"), "config": {"preset": a.preset, "model": a.model, "seq": a.seq, "micro_batch": a.micro_batch,
               "accum": a.accum, "steps": a.steps, "warmup": a.warmup, "bucket_mb": a.bucket_mb, "overlap_ctas": a.overlap_ctas,
-              "embedding_rows": "auto (plait-ddp-dense: off)",
+              "embedding_rows": "auto (plait-ddp-dense: off; each DDP row says what auto chose)",
               "compile": a.compile, "recompute": a.recompute, "fp8": a.fp8, "bind_cpus": a.bind_cpus,
               "nccl_env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}}, "rows": []}
     t0 = time.perf_counter()

@@ -17,16 +17,16 @@ from plait.parallel.sharded_state import full_weights
 # name: (layout, zero, grad_accum[, options]); "pair" runs go two at a time, one on ranks {0,1}, one
 # on {2,3}. "-rev" runs accumulate 3 micro-batches whose backwards run after every forward, in
 # reverse order (as a pipeline schedule may): the engines must reduce by backward order, not forward
-# order. DDP's embedding goes as rows (parallel.embedding_rows auto: the micro model's few tokens
-# a step pay) except where OFF says otherwise; UNTIED runs train the model with its own output matrix.
-OFF = {"parallel": {"embedding_rows": "off"}}
+# order. DDP's embedding goes as rows (parallel.embedding_rows) where ON says so, and in the UNTIED
+# runs (which train the model with its own output matrix) on auto, unless OFF says otherwise.
+ON, OFF = {"parallel": {"embedding_rows": "on"}}, {"parallel": {"embedding_rows": "off"}}
 UNTIED = {"model": {"tie_embeddings": False}}
 RUNS = {
-    "n2-z0": ("pair", 0, 1, OFF), "n2-z1": ("pair", 1, 1), "n2-z2": ("pair", 2, 1), "n2-z3": ("pair", 3, 1),
-    "n2-z0-accum": ("pair", 0, 2), "n2-z2-accum": ("pair", 2, 2), "n2-z1-accum": ("pair", 1, 2), "n2-z3-accum": ("pair", 3, 2),
-    "n2-z0-rev": ("pair", 0, 3), "n2-z2-rev": ("pair", 2, 3), "n2-z3-rev": ("pair", 3, 3), "n2-z1-rev": ("pair", 1, 3),
+    "n2-z0": ("pair", 0, 1), "n2-z1": ("pair", 1, 1), "n2-z2": ("pair", 2, 1), "n2-z3": ("pair", 3, 1),
+    "n2-z0-accum": ("pair", 0, 2, ON), "n2-z2-accum": ("pair", 2, 2), "n2-z1-accum": ("pair", 1, 2), "n2-z3-accum": ("pair", 3, 2),
+    "n2-z0-rev": ("pair", 0, 3, ON), "n2-z2-rev": ("pair", 2, 3), "n2-z3-rev": ("pair", 3, 3), "n2-z1-rev": ("pair", 1, 3),
     "n2-z0-untied": ("pair", 0, 2, UNTIED), "n2-z0-untied-off": ("pair", 0, 2, {**UNTIED, **OFF}),
-    "n4-z0": ("world", 0, 1, OFF), "n4-z1": ("world", 1, 1), "n4-z2": ("world", 2, 1), "n4-z3": ("world", 3, 1),
+    "n4-z0": ("world", 0, 1), "n4-z1": ("world", 1, 1), "n4-z2": ("world", 2, 1), "n4-z3": ("world", 3, 1),
     "hsdp-z1": ("hsdp", 1, 1), "hsdp-z3": ("hsdp", 3, 1),
 }
 SCHEDULE = [("n2-z0", "n2-z1"), ("n2-z2", "n2-z3"), ("n2-z0-accum", "n2-z2-accum"), ("n2-z1-accum", "n2-z3-accum"),
@@ -65,7 +65,8 @@ def _mechanisms(corpus, comm) -> dict:
 
     out = {}
     for zero in (0, 2):
-        cfg = config(corpus, zero=zero, grad_accum=2, overlap_ctas=8 if zero == 0 else 0)
+        cfg = config(corpus, zero=zero, grad_accum=2, overlap_ctas=8 if zero == 0 else 0,
+                     **({"embedding_rows": "on"} if zero == 0 else {}))
         par = parallelize(cfg, comm, torch.device("cpu"), torch.float32, compile=False)
         model, engine = par.model, par.engine
         lean = []  # DDP: which all-reduces asked for the few-SM communicator (parallel.overlap_ctas)
@@ -177,8 +178,9 @@ def test_traffic_to_the_byte(runs, name):
     f = got["facts"]
     N = {"pair": 2, "world": 4, "hsdp": 2}[layout]
     opts = options[0] if options else {}
-    rows = zero == 0 and "parallel" not in opts  # the runs whose embedding goes as rows (auto)
     untied = "model" in opts
+    mode = opts.get("parallel", {}).get("embedding_rows", "auto")
+    rows = zero == 0 and (mode == "on" or (mode == "auto" and untied))  # the runs whose embedding goes as rows
     reduced = 4 * (f["P"] - (UNEVEN["vocab_size"] * UNEVEN["dim"] if untied and rows else 0))
     T = MICRO * 32 * accum
     gathered = N * T * (8 + 4 * UNEVEN["dim"]) if rows else 0
@@ -215,8 +217,8 @@ def test_ddp_buckets_launch_during_backward_and_not_on_early_micro_batches(runs)
     # parallel.overlap_ctas: the buckets the backward overlaps go to the few-SM communicator, the
     # last one (nothing left to overlap it) does not
     assert m["lean"] == [True] * (m["buckets"] - 1) + [False]
-    # the embedding as rows (auto): the tied matrix's dense part (the output layer's gradient) is
-    # the first bucket out, as the backward starts, not the last
+    # the embedding as rows (on): the tied matrix's dense part (the output layer's gradient) is the
+    # first bucket out, as the backward starts, not the last
     assert m["first_is_embedding"] and m["embedding_launched"] == 1
 
 

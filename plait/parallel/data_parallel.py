@@ -62,11 +62,13 @@ def apply_data_parallel(model, cfg, comm=None, groups: Groups = Groups(), compil
 
 def _embedding_rows(cfg, model, ranks: int, pipeline: bool) -> bool:
     """Whether DDP sends the embedding's gradient as rows (`parallel.embedding_rows`): only for a
-    whole model (no tp/pp/cp split), on `auto` where the rows are fewer bytes than the matrix."""
+    whole model (no tp/pp/cp split); on `auto` for an untied embedding whose rows are fewer bytes
+    than its matrix (`plait.parallel.rules.embedding_rows`)."""
     from plait.model import DENSE
     from plait.parallel.rules import embedding_rows
 
     p, t = cfg.parallel, cfg.train
     if pipeline or model.tp is not DENSE or model.cp is not None or model.embed is None:
         return False
-    return embedding_rows(p.embedding_rows, ranks, t.micro_batch * t.seq_len * t.grad_accum, model.cfg.vocab_size)
+    tied = model.output is not None and model.output.weight is model.embed.weight
+    return embedding_rows(p.embedding_rows, ranks, t.micro_batch * t.seq_len * t.grad_accum, model.cfg.vocab_size, tied)

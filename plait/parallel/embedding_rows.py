@@ -10,9 +10,13 @@ every rank adds all N ranks' rows into its gradient with the kernel the embeddin
 runs (`embedding_dense_backward`: rows of one token summed in fp32, deterministically). That is
 fewer bytes while N x T < 2 x vocab (1b, 4 ranks x 16k tokens a step against 2 x 128k rows).
 
-A tied matrix gains twice: the output layer's part of its gradient, which the fused loss forms
-before the backward starts, no longer waits for the embedding's, so its dense all-reduce goes out
-first and runs beside the whole backward; only the rows are left for the end.
+A tied matrix still needs its dense all-reduce, for the output layer's part of its gradient. That
+part no longer waits for the embedding's (the fused loss forms it as the backward starts), so it
+goes out first and runs beside the whole backward, leaving only the rows for the end. Measured on
+4 x H200 (1b, tied): the tail after the backward fell from 3.1 to 1.8 ms, but the backward's
+matmuls slowed by as much beside the extra transfer (93.5-94.4% weak scaling either way), so
+`auto` sends rows only for an untied embedding (8b's shape, 8 layers: +1.6%, 6.6 -> 2.7 ms
+exposed, 8.4 -> 6.9 GB a step). `on` sends them for a tied one too.
 
 The lookup keeps the weight out of the autograd graph (a detached weight, the graph hanging on a
 dummy leaf), so autograd never sums an embedding gradient into the weight: the tied matrix's

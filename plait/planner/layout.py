@@ -88,9 +88,9 @@ class Layout:
 
     embedding_rows: str = "auto"
     """DDP sends the embedding's gradient as the rows a step touched (`parallel.embedding_rows`:
-    auto, on, off; plait/parallel/embedding_rows.py): the rows' all-gather after the backward
-    replaces the dense embedding's all-reduce there, and a tied matrix's dense part (the output
-    layer's gradient) reduces beside the backward."""
+    auto, on, off, decided as `plait.parallel.rules.embedding_rows` decides; auto: untied only):
+    the rows' all-gather after the backward replaces the dense embedding's all-reduce there, and a
+    tied matrix's dense part (the output layer's gradient) reduces beside the backward."""
 
     fp8: str = "off"
     """The blocks' linears run as FP8 GEMMs with this scaling (`train.fp8`: off, tensorwise, rowwise)."""

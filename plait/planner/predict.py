@@ -131,7 +131,7 @@ def _rows(d: ModelDims, lay: Layout, m: int, prec: Precision) -> tuple[float, Co
     all-gather: every rank's T token ids, int64, and T x dim gradients); None without."""
     tokens = lay.micro_batch * d.seq * m
     if lay.zero != 0 or max(lay.tp, lay.pp, lay.cp) > 1 or not embedding_rows(lay.embedding_rows, lay.grad_group,
-                                                                              tokens, d.vocab):
+                                                                              tokens, d.vocab, d.tie_embeddings):
         return None
     n = lay.grad_group
     gather = Collective("all_gather", n * tokens * (d.hidden * prec.wire_grad_bytes + 8), n, 1,

@@ -154,7 +154,7 @@ def _layout(bench: str, variant: str, row: dict, config: dict, n_gpus: int, comm
                             f"variant; teach _layout its layout")
         once = {"zero3_cast_once": True} if variant == "plait-zero3-cast-once" else {}
         gather = {"zero3_fp8_gather": True} if variant == "plait-zero3-fp8-gather" else {}
-        rows = {"embedding_rows": "off"} if variant == "plait-ddp-dense" else {}
+        rows = {"embedding_rows": "on" if row["embedding_rows"] else "off"} if "embedding_rows" in row else {}
         return (dict(dp=n_gpus, zero=zero, micro_batch=mb, recompute=rc, fp8=fp8, **once, **gather, **rows),
                 mb * n_gpus * accum)
     if bench == "tensor_parallel":  # one micro-batch of global_batch / dp sequences per rank
@@ -232,8 +232,8 @@ def load(folder: str | Path) -> list[Run]:
                 lay = {**lay, "head_wgrad_in_b": True}  # ran before the loss deferred it (HEAD_WGRAD)
             if data.get("head") != HEAD_RUNTIME:
                 lay = {**lay, "eager_head": True}
-            if "embedding_rows" not in config:  # recorded before DDP sent the embedding as rows
-                lay = {**lay, "embedding_rows": "off"}
+            if "embedding_rows" not in lay and config.get("embedding_rows") != "auto":
+                lay = {**lay, "embedding_rows": "off"}  # recorded before DDP could send the embedding as rows
             if path.name in ZERO3_WHOLE_ROOT and lay.get("zero") == 3:
                 lay = {**lay, "zero3_whole_root": True}
             used = n if variant_spans_all(lay) else 1
