@@ -400,6 +400,13 @@ def dotted_pairs(args: list[str], example: str) -> list[tuple[str, str]]:
 
 def parse_overrides(args: list[str]) -> dict[str, dict[str, Any]]:
     """Parse `--section.key value` (or `--section.key=value`) pairs into a nested dict."""
+    for arg in args:  # a field's name without its section (`--profile-steps 2:3`): say which one it is
+        name = arg.split("=")[0]
+        key = name[2:].replace("-", "_") if name.startswith("--") and "." not in name else ""
+        owners = [f"--{s}.{key}" for s, cls in _SECTION_TYPES.items() if key in _field_types(cls)]
+        if owners:
+            raise UserError(f"unexpected argument {arg!r}: overrides look like --section.key VALUE; "
+                            f"did you mean {' or '.join(owners)}?")
     out: dict[str, dict[str, Any]] = {}
     for name, value in dotted_pairs(args, "--section.key VALUE (e.g. --train.steps 20)"):
         section, key = name.split(".", 1)

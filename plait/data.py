@@ -135,8 +135,10 @@ def read_documents(source: Source, text_field: str = "text") -> Iterator[tuple[s
                     row = json.loads(line)
                 except ValueError:
                     raise bad_value("--input", f"{p}:{line_no}", "is not a JSON object; fix or remove that line") from None
-                if not isinstance(row, dict) or text_field not in row:
-                    raise _text_field_error(text_field, f"{p} line {line_no}", row if isinstance(row, dict) else [])
+                if not isinstance(row, dict):  # a list or a number has no fields to name
+                    raise bad_value("--input", f"{p}:{line_no}", "is not a JSON object; fix or remove that line")
+                if text_field not in row:
+                    raise _text_field_error(text_field, f"{p} line {line_no}", row)
                 text = row[text_field]
                 if text is not None and not isinstance(text, str):
                     raise bad_value("--text-field", text_field, f"holds a {type(text).__name__}, not text, in "
@@ -306,6 +308,8 @@ def prepare(inputs: list[str], out: str | Path, tokenizer, val_fraction: float =
     input order.
     """
     out = Path(out).expanduser()
+    if out.exists() and not out.is_dir():  # else iterdir below raises NotADirectoryError
+        raise bad_value("--out", str(out), "is a file; give a new folder for the shards")
     if (out / META).exists():
         raise bad_value("--out", str(out), "already holds prepared data; choose another folder or delete it")
     if out.exists() and any(out.iterdir()):

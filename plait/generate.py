@@ -12,7 +12,11 @@ def _pick(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Gener
     """The next token (1, 1) from the last position's logits (1, vocab)."""
     if temperature <= 0:
         return logits.argmax(dim=-1, keepdim=True)
-    logits = logits / temperature
+    # shift the largest logit to 0 before dividing, in float64: a tiny temperature (1e-40) would
+    # otherwise overflow the logits to inf (or, below float32's range, divide by a zero), and
+    # softmax turns those into NaN; shifted, they only fall to -inf and the largest stays 0
+    logits = logits.double()
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature
     if top_k > 0:
         kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

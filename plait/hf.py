@@ -138,13 +138,25 @@ def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype) -> dict:
     }
 
 
+def check_new_folder(out: str | Path) -> Path:
+    """`out` as a Path, or one line if it cannot be the new export folder (`plait hf export` asks
+    before loading the checkpoint: a mistyped --out should not cost a large model's load)."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise bad_value("--out", str(out), "is a file; give a new folder")
+    if out.exists() and any(out.iterdir()):
+        raise bad_value("--out", str(out), "exists and is not empty; choose a new folder")
+    return out
+
+
 def save_hf(weights: dict[str, torch.Tensor], cfg: ModelConfig, out: str | Path,
             dtype: torch.dtype = torch.float32) -> Path:
     """Write config.json and safetensors (sharded with an index above 5 GiB) to a new folder."""
-    out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise bad_value("--out", str(out), "exists and is not empty; choose a new folder")
-    out.mkdir(parents=True, exist_ok=True)
+    out = check_new_folder(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise bad_value("--out", str(out), f"cannot be created ({e.strerror}); choose a writable folder") from None
     tensors = {plait_to_hf_name(n): t.detach().to(dtype).contiguous() for n, t in weights.items()
                if not (n == "output.weight" and cfg.tie_embeddings)}
     shards, current, size = [], {}, 0

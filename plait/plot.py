@@ -79,6 +79,10 @@ def render(runs: list[tuple[str, list[dict]]], out: str | Path, x: str = "step")
     except ImportError:
         raise UserError("plait plot needs matplotlib: pip install 'plait[plot]' (or pip install matplotlib)") from None
     out = Path(out).expanduser()
+    if out.is_dir():
+        raise bad_value("--out", str(out), "is a folder; give an image file, e.g. curves.png")
+    if not out.suffix:  # matplotlib would write out.png: say the name it gets
+        out = out.with_name(out.name + ".png")
     if not out.parent.is_dir():
         raise bad_value("--out", str(out), f"its folder {out.parent} does not exist; create it first")
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))

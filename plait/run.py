@@ -12,8 +12,10 @@ A CUDA out-of-memory error in training becomes one line naming the memory snapsh
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from plait.config import Config
+from plait.errors import UserError
 from plait.profile import snapshot_on_oom
 from plait.preflight import preflight
 from plait.train import resolve_device, train
@@ -25,23 +27,31 @@ def launch_training(cfg: Config, note: str | None = None, model_given: dict | No
     run's came from), said once the config passed. `model_given`: the [model] fields the user set
     (`train.init_from` keeps them or refuses them)."""
     from plait.launch import detect_launch, run
-    from plait.run_folder import RunFolder
+    from plait.run_folder import RunFolder, discard
     from plait.supervise import resume_after_outer_restart, run_workers
     from plait.preflight import NothingToTrain
 
     le = detect_launch()
+    holder = le is None or le.rank == 0
+    # preflight makes the run folder; a start refused after it (no GPU, no disk space) removes it again
+    created = not cfg.train.out or not Path(cfg.train.out).expanduser().exists()
     try:
         cfg = preflight(resume_after_outer_restart(cfg), model_given)
     except NothingToTrain as e:
-        if le is None or le.rank == 0:
+        if holder:
             print(f"plait: {e}", file=sys.stderr)
         return None
-    if note and (le is None or le.rank == 0):
-        print(f"plait: {note}", file=sys.stderr)
     p = cfg.parallel
-    device_type = resolve_device(cfg).type
+    try:
+        device_type = resolve_device(cfg).type
+    except UserError:
+        if created and holder:
+            discard(Path(cfg.train.out).expanduser())
+        raise
     # one run per folder (a lock), room for a checkpoint, no leftovers of a crash; restarts inside
-    with RunFolder(cfg, holder=le is None or le.rank == 0):
+    with RunFolder(cfg, holder=holder, created=created):
+        if note and holder:  # once the folder is this run's: a refused start says only why
+            print(f"plait: {note}", file=sys.stderr)
         if le is None and p.nproc == 1 and p.zero == 0 and not cfg.train.max_restarts:
             with snapshot_on_oom(cfg.train.out, 0):
                 return train(cfg)

@@ -36,9 +36,9 @@ class RunFolder:
     """`with RunFolder(cfg, holder=True):` - lock, space check and cleanup for the run's duration.
     holder=False (every other rank of an outer launcher) does nothing."""
 
-    def __init__(self, cfg, holder: bool = True):
+    def __init__(self, cfg, holder: bool = True, created: bool = False):
         self.out = Path(cfg.train.out).expanduser()
-        self.cfg, self.holder = cfg, holder
+        self.cfg, self.holder, self.created = cfg, holder, created  # created: made for this run by preflight
         self.fd: int | None = None
 
     def __enter__(self) -> "RunFolder":
@@ -51,7 +51,11 @@ class RunFolder:
                     print(f"plait: removed {len(gone)} partial checkpoint(s) an interrupted save left: "
                           f"{', '.join(gone)}", file=sys.stderr)
             except BaseException:
+                if self.created:  # a refused start leaves no run folder (only its lock) behind
+                    (self.out / LOCK).unlink(missing_ok=True)  # while still locked: no other run holds it
                 self.release()
+                if self.created:
+                    discard(self.out)
                 raise
         return self
 
@@ -82,6 +86,14 @@ class RunFolder:
         if self.fd is not None:
             os.close(self.fd)  # closing drops the flock; the file stays (removing it would race a new holder)
             self.fd = None
+
+
+def discard(out: Path) -> None:
+    """Remove the run folder a refused start made, if nothing is in it."""
+    try:
+        out.rmdir()
+    except OSError:
+        pass
 
 
 def check_space(out: Path, cfg) -> None:

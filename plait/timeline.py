@@ -129,6 +129,11 @@ def draw(spans, pp: int, v: int, path: str | Path, title: str, unit: str = "s") 
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
     path = Path(path)
+    if path.is_dir():
+        plt.close(fig)
+        raise ValueError(f"{path} is a folder")
+    if not path.suffix:  # matplotlib would write path.png: return the name it gets
+        path = path.with_name(path.name + ".png")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -11,7 +11,7 @@ from plait.parallel import rules
 
 
 def _positive(name: str, value, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
+    if not value >= 0 or (value == 0 and not allow_zero):  # `not >=`: NaN (--train.lr nan) fails too
         raise bad_value(name, value, "must be " + ("zero or more" if allow_zero else "a positive number"))
 
 

@@ -138,3 +138,16 @@ def test_plait_mesh_allow_cross_node_tp_warns_in_its_flags(capsys):
     assert "warning: --tp = 3: 1 tensor-parallel group(s) span nodes" in out and "parallel." not in out
     assert main(["mesh", "--nproc", "8", "--dp", "-1", "--tp", "2"]) == 0  # -1 with --nproc: inferred
     assert "dp_shard 4" in capsys.readouterr().out
+
+
+def test_sp_flag_takes_a_value_like_its_field():
+    # --parallel.sp auto|on|off has the alias --sp: a bare --sp is on, and `--sp off` was "unexpected argument 'off'"
+    from plait.cli import build_parser
+    from plait.commands.train import config_from_args
+
+    parser, _ = build_parser()
+    for argv, want in ((["--sp"], "on"), (["--sp", "off"], "off"), (["--sp", "auto", "--train.steps", "3"], "auto"),
+                       (["--sp", "--train.steps", "3"], "on"), ([], "auto")):
+        args, extra = parser.parse_known_args(["train", "--nproc", "2", "--tp", "2", *argv])
+        cfg = config_from_args(args, extra)[0]
+        assert cfg.parallel.sp == want, argv

@@ -56,6 +56,9 @@ def test_toml_then_cli_override(tmp_path):
     ({"parallel": {"overlap_ctas": 8, "zero": 3}}, "parallel.overlap_ctas = 8: it budgets DDP's all-reduce only"),
     ({"parallel": {"zero3_cast_once": True, "zero": 2}}, "parallel.zero3_cast_once = True: it keeps ZeRO-3's cast shard"),
     ({"train": {"min_lr": 1.0}}, "train.min_lr = 1.0"),
+    # NaN passed `value < 0`: the run trained with a NaN learning rate to a NaN loss
+    ({"train": {"lr": "nan"}}, "train.lr = nan: must be zero or more"),
+    ({"model": {"norm_eps": float("nan")}}, "model.norm_eps = nan: must be a positive number"),
 ])
 def test_bad_input_is_one_line_naming_field_and_fix(raw, needle):
     with pytest.raises(UserError) as e:
@@ -69,3 +72,12 @@ def test_override_syntax_errors():
         parse_overrides(["steps", "3"])
     with pytest.raises(UserError, match="needs a value"):
         parse_overrides(["--train.steps"])
+
+
+@pytest.mark.parametrize("arg, field", [("--profile-steps", "--train.profile_steps"),
+                                        ("--stage_layers=3,1", "--parallel.stage_layers"),
+                                        ("--micro-batch", "--train.micro_batch")])
+def test_a_field_without_its_section_is_named(arg, field):
+    # `--profile-steps 2:3` said only that overrides look like --section.key VALUE, not which one it meant
+    with pytest.raises(UserError, match=f"did you mean {field}\\?"):
+        parse_overrides([arg, "2:3"])

@@ -204,6 +204,8 @@ def test_progress_bar_and_summary(tmp_path, capsys):
     ("jsonl", ["--text-field", "body"], "--text-field = 'body': is not a field of .*fields: text, id"),
     ("badline", [], r"a.jsonl:2': is not a JSON object"),
     ("number", [], "--text-field = 'text': holds a int, not text"),
+    # a JSON line that is not an object once blamed --text-field for a row with no fields at all
+    ("array", [], r"a.jsonl:2': is not a JSON object; fix or remove that line"),
     ("jsonl", ["--workers", "0"], "--workers = 0: must be 1 or more"),
     ("nothing", [], "holds no text files"),
 ])
@@ -216,6 +218,8 @@ def test_prepare_errors_are_one_line(tmp_path, capsys, setup, args, needle):
         (src / "a.jsonl").write_text('{"text": "fine"}\n{"text": broken\n')
     elif setup == "number":
         (src / "a.jsonl").write_text('{"text": 3}\n')
+    elif setup == "array":
+        (src / "a.jsonl").write_text('{"text": "fine"}\n["not", "a", "row"]\n')
     elif setup == "nothing":
         (src / "image.png").write_bytes(b"\x89PNG")
     assert main(["data", "prepare", "--input", str(src), "--out", str(tmp_path / "d"), *args]) == 2
@@ -223,6 +227,18 @@ def test_prepare_errors_are_one_line(tmp_path, capsys, setup, args, needle):
     assert err.count("\n") == 1 and "Traceback" not in err
     assert re.search(needle, err), err
     assert not (tmp_path / "d").exists() and not list(tmp_path.glob(".tmp-*"))  # nothing half-written
+
+
+def test_an_out_that_is_a_file_is_one_line(tmp_path, capsys):
+    """--out naming an existing file was a NotADirectoryError traceback."""
+    src = tmp_path / "c"
+    src.mkdir()
+    _jsonl(src / "a.jsonl", DOCS[:3])
+    (tmp_path / "taken").write_text("keep me")
+    assert main(["data", "prepare", "--input", str(src), "--out", str(tmp_path / "taken")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--out = '{tmp_path / 'taken'}': is a file; give a new folder" in err, err
+    assert (tmp_path / "taken").read_text() == "keep me"
 
 
 def test_a_datasets_folder_without_the_library_is_one_line(tmp_path, capsys, monkeypatch):

@@ -75,6 +75,9 @@ def test_an_hf_export_evaluates_like_its_checkpoint(run, corpus, tmp_path, capsy
     ("long", "--seq-len = 70: exceeds the model's max_seq_len 64"),
     ("negative", "--batches = -1: must be positive"),
     ("no_val", "has no validation split (prepared with --val-fraction 0)"),
+    # a device torch does not know, or one plait does not run on, was a traceback from deep in torch
+    ("unknown_device", "--device = 'foo': is not a device; use cpu, cuda or cuda:N"),
+    ("mps", "--device = 'mps': is not supported; use cpu, cuda or cuda:N"),
 ])
 def test_eval_errors_are_one_line(run, corpus, tmp_path, capsys, case, needle):
     data, ckpt, extra = str(corpus), str(run), []
@@ -97,6 +100,8 @@ def test_eval_errors_are_one_line(run, corpus, tmp_path, capsys, case, needle):
         extra = ["--seq-len", "70"]
     elif case == "negative":
         extra = ["--batches", "-1"]
+    elif case in ("unknown_device", "mps"):
+        extra = ["--device", {"unknown_device": "foo"}.get(case, case)]
     elif case == "no_val":
         (tmp_path / "x.txt").write_text("def f(x):\n    return x\n" * 40)
         data = str(prepare([str(tmp_path / "x.txt")], tmp_path / "d", ByteTokenizer(), val_fraction=0.0, quiet=True))
@@ -112,3 +117,19 @@ def test_byte_data_for_a_byte_model_needs_no_tokenizer_file(run, tmp_path):
     d = TokenData(prepare([str(tmp_path / "x.txt")], tmp_path / "d", ByteTokenizer(), val_fraction=0.3, quiet=True))
     r = evaluate(str(run), d, batches=2, batch_size=2, seq_len=16)
     assert 0 < r["loss"] < math.log(256) + 1
+
+
+def test_eval_reproduces_a_document_masked_runs_validation_loss(tmp_path):
+    """A run trained with data.document_mask validates with each token attending within its
+    document; eval read the windows without their boundaries and reported another loss."""
+    from plait.commands.eval import evaluate
+
+    docs = [f"def f{i}(x):\n    return x * {i} + {i % 7}" for i in range(300)]  # short: windows cross documents
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    data = prepare([str(tmp_path / "d.jsonl")], tmp_path / "data", ByteTokenizer(), val_fraction=0.2, quiet=True)
+    out = tmp_path / "run"
+    cfg = micro_config(data, out, train={"steps": 2})
+    cfg.data.document_mask = True
+    train(preflight(cfg))
+    state = json.loads(next((out / "checkpoints").glob("step_*/train_state.json")).read_text())
+    assert evaluate(str(out), TokenData(data))["loss"] == pytest.approx(state["val_loss"], rel=1e-6)

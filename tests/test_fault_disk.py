@@ -90,7 +90,18 @@ def test_too_little_space_for_one_checkpoint_is_refused_before_training(corpus, 
     assert main(train_args(corpus, tmp_path / "run", 2, nproc=2, zero=3)) == 2
     line = _one_error_line(capfd.readouterr().err)
     assert "has 0.25 MiB free but one checkpoint of this model needs about 0.84 MiB" in line, line
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before any worker started
+    assert not (tmp_path / "run").exists()  # refused before any worker started, and no folder holding a lock left
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without a GPU")
+def test_a_start_refused_after_preflight_leaves_no_run_folder(corpus, tmp_path, capfd):
+    # preflight makes --out; `--train.device cuda` without a GPU is refused after it, and left it behind
+    assert main(train_args(corpus, tmp_path / "run", 2, nproc=2, extra=["--train.device", "cuda"])) == 2
+    line = _one_error_line(capfd.readouterr().err)
+    assert "train.device = 'cuda': no CUDA device is visible" in line and not (tmp_path / "run").exists()
+    (tmp_path / "mine").mkdir()  # a folder the user made is theirs: kept
+    assert main(train_args(corpus, tmp_path / "mine", 2, extra=["--train.device", "cuda"])) == 2
+    assert (tmp_path / "mine").is_dir()
 
 
 def test_a_failed_async_write_ends_in_one_line_and_keeps_earlier_checkpoints(corpus, tmp_path, monkeypatch, capfd):
@@ -117,6 +128,11 @@ def test_a_second_run_on_a_folder_in_use_is_refused(corpus, tmp_path, capfd):
         assert f"train.out = '{run}': is in use by another plait run (pid {os.getpid()} on" in line
     assert not (run / "metrics.jsonl").exists()
     assert main(train_args(corpus, run, 2)) == 0  # free again once the holder is done
+    capfd.readouterr()
+    with RunFolder(cfg):  # resuming it is refused in that one line too, without the line about its config first
+        assert main(train_args(corpus, run, 4, extra=["--resume"])) == 2
+        err = capfd.readouterr().err
+        assert err.count("\n") == 1 and "is in use by another plait run" in err, err
 
 
 def test_an_async_write_that_a_save_waited_for_still_reports_its_time(tmp_path):

@@ -69,6 +69,13 @@ def test_sampling_is_seeded_and_top_k_restricts(model):
         assert t in top
 
 
+def test_a_tiny_temperature_samples_the_greedy_token(model):
+    """Logits over 1e-40 overflowed to inf, and softmax turned them to NaN: multinomial raised."""
+    greedy = sample(model, [4, 4], 6)
+    assert sample(model, [4, 4], 6, temperature=1e-40) == greedy
+    assert sample(model, [4, 4], 6, temperature=1e-300, top_k=5) == greedy
+
+
 def test_a_full_cache_says_so(model):
     cache = KVCache.for_model(model, max_len=4)
     with torch.no_grad(), pytest.raises(ValueError, match="holds 4 positions"):
@@ -128,3 +135,10 @@ def test_a_device_that_is_not_there_is_one_line(run, capsys, monkeypatch, device
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU-only machine, wherever this runs
     rc, out, err = _generate(capsys, "--checkpoint", str(run), "--device", device)
     assert rc == 2 and out == "" and err.count("\n") == 1 and needle in err, err
+
+
+@pytest.mark.parametrize("temperature", ["nan", "inf", "-1"])
+def test_a_temperature_that_is_not_a_number_is_one_line(run, capsys, temperature):
+    rc, out, err = _generate(capsys, "--checkpoint", str(run), "--temperature", temperature)
+    assert rc == 2 and out == "" and err.count("\n") == 1, err
+    assert "--temperature" in err and "must be zero (greedy) or a positive number" in err, err

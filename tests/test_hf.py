@@ -77,3 +77,23 @@ def test_exported_weights_get_the_usual_file_mode(tmp_path, monkeypatch, umask, 
     assert len(files) > 2
     assert {f: f.stat().st_mode & 0o777 for f in files} == {f: mode for f in files}
     assert (tmp_path / "one" / "config.json").stat().st_mode & 0o777 == mode
+
+
+def test_an_out_that_cannot_be_the_export_folder_is_one_line(tmp_path, capsys):
+    """--out naming a file was a NotADirectoryError traceback, and a taken --out was only found
+    after the checkpoint had loaded (minutes for a large model): both are one line, before it."""
+    from plait.cli import main
+    from plait.config import ModelConfig
+    from plait.errors import UserError
+
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "a").write_text("x")
+    cfg = ModelConfig(preset="custom", vocab_size=50, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48)
+    with pytest.raises(UserError, match="is a file; give a new folder"):
+        save_hf(dict(build_model(cfg, seed=1).named_parameters()), cfg, tmp_path / "file")
+    for out, needle in (("file", "is a file; give a new folder"), ("full", "exists and is not empty")):
+        # no checkpoint there at all: the --out line comes first, so nothing was loaded
+        assert main(["hf", "export", "--checkpoint", str(tmp_path / "nope"), "--out", str(tmp_path / out)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"--out = '{tmp_path / out}': {needle}" in err, err

@@ -73,7 +73,8 @@ def test_schedule_png(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("extra, needle", [
-    (["--nproc", "2", "--pp", "2", "--model.n_layers", "1"], "parallel.pp = 2: pp x v = 2 stages exceed the 1 layers"),
+    (["--nproc", "2", "--pp", "2", "--model.n_layers", "1"],  # the fix too, not only what is wrong
+     "parallel.pp = 2: pp x v = 2 stages exceed the 1 layers (a stage needs one): use pp x v <= 1, or a model"),
     (["--nproc", "2", "--pp", "2", "--schedule", "fifo"], "--schedule = 'fifo': choose one of gpipe, 1f1b"),
     (["--nproc", "2", "--pp", "2", "--schedule", "interleaved", "--parallel.v", "2", "--microbatches", "3"],
      "--microbatches = 3: the interleaved schedule runs micro-batches in groups of pp = 2"),
@@ -86,6 +87,8 @@ def test_schedule_png(tmp_path, capsys):
     (["--schedule", "zb"], "parallel.schedule = 'zb': orders a pipeline's stages: it needs --pp > 1"),
     (["--schedule", "interleaved"], "parallel.schedule = 'interleaved': orders a pipeline's stages"),
     (["--microbatches", "4"], "parallel.microbatches = 4: counts a pipeline's micro-batches: it needs --pp > 1"),
+    (["--nproc", "2", "--pp", "2", "--microbatches", "4", "--train.grad_accum", "2"],  # ran 4, ignoring the 2
+     "parallel.microbatches = 4: sets train.grad_accum, given as 2 too: give one of them"),
     (["--nproc", "2", "--pp", "2", "--schedule", "zbv"], "parallel.v = 1: ZB-V runs two model chunks per rank"),
 ])
 def test_bad_pipeline_input_is_one_line(corpus, tmp_path, capfd, extra, needle):

@@ -130,6 +130,12 @@ def test_v100_plans_at_its_fp16_rate(capsys):
     (["--fleet-jobs", "-1"], "--fleet-jobs = -1"),
     (["--gpus-per-node", "0"], "--gpus-per-node = 0"),
     (["--nodes", "0", "--tp", "8"], "--nodes = 0"),
+    # every time divides by these: 0 was a ZeroDivisionError traceback
+    (["--tp", "8", "--gpu.tflops", "0"], "--gpu.tflops = '0': must be a positive number"),
+    (["--tp", "8", "--gpu.hbm-gbps", "0"], "--gpu.hbm-gbps = '0': must be a positive number"),
+    # named by the flag given (it was blamed on --gpu.matmul-efficiency)
+    (["--tp", "8", "--gpu.efficiency", "2"], "--gpu.efficiency = '2': must be in (0, 1]"),
+    (["--tp", "8", "--gpu.hbm-efficiency", "0"], "--gpu.hbm-efficiency = '0': must be in (0, 1]"),
 ])
 def test_zero_or_negative_counts_are_refused(capsys, argv, flag):
     rc, out, err = run(capsys, "--model", "8b", *argv)

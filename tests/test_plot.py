@@ -93,6 +93,21 @@ def test_plot_errors_are_one_line(tmp_path, capsys, case, needle):
     assert err.count("\n") == 1 and needle.format(p=tmp_path) in err
 
 
+def test_plot_says_the_file_it_wrote(tmp_path, capsys):
+    """--out without a suffix made matplotlib write curves.png while plot said `wrote curves`; a
+    folder given as --out became folder.png beside it."""
+    pytest.importorskip("matplotlib")
+    run = str(_run(tmp_path / "r", 5))
+    assert main(["plot", run, "--out", str(tmp_path / "curves")]) == 0
+    assert f"wrote {tmp_path / 'curves.png'}:" in capsys.readouterr().err
+    assert (tmp_path / "curves.png").read_bytes()[:8] == PNG_MAGIC and not (tmp_path / "curves").exists()
+    (tmp_path / "pics").mkdir()
+    assert main(["plot", run, "--out", str(tmp_path / "pics")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--out = '{tmp_path / 'pics'}': is a folder" in err, err
+    assert not (tmp_path / "pics.png").exists()
+
+
 def test_without_matplotlib_plot_says_how_to_install_it(tmp_path, monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)
     from plait.plot import render

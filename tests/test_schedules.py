@@ -276,6 +276,18 @@ def test_schedule_command_png_that_cannot_be_written_is_one_line(tmp_path, capsy
         assert err.rstrip().endswith("use a .png, .pdf or .svg path")
     assert main(["schedule", "--pp", "2", "--microbatches", "2", "--png", str(tmp_path / "s.png")]) == 0
     assert (tmp_path / "s.png").stat().st_size > 0
+    # a folder was written beside itself as folder.png, and said `wrote FOLDER`
+    assert main(["schedule", "--pp", "2", "--microbatches", "2", "--png", str(tmp_path)]) == 2
+    assert "is a folder" in capsys.readouterr().err and not tmp_path.with_suffix(".png").exists()
+
+
+def test_schedule_command_png_without_a_suffix_says_the_file_it_wrote(tmp_path, capsys):
+    """matplotlib adds .png to a name without a suffix: `wrote` named a file that was not there."""
+    pytest.importorskip("matplotlib")
+    capsys.readouterr()
+    assert main(["schedule", "--pp", "2", "--microbatches", "2", "--png", str(tmp_path / "timeline")]) == 0
+    assert f"wrote {tmp_path / 'timeline.png'}" in capsys.readouterr().out
+    assert (tmp_path / "timeline.png").stat().st_size > 0 and not (tmp_path / "timeline").exists()
 
 def test_checker_finds_a_real_deadlock():
     """Rank 0 wants micro-batch 0's gradient before it sends micro-batch 1; rank 1 wants micro-batch

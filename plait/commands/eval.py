@@ -104,8 +104,9 @@ def evaluate(checkpoint: str, data, *, batches: int = 0, batch_size: int = 0, se
     from plait.tokenizer import same_tokenizer
     from plait.train import model_from_checkpoint
 
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise bad_value("--device", device, "no CUDA device is visible; use --device cpu")
+    from plait.commands.generate import _device
+
+    device = _device(device)  # a name torch does not know (mps, foo) is one line too, not a traceback
     model, tokenizer, cfg = model_from_checkpoint(checkpoint, device)
     if data.vocab_size > cfg.model.vocab_size:
         raise bad_value("--data", str(data.path), f"has vocabulary {data.vocab_size}, larger than the model's "
@@ -130,10 +131,15 @@ def evaluate(checkpoint: str, data, *, batches: int = 0, batch_size: int = 0, se
                         f"({longest} tokens in its largest shard); use a shorter --seq-len")
     model.eval()
     losses = []
+    # a run trained with data.document_mask validated with it: each token attends within its
+    # document only (without it, eval gave another loss than the run's val_loss)
+    mask = bool(cfg.data.document_mask)
     with torch.no_grad():
-        for x, y in data.val_batches(batches, micro_batch=batch_size, dp_rank=0, dp_size=1, seq_len=seq_len,
-                                     seed=t.seed):
-            losses.append(model(x.to(device), y.to(device)).float().item())
+        for batch in data.val_batches(batches, micro_batch=batch_size, dp_rank=0, dp_size=1, seq_len=seq_len,
+                                      seed=t.seed, documents=mask):
+            x, y, docs = (*batch, None)[:3]
+            losses.append(model(x.to(device), y.to(device),
+                                docs=None if docs is None else docs.to(device)).float().item())
     loss = sum(losses) / len(losses)
     return {"loss": loss, "perplexity": math.exp(loss), "tokens": batches * batch_size * seq_len,
             "batches": batches, "batch_size": batch_size, "seq_len": seq_len}

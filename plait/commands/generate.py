@@ -21,8 +21,8 @@ def run(args, extra) -> int:
 
     if args.max_new_tokens < 0:
         raise bad_value("--max-new-tokens", args.max_new_tokens, "must be zero or more")
-    if args.temperature < 0:
-        raise bad_value("--temperature", args.temperature, "must be zero (greedy) or more")
+    if not 0 <= args.temperature < float("inf"):  # NaN included: it fails every comparison
+        raise bad_value("--temperature", args.temperature, "must be zero (greedy) or a positive number")
     if args.top_k < 0:
         raise bad_value("--top-k", args.top_k, "must be zero (off) or more")
     from plait.generate import sample

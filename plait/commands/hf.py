@@ -24,9 +24,10 @@ def run(args, extra) -> int:
     import torch
 
     from plait import checkpoint as ckpt
-    from plait.hf import save_hf
+    from plait.hf import check_new_folder, save_hf
     from plait.train import model_from_checkpoint
 
+    check_new_folder(args.out)  # before the load, which takes minutes for a large model
     model, tokenizer, cfg = model_from_checkpoint(args.checkpoint)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     out = save_hf(dict(model.named_parameters()), cfg.model, args.out, dtype)

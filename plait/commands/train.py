@@ -29,7 +29,8 @@ def add_arguments(p) -> None:
     p.add_argument("--dp", help="data-parallel degree (parallel.dp_shard)")
     p.add_argument("--zero", help="ZeRO stage 0|1|2|3")
     p.add_argument("--tp", help="tensor-parallel degree")
-    p.add_argument("--sp", action="store_const", const="on", help="sequence parallelism on (parallel.sp; default auto: on whenever tp > 1)")
+    p.add_argument("--sp", nargs="?", const="on", metavar="on|off|auto",  # the values of parallel.sp; a bare --sp is on
+                   help="sequence parallelism (parallel.sp; --sp alone = on; default auto: on whenever tp > 1)")
     p.add_argument("--pp", help="pipeline stages")
     p.add_argument("--schedule", help="pipeline schedule")
     p.add_argument("--microbatches", help="pipeline micro-batches")
@@ -61,6 +62,10 @@ def config_from_args(args, extra):
         raise bad_value("train.grad_accum", given["grad_accum"], f"is derived from train.global_batch = "
                         f"{given['global_batch']} (global_batch / (micro_batch x dp)): give one of them")
     cfg = build_config(raw)  # checks every value given, and reads --resume / --out
+    mb, accum = cfg.parallel.microbatches, cfg.train.grad_accum
+    if "grad_accum" in given and "microbatches" in raw.get("parallel", {}) and mb and mb != accum:
+        # a pipeline's micro-batches are its accumulation: neither may silently win
+        raise bad_value("parallel.microbatches", mb, f"sets train.grad_accum, given as {accum} too: give one of them")
     if cfg.checkpoint.resume and cfg.train.out:
         from pathlib import Path
 

@@ -218,17 +218,24 @@ def apply_overrides(c: Cluster, overrides: dict[str, str]) -> Cluster:
         if section == "link":
             c = _override_link(c, name, value)
         elif section == "gpu":
-            if name == "tflops":
-                tf = dict(c.gpu.tflops)
-                tf[c.dtype] = _number(key, value)
-                c = dataclasses.replace(c, gpu=dataclasses.replace(c.gpu, tflops=tf))
-            elif name in _GPU_KEYS:
-                c = dataclasses.replace(c, gpu=dataclasses.replace(c.gpu, **{_GPU_KEYS[name]: _number(key, value)}))
-            elif name in _CLUSTER_KEYS:
-                c = dataclasses.replace(c, **{_CLUSTER_KEYS[name]: _number(key, value)})
-            else:
+            if name not in _GPU_KEYS and name not in _CLUSTER_KEYS:
                 raise UserError(f"unknown override --{key}: gpu overrides are "
                                 f"{', '.join('gpu.' + k for k in [*_GPU_KEYS, *_CLUSTER_KEYS])}")
+            x = _number(key, value)
+            # every time divides by the peak and the bandwidth: 0 was a ZeroDivisionError traceback
+            if name in ("tflops", "hbm-gbps") and x == 0:
+                raise bad_value(f"--{key}", value, "must be a positive number")
+            # checked here, by the flag given: Cluster would name gpu.matmul-efficiency for gpu.efficiency
+            if name in ("efficiency", "matmul-efficiency", "hbm-efficiency") and not 0 < x <= 1:
+                raise bad_value(f"--{key}", value, "must be in (0, 1]")
+            if name == "tflops":
+                tf = dict(c.gpu.tflops)
+                tf[c.dtype] = x
+                c = dataclasses.replace(c, gpu=dataclasses.replace(c.gpu, tflops=tf))
+            elif name in _GPU_KEYS:
+                c = dataclasses.replace(c, gpu=dataclasses.replace(c.gpu, **{_GPU_KEYS[name]: x}))
+            else:
+                c = dataclasses.replace(c, **{_CLUSTER_KEYS[name]: x})
         else:
             raise UserError(f"unknown override --{key}: use --link.<link>-gbps, --link.<link>-latency-us "
                             f"or --gpu.<field> (e.g. --link.nvlink-gbps 370)")
