@@ -180,3 +180,65 @@ def test_fleet_json(capsys):
     assert rc == 0 and doc["mode"] == "fleet" and doc["jobs"] == 60
     assert [r["policy"] for r in doc["fleet"]] == ["first-fit", "spread", "pack"]
     assert all(r["placed"] + r["refused"] == 60 for r in doc["fleet"])
+
+
+@pytest.mark.parametrize("argv,says,never", [
+    # --schedule was not given: the error is about --v (it read "--schedule = '1f1b --v 2'")
+    (["--dp", "8", "--v", "2"], ["--v = 2:", "--pp > 1", "--schedule interleaved"], ["--schedule ="]),
+    (["--dp", "8", "--schedule", "zb"], ["--schedule = 'zb':", "--pp > 1"], ["--v"]),
+    # the micro-batch count is no flag of plan's: name what makes it
+    (["--pp", "4", "--schedule", "interleaved", "--v", "2", "--global-batch", "6"],
+     ["--global-batch / (dp x --micro-batch)) = 3:", "multiple of 4"], ["--microbatches"]),
+    # only what is missing (it asked for --zero 3 when it was given)
+    (["--dp", "8", "--zero", "3", "--zero3-fp8-gather"], ["--zero3-fp8-gather", "set --fp8 tensorwise"], ["--zero 3"]),
+    (["--dp", "8", "--fp8", "tensorwise", "--zero3-fp8-gather"], ["set --zero 3"], ["--fp8 tensorwise"]),
+    (["--dp", "8", "--zero3-fp8-gather"], ["set --zero 3 --fp8 tensorwise"], []),
+])
+def test_errors_name_what_was_given_and_ask_for_what_is_missing(capsys, argv, says, never):
+    rc, out, err = run(capsys, "--model", "8b", "--nodes", "1", *argv)
+    assert rc == 2 and out == "" and err.count("\n") == 1
+    assert all(s in err for s in says) and not any(s in err for s in never), err
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--model", "8b", "--hidden", "4000"], "--hidden = 4000: gives 32 heads of an odd size 125; RoPE needs an even"),
+    (["--model", "8b", "--hidden", "4001"], "--hidden = 4001: must be a multiple of --heads = 32"),
+    (["--model", "8b", "--hidden", "4000", "--heads", "32"], "--heads = 32: gives an odd head size 125"),
+    (["--layers", "4", "--hidden", "250", "--heads", "2", "--vocab", "10", "--seq", "8"], "--heads = 2"),
+])
+def test_an_odd_head_size_is_refused_as_train_refuses_it(capsys, argv, says):
+    rc, out, err = run(capsys, *argv, "--nodes", "1", "--dp", "8")
+    assert rc == 2 and out == "" and err.count("\n") == 1 and says in err, err
+
+
+@pytest.mark.parametrize("hidden,heads", [(4000, 32), (4096, 32), (250, 2), (4001, 32), (96, 3), (96, 4)])
+def test_planner_and_train_take_the_same_head_sizes(capsys, hidden, heads):
+    from plait.config import ModelConfig
+    from plait.errors import UserError
+    from plait.validate import validate_model
+
+    try:
+        validate_model(ModelConfig(dim=hidden, n_heads=heads, n_kv_heads=1))
+        train_ok = True
+    except UserError:
+        train_ok = False
+    rc, _, _ = run(capsys, "--layers", "2", "--hidden", str(hidden), "--heads", str(heads), "--kv-heads", "1",
+                   "--vocab", "64", "--seq", "64", "--nodes", "1", "--gpus-per-node", "1", "--dp", "1", "--json")
+    assert (rc == 0) == train_ok
+    # GPT's learned positions take any head size (a GPT shape with RoPE's rule would be refused)
+    rc, _, _ = run(capsys, "--arch", "gpt", "--layers", "2", "--hidden", str(hidden), "--heads", str(heads),
+                   "--vocab", "64", "--seq", "64", "--nodes", "1", "--gpus-per-node", "1", "--dp", "1", "--json")
+    assert (rc == 0) == (hidden % heads == 0)
+
+
+def test_every_time_s_key_is_documented(capsys):
+    """docs/planner.md lists the parts of a prediction's `time_s`; `host` was missing."""
+    import re
+    from pathlib import Path
+
+    _, out, _ = run(capsys, *BASE, "--tp", "8", "--pp", "4", "--json")
+    keys = set(json.loads(out)["prediction"]["time_s"])
+    docs = Path(__file__).resolve().parents[1] / "docs" / "planner.md"
+    listed = re.search(r"`time_s` \(([a-z0-9_, ]+):", " ".join(docs.read_text().split())).group(1)
+    assert keys == {k.strip() for k in listed.split(",")}
+    assert "`host` is" in docs.read_text()

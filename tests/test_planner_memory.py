@@ -242,3 +242,54 @@ def test_a_ranks_peak_in_flight_stops_growing_once_the_steady_state_begins(name)
     uneven = stage_work(inputs.model_dims("70b", seq=4096), [0, 0, 2, 4, 1, 4, 1, 1, 2, 2, 3, 4, 3, 1, 4, 0])
     assert saturated("zbv", 8, 128) == 128 and \
         peak_activation_units("zbv", 8, 128, 2, 0, 0.0, uneven) > peak_activation_units("zbv", 8, 32, 2, 0, 0.0, uneven)
+
+
+def test_pending_head_ws_are_counted_on_the_compute_order_as_on_the_built_schedule():
+    """`pending_head_w` counts on the cached compute order; it built the whole schedule with its
+    messages (for ZB-V a sort of every send and receive), which took most of a 70b search's time.
+    A rank's compute comes out of both in the same order, so the count must be the same."""
+    from plait.parallel.schedules import build_schedule, place
+    from plait.parallel.stages import stage_work
+    from plait.planner import inputs
+    from plait.planner.rank_memory import pending_head_w, saturated
+
+    def counted_on_built(name, pp, m, v, costs):
+        sched = build_schedule(name, pp, saturated(name, pp, m), v, costs)
+        rank, chunk = place(name, pp, v, pp * v - 1)
+        n = peak = 0
+        for a in sched.ranks[rank]:
+            if a.chunk == chunk and a.kind in ("B", "W"):
+                n += 1 if a.kind == "B" else -1
+                peak = max(peak, n)
+        return peak
+
+    d = inputs.model_dims("70b", seq=4096)
+    for name, v in (("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("zb", 1), ("zbv", 2)):
+        for pp, m in ((2, 4), (4, 8), (4, 12), (8, 16)):
+            split = [80 // (pp * v)] * (pp * v)
+            split[-1] += 80 - sum(split)
+            for costs in (None, stage_work(d, split)):
+                assert pending_head_w(name, pp, m, v, costs) == counted_on_built(name, pp, m, v, costs), \
+                    (name, pp, m, v)
+
+
+def test_screening_a_zbv_layout_places_no_messages(monkeypatch):
+    """A search screens tens of thousands of layouts in closed form (`predict(exact=False)`); only
+    the simulation of its best needs a schedule's sends and receives. Placing ZB-V's for the head's
+    pending W count took about half a 70b, 64-GPU search's time."""
+    from plait.parallel import schedule_zbv
+    from plait.planner import inputs
+    from plait.planner.hardware import cluster
+    from plait.planner.layout import Layout
+    from plait.planner.predict import predict
+    from plait.planner.rank_memory import pending_head_w
+
+    def placed(*args, **kw):
+        raise AssertionError("the screening placed ZB-V's messages")
+
+    pending_head_w.cache_clear()
+    monkeypatch.setattr(schedule_zbv, "zb_v_lists", placed)
+    d = inputs.model_dims("8b", seq=4096)
+    p = predict(d, Layout(pp=4, dp_shard=2, schedule="zbv", v=2, micro_batch=1), cluster("h100", 1, 8), 64,
+                exact=False)
+    assert p.memory_total_bytes > 0

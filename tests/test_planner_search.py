@@ -97,3 +97,15 @@ def test_bench_layouts_reads_back_every_name_the_search_prints():
     assert any("cp" in n for n in names) and any("tp2" in n for n in names) and any("x" in n.split()[2] for n in names)
     for name in names:
         assert inputs.make_layout(c, **parse_layout(name)).describe() == name
+
+
+def test_a_small_models_reasons_have_digits_and_no_dangling_separator():
+    """A search that rejected nothing ended "considered 12 layouts; ", and a small model's runners-up
+    read "+0.000 s compute": differences under a millisecond at three decimals of a second."""
+    tiny = ModelDims.from_config(ModelConfig(**PRESETS["tiny"]))
+    res = search(tiny, cluster("h100", 1, 1), 512, top=10)
+    assert not res.rejected and len(res.ranked) >= 3
+    lines = explain_ranking(res)
+    assert lines[-1] == f"considered {res.considered} layouts, none rejected"
+    assert not any("0.000 s" in line for line in lines), lines
+    assert "ms compute" in lines[1]

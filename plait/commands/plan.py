@@ -142,8 +142,12 @@ def run(args, extra) -> int:
                  recompute=args.recompute, sp=not args.no_sp, compile=not args.no_compile,
                  cp_impl=args.cp_impl, fp8=args.fp8)
     if args.zero3_fp8_gather:
-        if args.zero != 3 or args.fp8 != "tensorwise":
-            raise bad_value("--zero3-fp8-gather", True, "it gathers tensorwise FP8 weights: add --zero 3 --fp8 tensorwise")
+        # ask only for what is missing: a flag already given read as if it had been left out
+        missing = [f for f, ok in (("--zero 3", args.zero == 3), ("--fp8 tensorwise", args.fp8 == "tensorwise"))
+                   if not ok]
+        if missing:
+            raise bad_value("--zero3-fp8-gather", True, f"it gathers tensorwise FP8 weights under ZeRO-3: "
+                            f"set {' '.join(missing)}")
         knobs["zero3_fp8_gather"] = True
     if args.stage_layers:
         knobs["stage_split"] = args.stage_layers

@@ -42,6 +42,44 @@ def run_field(knob: str) -> str:
     return f"parallel.{knob}"
 
 
+def flag_field(knob: str) -> str:
+    """A knob as `plait plan` and `plait schedule` take it: --tp, --cp-impl."""
+    return f"--{knob.replace('_', '-')}"
+
+
+MODEL_FIELDS = {"hidden": "model.dim", "heads": "model.n_heads", "kv_heads": "model.n_kv_heads",
+                "layers": "model.n_layers", "ffn": "model.ffn_dim", "vocab": "model.vocab_size"}
+
+
+def model_field(knob: str) -> str:
+    """A model knob as a run's config names it (`plait train`): hidden -> model.dim."""
+    return MODEL_FIELDS.get(knob, f"model.{knob}")
+
+
+def check_heads(*, hidden: int, heads: int, rope: bool = True, blame: str = "heads",
+                field: Callable[[str], str] = model_field) -> None:
+    """Do the heads cut the hidden size into equal heads, each of an even size? RoPE rotates a
+    head's dimensions in pairs (plait/model.py), so an odd head size has a dimension left over; a
+    model with learned positions (`rope` False: GPT) takes any size. `blame` names the knob the user
+    changed (a planner preset with --hidden over it blames --hidden), and the fix changes that one."""
+    if hidden % heads == 0 and (not rope or (hidden // heads) % 2 == 0):
+        return
+    step = 2 * heads if rope else heads
+    if blame == "hidden":
+        near = max(step, round(hidden / step) * step)
+        why = f"must be a multiple of {field('heads')} = {heads}" if hidden % heads else (
+            f"gives {heads} heads of an odd size {hidden // heads}; RoPE needs an even head size")
+        raise bad_value(field("hidden"), hidden, f"{why}: use a multiple of {step} (e.g. {near})")
+    near = min((d for d in range(1, hidden + 1) if hidden % d == 0 and (not rope or (hidden // d) % 2 == 0)),
+               key=lambda d: (abs(d - heads), d), default=None)
+    fix = (f"e.g. {near}" if near else f"no head count cuts an odd {field('hidden')} into even heads: "
+           f"make it even")  # `near` is None only for an odd hidden size under RoPE
+    if hidden % heads:
+        raise bad_value(field("heads"), heads, f"must divide {field('hidden')} = {hidden} ({fix})")
+    raise bad_value(field("heads"), heads, f"gives an odd head size {hidden // heads} of {field('hidden')} = "
+                    f"{hidden}; RoPE needs an even head size: use heads that leave one ({fix})")
+
+
 def sequence_parallel(sp: str | bool, tp: int) -> bool:
     """Whether a layout shards norms and residuals along the sequence: `auto` (the default) and
     `on` whenever tp > 1 - it moves the same bytes as plain TP (an all-gather and a reduce-scatter

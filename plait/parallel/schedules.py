@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Callable
 
 from plait.errors import bad_value
+from plait.parallel.rules import flag_field
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "zbv")
 SPLIT_BACKWARD = ("zb", "zbv")  # schedules whose B computes input gradients only, W the rest
@@ -100,45 +102,67 @@ def place(name: str, pp: int, v: int, stage: int) -> tuple[int, int]:
 # Building
 # ---------------------------------------------------------------------------------------------
 
-def canonical(name: str) -> str:
+def canonical(name: str, field: Callable[[str], str] = flag_field) -> str:
     """The schedule's name as SCHEDULES spells it (aliases accepted); an unknown one is one line."""
     name = str(name).lower()
     aliases = {"zb-h1": "zb", "zbh1": "zb", "zb-v": "zbv", "interleaved-1f1b": "interleaved", "fill-drain": "gpipe"}
     name = aliases.get(name, name)
     if name not in SCHEDULES:
-        raise bad_value("--schedule", name, f"choose one of {', '.join(SCHEDULES)}")
+        raise bad_value(field("schedule"), name, f"choose one of {', '.join(SCHEDULES)}")
     return name
 
 
-def check_args(name: str, pp: int, microbatches: int, v: int = 1, v_flag: str = "--v") -> str:
+def check_args(name: str, pp: int, microbatches: int, v: int = 1, v_flag: str | None = None,
+               field: Callable[[str], str] = flag_field) -> str:
     """Validate a schedule request without building it; return the canonical name.
 
-    Every bad input is one UserError line naming the flag, the value and the fix (`v_flag`: what the
-    caller's command line calls v: `plait train` has no --v of its own, only --parallel.v)."""
-    name = canonical(name)
-    for flag, value in (("--pp", pp), ("--microbatches", microbatches), (v_flag, v)):
+    Every bad input is one UserError line naming the knob, the value and the fix, as the caller's
+    command line names it: `field(knob)` (`plait.parallel.rules`' convention) gives --pp, --v, ... for
+    `plait plan` and `plait schedule`, `rules.run_field` parallel.pp, parallel.v, ... for `plait
+    train`. `v_flag` renames v alone (what `plait train` passed before `field`: it has no --v)."""
+    if v_flag is not None:
+        field = functools.partial(_renamed, field, {"v": v_flag})
+    name = canonical(name, field)
+    for knob, value in (("pp", pp), ("microbatches", microbatches), ("v", v)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise bad_value(flag, value, "must be a positive integer")
+            raise bad_value(field(knob), value, "must be a positive integer")
     if name == "interleaved":
         if v < 2:
-            raise bad_value(v_flag, v, "the interleaved schedule needs v >= 2 model chunks per rank "
+            raise bad_value(field("v"), v, "the interleaved schedule needs v >= 2 model chunks per rank "
                             "(v = 1 is plain 1f1b)")
         if pp < 2:
-            raise bad_value("--pp", pp, "the interleaved schedule needs pp >= 2 (with one rank there is "
+            raise bad_value(field("pp"), pp, "the interleaved schedule needs pp >= 2 (with one rank there is "
                             "no bubble to shrink)")
         if microbatches % pp:
             near = max(pp, round(microbatches / pp) * pp)
-            raise bad_value("--microbatches", microbatches, f"the interleaved schedule runs micro-batches "
+            raise bad_value(field("microbatches"), microbatches, f"the interleaved schedule runs micro-batches "
                             f"in groups of pp = {pp}: use a multiple of {pp} (e.g. {near})")
     elif name == "zbv":
         if v != 2:
-            raise bad_value(v_flag, v, "ZB-V runs two model chunks per rank, placed in a V: set v = 2")
+            raise bad_value(field("v"), v, "ZB-V runs two model chunks per rank, placed in a V: set v = 2")
         if pp < 2:
-            raise bad_value("--pp", pp, "ZB-V needs pp >= 2 (with one rank there is no bubble to fill)")
+            raise bad_value(field("pp"), pp, "ZB-V needs pp >= 2 (with one rank there is no bubble to fill)")
     elif v != 1:
-        raise bad_value(v_flag, v, f"only the interleaved and zbv schedules have virtual stages; use v = 1 with "
-                        f"{name} or --schedule interleaved")
+        raise bad_value(field("v"), v, f"only the interleaved and zbv schedules have virtual stages; use v = 1 "
+                        f"with {name} or {field('schedule')} interleaved")
     return name
+
+
+def check_no_pipeline(name: str, v: int, field: Callable[[str], str] = flag_field) -> None:
+    """pp = 1: a schedule or virtual stages were meant for a pipeline, so say so rather than ignore
+    them. The knob named is the one the caller's user gave (`field`, as in `check_args`): v first,
+    since a default schedule (1f1b) with v > 1 was never asked for."""
+    if v != 1:
+        raise bad_value(field("v"), v, f"virtual stages are chunks of a pipeline's stages: v > 1 needs "
+                        f"{field('pp')} > 1 and {field('schedule')} interleaved (zbv: v = 2); without a "
+                        f"pipeline drop {field('v')}")
+    if canonical(name, field) != "1f1b":
+        raise bad_value(field("schedule"), name, f"orders a pipeline's stages: it needs {field('pp')} > 1 "
+                        f"(without a pipeline, drop {field('schedule')})")
+
+
+def _renamed(field: Callable[[str], str], names: dict[str, str], knob: str) -> str:
+    return names.get(knob) or field(knob)
 
 
 @functools.lru_cache(maxsize=512)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from plait.config import PRESETS, ModelConfig, dotted_pairs
 from plait.errors import UserError, bad_value
+from plait.parallel import rules
 from plait.planner.costs import ModelDims
 from plait.planner.hardware import Cluster, apply_overrides, cluster
 from plait.planner.layout import Layout
@@ -30,6 +31,7 @@ def model_dims(preset: str | None, arch: str = "llama", tie: bool | None = None,
         base = ModelDims.from_config(ModelConfig(preset=preset, **PRESETS[preset]))
         vals = {k: getattr(base, k) for k in SHAPE_FLAGS}
         vals.update(given)
+        _check_heads(vals["hidden"], vals["heads"], arch, given)
         return ModelDims(**vals, arch=arch, tie_embeddings=base.tie_embeddings if tie is None else tie)
     missing = [k for k in ("layers", "hidden", "heads", "vocab", "seq") if k not in given]
     if missing:
@@ -37,11 +39,18 @@ def model_dims(preset: str | None, arch: str = "llama", tie: bool | None = None,
                         f"give --model PRESET ({', '.join(PRESETS)}) or the whole shape")
     heads = given["heads"]
     given.setdefault("kv_heads", heads)
-    if given["hidden"] % heads:
-        raise bad_value("--heads", heads, f"must divide --hidden = {given['hidden']}")
+    _check_heads(given["hidden"], heads, arch, given)
     if "ffn" not in given:
         given["ffn"] = 4 * given["hidden"] if arch == "gpt" else _swiglu_ffn(given["hidden"])
     return ModelDims(**given, arch=arch, tie_embeddings=(arch == "gpt") if tie is None else tie)
+
+
+def _check_heads(hidden: int, heads: int, arch: str, given: dict) -> None:
+    """The head-size rule `plait train` applies (`rules.check_heads`; llama's RoPE wants an even head
+    size, GPT's learned positions do not), blaming the flag the user gave: --hidden over a preset's
+    heads, else --heads."""
+    blame = "hidden" if "hidden" in given and "heads" not in given else "heads"
+    rules.check_heads(hidden=hidden, heads=heads, rope=arch == "llama", blame=blame, field=rules.flag_field)
 
 
 def _swiglu_ffn(h: int) -> int:

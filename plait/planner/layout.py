@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from plait.errors import UserError, bad_value
 from plait.parallel import rules
 from plait.parallel.stages import stage_layers  # noqa: F401  (the split the runtime uses)
-from plait.parallel.schedules import SCHEDULES, SPLIT_BACKWARD, check_args
+from plait.parallel.schedules import SCHEDULES, SPLIT_BACKWARD, check_args, check_no_pipeline
 from plait.planner.costs import RECOMPUTE, ModelDims
 from plait.planner.hardware import GPUS, Cluster
 
@@ -182,15 +182,22 @@ def check_layout(d: ModelDims, lay: Layout, c: Cluster, global_batch: int) -> in
                         f"equal the number of GPUs")
     rules.check_split(heads=d.heads, kv_heads=d.kv_heads, ffn=d.ffn, layers=d.layers, seq=d.seq, tp=lay.tp,
                       pp=lay.pp, v=lay.v, cp=lay.cp, sp="auto" if lay.sp else "off", cp_impl=lay.cp_impl,
-                      field=lambda k: f"--{k.replace('_', '-')}")
-    rules.check_tp_in_node(lay.tp, c.gpus_per_node, field=lambda k: f"--{k}")
+                      field=rules.flag_field)
+    rules.check_tp_in_node(lay.tp, c.gpus_per_node, field=rules.flag_field)
     if global_batch % (lay.dp * lay.micro_batch):
         raise bad_value("--global-batch", global_batch, f"must be a multiple of dp x micro-batch = "
                         f"{lay.dp} x {lay.micro_batch} = {lay.dp * lay.micro_batch}")
     m = lay.microbatches(global_batch)
-    if lay.pp == 1 and (lay.v != 1 or lay.schedule not in ("1f1b", "gpipe")):
-        raise bad_value("--schedule", lay.schedule if lay.v == 1 else f"{lay.schedule} --v {lay.v}",
-                        "a pipeline schedule needs --pp > 1; with pp = 1 leave --schedule and --v unset")
-    if lay.pp > 1:
-        check_args(lay.schedule, lay.pp, m, lay.v)
+    # the rules `plait train` applies, named by this command's flags; its micro-batch count is no
+    # flag here but what --global-batch and --micro-batch make of it
+    if lay.pp == 1:
+        check_no_pipeline(lay.schedule, lay.v)
+    else:
+        check_args(lay.schedule, lay.pp, m, lay.v, field=_plan_field)
     return m
+
+
+def _plan_field(knob: str) -> str:
+    if knob == "microbatches":
+        return "micro-batches a step (--global-batch / (dp x --micro-batch))"
+    return rules.flag_field(knob)

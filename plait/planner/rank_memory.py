@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 
-from plait.parallel.schedules import build_schedule, peak_activation_units, place, stage_of
+from plait.parallel.schedules import compute_order, peak_activation_units, place, stage_of
 from plait.planner import costs, memory
 from plait.planner.costs import ModelDims
 from plait.planner.hardware import GIB, Cluster
@@ -41,11 +41,13 @@ def _peak_units_at(name: str, pp: int, m: int, v: int, rank: int, wfrac: float, 
 @functools.lru_cache(maxsize=4096)
 def pending_head_w(name: str, pp: int, m: int, v: int, costs: tuple | None = None) -> int:
     """Most micro-batches whose last-stage W has not run yet, at once, on the rank holding the last
-    stage: each keeps the fused loss's d(loss)/d(logits) for the output matrix's gradient."""
-    sched = build_schedule(name, pp, saturated(name, pp, m), v, costs)
+    stage: each keeps the fused loss's d(loss)/d(logits) for the output matrix's gradient. Counted on
+    the compute order alone (cached, shared with the activation peaks): the messages `build_schedule`
+    adds do not reorder a rank's compute, and placing them cost a search most of its ZB-V time."""
+    order = compute_order(name, pp, saturated(name, pp, m), v, costs)
     rank, chunk = place(name, pp, v, pp * v - 1)
     n = peak = 0
-    for a in sched.ranks[rank]:
+    for a in order[rank]:
         if a.chunk == chunk and a.kind in ("B", "W"):
             n += 1 if a.kind == "B" else -1
             peak = max(peak, n)

@@ -160,15 +160,22 @@ def explain_ranking(res: SearchResult, n: int = 5) -> list[str]:
                   if abs(p.time_s[k] - best.time_s[k]) > noise}
         worse = sorted(((k, v) for k, v in deltas.items() if v > 0), key=lambda kv: -kv[1])[:2]
         better = sorted(((k, v) for k, v in deltas.items() if v < 0), key=lambda kv: kv[1])[:1]
-        why = ", ".join(f"+{v:.3f} s {k}" for k, v in worse) or "same time"
-        gain = f" (saves {-better[0][1]:.3f} s {better[0][0]})" if better else ""
+        why = ", ".join(f"+{_seconds(v)} {k}" for k, v in worse) or "same time"
+        gain = f" (saves {_seconds(-better[0][1])} {better[0][0]})" if better else ""
         lines.append(f"#{i} {p.layout.describe()}: +{p.step_time_s / best.step_time_s - 1:.1%}: {why}{gain}")
     if res.example_oom is not None:
         o = res.example_oom
         lines.append(f"fastest layout that does not fit: {o.layout.describe()} ({o.step_time_s:.3f} s/step) needs "
                      f"{o.memory_total_bytes / GIB:.1f} GiB per GPU, over by {-o.headroom_bytes / GIB:.1f} GiB")
-    lines.append(f"considered {res.considered} layouts; " + ", ".join(f"{v} rejected: {k}" for k, v in res.rejected.items()))
+    rejected = ", ".join(f"{v} rejected: {k}" for k, v in res.rejected.items())
+    lines.append(f"considered {res.considered} layouts" + (f"; {rejected}" if rejected else ", none rejected"))
     return lines
+
+
+def _seconds(x: float) -> str:
+    """A time difference with digits that say something: a small model's parts differ by a
+    fraction of a millisecond, which three decimals of a second print as 0.000."""
+    return f"{x:.3f} s" if abs(x) >= 0.1 else f"{x * 1e3:.3g} ms"
 
 
 def pin(space: Space, **fixed) -> Space:
