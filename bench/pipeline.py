@@ -195,6 +195,7 @@ def _bubble(a, variant, row, spans, sched) -> None:
     if a.png_dir:  # the measured timeline beside the JSON
         try:
             png = Path(a.png_dir) / f"{variant}-m{a.microbatches}.png"
+            png.parent.mkdir(parents=True, exist_ok=True)  # this script's own output folder: draw creates none
             tl.draw(flat, pp, v, png, f"{variant}, m {a.microbatches}: measured bubble {row['measured_bubble']:.1%}, "
                     f"replayed {row['replayed_bubble']:.1%}, equal stages {row['simulated_bubble']:.1%}")
             row["timeline_png"] = png.name

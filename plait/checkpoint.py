@@ -82,6 +82,18 @@ def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
+def run_folder_of(path: Path) -> Path | None:
+    """The run folder when `path` is one of its checkpoints or its checkpoints folder (what a user
+    finds by looking for the checkpoint and gives as the run), else None."""
+    p = Path(path)
+    if (p / MANIFEST).is_file() or (_STEP_DIR.match(p.name) and p.is_dir()):
+        p = p.parent
+    elif not list_checkpoints(p):
+        return None
+    # every run keeps its checkpoints in RUN/checkpoints: another name is no run's
+    return p.parent if p.name == "checkpoints" else None
+
+
 def verify(folder: Path) -> str | None:
     """None if the checkpoint is intact, else a short reason it is not."""
     manifest = folder / MANIFEST

@@ -368,6 +368,10 @@ def build_config(raw: dict[str, dict[str, Any]] | None = None) -> Config:
 
 def load_toml(path: str | Path) -> dict[str, dict[str, Any]]:
     p = Path(path)
+    if p.is_dir():  # "no such file" would send the user looking for a typo in a path that exists
+        inside = p / "config.toml"  # a run folder holds the config it was started with
+        such = f" such as {inside}" if inside.is_file() else " (a .toml file)"
+        raise bad_value("--config", str(path), f"is a folder, not a file; give the path of a TOML config{such}")
     if not p.is_file():
         raise bad_value("--config", str(path), "no such file; give the path of a TOML config")
     try:

@@ -35,16 +35,23 @@ def read_metrics(path: Path) -> list[dict]:
     so the file reads as one curve. A line that is not JSON (a run killed mid-write) is skipped.
     """
     rows: list[dict] = []
+    foreign = False  # a line no metrics.jsonl holds: not a run's file still waiting for its first step
     for line in path.read_text(errors="replace").splitlines():
         try:
             r = json.loads(line)
         except ValueError:
+            # a run killed mid-write leaves the start of an entry, "{..."; a TOML or text file holds other lines
+            foreign = foreign or (bool(line.strip()) and not line.lstrip().startswith("{"))
             continue
         if not isinstance(r, dict) or not isinstance(r.get("step"), int):
+            foreign = True
             continue
         while rows and rows[-1]["step"] >= r["step"]:
             rows.pop()
         rows.append(r)
+    if not rows and foreign:
+        raise bad_value("RUN", str(path), "is not a metrics file; plait plot takes run folders (the --out of "
+                        "`plait train`) or their metrics.jsonl files")
     if not rows:
         raise bad_value("RUN", str(path), "holds no metrics entries yet; plot it once the run has logged a step")
     return rows
@@ -83,7 +90,7 @@ def render(runs: list[tuple[str, list[dict]]], out: str | Path, x: str = "step")
         raise bad_value("--out", str(out), "is a folder; give an image file, e.g. curves.png")
     if not out.suffix:  # matplotlib would write out.png: say the name it gets
         out = out.with_name(out.name + ".png")
-    if not out.parent.is_dir():
+    if not out.parent.exists():  # a typo in it must not leave a tree of new folders (a file there: savefig says)
         raise bad_value("--out", str(out), f"its folder {out.parent} does not exist; create it first")
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     for ax, (key, title, factor) in zip(axes.flat, PANELS):

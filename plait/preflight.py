@@ -14,7 +14,8 @@ from pathlib import Path
 
 from plait import checkpoint as ckpt
 from plait.config import Config, config_from_dict
-from plait.data import default_corpus_dir, open_data
+from plait.data import open_data
+from plait.prepare import default_corpus_dir
 from plait.errors import UserError, bad_value
 from plait.metrics import check_wandb
 from plait.resume import SHAPE_FIELDS, check_model_shape, global_batch_note, global_batch_of, saved_global_batch
@@ -109,6 +110,12 @@ def _check_resume(cfg: Config, out: Path) -> Path | None:
         raise bad_value("train.out", cfg.train.out, f"already holds {len(existing)} checkpoint(s); pass --resume to "
                         "continue that run or choose another --out")
     if not existing:
+        run = ckpt.run_folder_of(out) if resume else None
+        if run is not None:  # --resume auto would start a new run inside the old one's checkpoints
+            what = "the checkpoints folder" if ckpt.list_checkpoints(out) else "a checkpoint"
+            flag = "--resume auto" if resume == "auto" else "--resume"
+            raise bad_value("train.out", cfg.train.out, f"is {what} of the run in {run}; pass the run folder: "
+                            f"--out {run} {flag}")
         if resume is True:  # a mistyped --out must not silently begin a new run
             raise bad_value("checkpoint.resume", True, f"{out} holds no checkpoint to resume; check --out, or pass "
                             "--resume auto to start fresh when there is none")

@@ -44,12 +44,13 @@ class StepProfiler:
     """Call `step(n)` at the top of each optimizer step n and `close()` after the loop; records the
     steps of `spec` that this run reaches (a resumed run may start inside or past the window).
 
-    `say` gets one line per file written (None: write silently, as ranks other than the main one do).
+    `say` gets one line per file written (None: write silently, as ranks other than the main one do);
+    each of `world` ranks writes its own files, and the line names them all.
     """
 
-    def __init__(self, spec: str, folder: Path, rank: int, device: torch.device, say=None):
+    def __init__(self, spec: str, folder: Path, rank: int, device: torch.device, say=None, world: int = 1):
         self.window = parse_steps(spec, sys.maxsize) if spec else None
-        self.folder, self.rank, self.device, self.say = Path(folder), rank, device, say
+        self.folder, self.rank, self.device, self.say, self.world = Path(folder), rank, device, say, world
         self.prof = None
         self.marker = None
         self.recorded: list[int] = []
@@ -98,14 +99,22 @@ class StepProfiler:
         trace = self.folder / f"trace_{span}.json"
         self.prof.export_chrome_trace(str(trace))
         self.prof = None
-        written = [f"profiler trace of steps {self.recorded[0]}-{self.recorded[-1]} in {trace}"]
+        # every rank writes its own files: naming only this one's sent users looking for the others in it
+        s, each = ("s", f"{self.world} files, one per rank") if self.world > 1 else ("", "")
+        written = [f"profiler trace{s} of steps {self.recorded[0]}-{self.recorded[-1]} in {self._every(trace)}"
+                   + (f" ({each})" if each else "")]
         if self.cuda:
             snapshot = self.folder / f"memory_{span}.pickle"
             torch.cuda.memory._dump_snapshot(str(snapshot))
             torch.cuda.memory._record_memory_history(enabled=None)
-            written.append(f"memory snapshot in {snapshot} (https://pytorch.org/memory_viz)")
+            written.append(f"memory snapshot{s} in {self._every(snapshot)} "
+                           f"({each + '; ' if each else ''}https://pytorch.org/memory_viz)")
         if self.say is not None:
             self.say("; ".join(written))
+
+    def _every(self, mine: Path) -> Path:
+        """This rank's file, or the pattern of every rank's when there are several."""
+        return mine if self.world == 1 else mine.with_name(mine.name.replace(f"_rank{self.rank}.", "_rank*."))
 
 
 def _what_failed(message: str) -> str:

@@ -134,7 +134,6 @@ def draw(spans, pp: int, v: int, path: str | Path, title: str, unit: str = "s") 
         raise ValueError(f"{path} is a folder")
     if not path.suffix:  # matplotlib would write path.png: return the name it gets
         path = path.with_name(path.name + ".png")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120)  # into an existing folder: a mistyped one is the caller's to refuse, not to create
     plt.close(fig)
     return path

@@ -35,7 +35,7 @@ class ByteTokenizer:
 
     It has no end-of-document token (eos_id = None): all 256 ids are bytes, and a 257th id would
     change the vocabulary of every byte-level model and checkpoint. Prepared data records document
-    boundaries in side files instead (see plait.data).
+    boundaries in side files instead (see plait.prepare).
     """
 
     vocab_size = 256

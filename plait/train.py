@@ -221,7 +221,7 @@ def _train(cfg: Config, dims, stop: StopRequest) -> dict:
     val_loss, losses, stopping = None, [], None
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    prof = StepProfiler(t.profile_steps, out / "profile", rank, device, say=_warn if is_main else None)
+    prof = StepProfiler(t.profile_steps, out / "profile", rank, device, say=_warn if is_main else None, world=world)
     t_run = time.perf_counter()
     timeline = getattr(par.runner, "timeline", None)  # a pipeline records per-action times while profiled
     for step in range(start, end):

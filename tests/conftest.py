@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from plait.config import build_config
-from plait.data import prepare
+from plait.prepare import prepare
 from plait.tokenizer import ByteTokenizer
 
 MICRO_MODEL = {"preset": "custom", "vocab_size": 256, "dim": 64, "n_layers": 2, "n_heads": 4,

@@ -51,6 +51,7 @@ def _unwritable(tmp_path):
     ("no-checkpoint", "--checkpoint = "),
     ("existing-run", "already holds 1 checkpoint(s); pass --resume"),
     ("bad-config-file", "--config = "),
+    ("config-is-a-folder", "is a folder, not a file; give the path of a TOML config"),
 ])
 def test_bad_input_exits_2_with_one_line(case, needle, corpus, tmp_path, capsys):
     base = _micro_args(corpus, tmp_path / "r")
@@ -64,6 +65,7 @@ def test_bad_input_exits_2_with_one_line(case, needle, corpus, tmp_path, capsys)
         "no-checkpoint": ["generate", "--checkpoint", str(tmp_path / "nothing")],
         "existing-run": ["train", *base],
         "bad-config-file": ["train", "--config", str(tmp_path / "missing.toml")],
+        "config-is-a-folder": ["train", "--config", str(tmp_path)],
     }[case]
     if case == "existing-run":
         assert main(argv) == 0

@@ -42,6 +42,17 @@ def test_toml_then_cli_override(tmp_path):
     assert build_config(__import__("tomllib").loads(again.to_toml())).to_dict() == again.to_dict()
 
 
+def test_a_folder_given_as_config_is_named_a_folder(tmp_path):
+    # it exists: "no such file" sent the user looking for a typo
+    with pytest.raises(UserError) as e:
+        load_toml(tmp_path)
+    assert str(e.value) == f"--config = {str(tmp_path)!r}: is a folder, not a file; give the path of a TOML config (a .toml file)"
+    (tmp_path / "config.toml").write_text("[train]\nsteps = 3\n")  # a run folder: the file it holds is named
+    with pytest.raises(UserError) as e:
+        load_toml(tmp_path)
+    assert str(e.value).endswith(f"is a folder, not a file; give the path of a TOML config such as {tmp_path / 'config.toml'}")
+
+
 @pytest.mark.parametrize("raw, needle", [
     ({"train": {"stepz": 3}}, "did you mean 'steps'"),
     ({"trian": {"steps": 3}}, "did you mean 'train'"),

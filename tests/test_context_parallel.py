@@ -187,7 +187,7 @@ def docs_corpus(tmp_path_factory):
     import random
 
     from conftest import WORDS
-    from plait.data import prepare
+    from plait.prepare import prepare
     from plait.tokenizer import ByteTokenizer
 
     root = tmp_path_factory.mktemp("docs")

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from plait.data import TokenData, prepare
+from plait.data import TokenData
+from plait.prepare import prepare
 from plait.errors import UserError
 from plait.tokenizer import ByteTokenizer
 

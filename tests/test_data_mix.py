@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from plait.config import DataConfig, build_config
-from plait.data import MixedData, TokenData, open_data, parse_mix, prepare
+from plait.data import MixedData, TokenData, open_data, parse_mix
+from plait.prepare import prepare
 from plait.errors import UserError
 from plait.tokenizer import ByteTokenizer
 from plait.validate import validate_config

@@ -7,9 +7,10 @@ import re
 import numpy as np
 import pytest
 
-from plait import data as data_mod
+from plait import prepare as data_mod
 from plait.cli import main
-from plait.data import TokenData, prepare
+from plait.data import TokenData
+from plait.prepare import prepare
 from plait.errors import UserError
 from plait.tokenizer import ByteTokenizer, train_bpe
 
@@ -203,7 +204,8 @@ def test_progress_bar_and_summary(tmp_path, capsys):
 @pytest.mark.parametrize("setup, args, needle", [
     ("jsonl", ["--text-field", "body"], "--text-field = 'body': is not a field of .*fields: text, id"),
     ("badline", [], r"a.jsonl:2': is not a JSON object"),
-    ("number", [], "--text-field = 'text': holds a int, not text"),
+    ("number", [], "--text-field = 'text': holds a number, not text"),  # once "holds a int"
+    ("object", [], "--text-field = 'text': holds an object, not text"),
     # a JSON line that is not an object once blamed --text-field for a row with no fields at all
     ("array", [], r"a.jsonl:2': is not a JSON object; fix or remove that line"),
     ("jsonl", ["--workers", "0"], "--workers = 0: must be 1 or more"),
@@ -218,6 +220,8 @@ def test_prepare_errors_are_one_line(tmp_path, capsys, setup, args, needle):
         (src / "a.jsonl").write_text('{"text": "fine"}\n{"text": broken\n')
     elif setup == "number":
         (src / "a.jsonl").write_text('{"text": 3}\n')
+    elif setup == "object":
+        (src / "a.jsonl").write_text('{"text": {"body": "x"}}\n')
     elif setup == "array":
         (src / "a.jsonl").write_text('{"text": "fine"}\n["not", "a", "row"]\n')
     elif setup == "nothing":

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from plait.cli import main
-from plait.data import TokenData, prepare
+from plait.data import TokenData
+from plait.prepare import prepare
 from plait.tokenizer import HFTokenizer
 
 pytest.importorskip("tokenizers")

@@ -8,7 +8,8 @@ import re
 import pytest
 
 from plait.cli import main
-from plait.data import TokenData, prepare
+from plait.data import TokenData
+from plait.prepare import prepare
 from plait.tokenizer import ByteTokenizer, from_path
 from plait.preflight import preflight
 from plait.train import train
@@ -44,10 +45,13 @@ def test_eval_reproduces_the_runs_validation_loss(run, corpus, capsys):
     assert main(["eval", "--checkpoint", str(run)]) == 0
     out = capsys.readouterr().out
     assert f"on {corpus} (validation)" in out and _reported(out) == (loss, ppl)
+    assert out.rstrip().endswith("over 768 tokens (6 batches x 4 x 32)")
     other = evaluate(str(run), TokenData(corpus), batches=2, batch_size=2, seq_len=16)
     assert other["tokens"] == 2 * 2 * 16 and other["loss"] != r["loss"]
     # a batch larger than the validation set (3 x 8 sequences) still reads one batch
     assert evaluate(str(run), TokenData(corpus), batch_size=64)["batches"] == 1
+    assert main(["eval", "--checkpoint", str(run), "--batches", "1", "--batch-size", "2", "--seq-len", "16"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("over 32 tokens (1 batch x 2 x 16)")  # not "1 batches"
 
 
 def test_an_hf_export_evaluates_like_its_checkpoint(run, corpus, tmp_path, capsys):

@@ -76,6 +76,11 @@ def _has_colour(img, rgb) -> bool:
 @pytest.mark.parametrize("case, needle", [
     ("missing", "RUN = '{p}/nope': has no metrics.jsonl"),
     ("empty", "holds no metrics entries yet"),
+    ("killed", "RUN = '{p}/killed/metrics.jsonl': holds no metrics entries yet"),  # its first entry cut short
+    # once "holds no metrics entries yet", as if a run would log into it
+    ("toml", "RUN = '{p}/some.toml': is not a metrics file; plait plot takes run folders (the --out of `plait train`) "
+             "or their metrics.jsonl files"),
+    ("json", "RUN = '{p}/some.json': is not a metrics file"),
     ("suffix", "--out = '{p}/x.nope': cannot be written"),
     ("tokens", "--x = 'tokens': {p}/old step 1 lacks tokens_per_s or step_time_s"),
 ])
@@ -83,7 +88,12 @@ def test_plot_errors_are_one_line(tmp_path, capsys, case, needle):
     pytest.importorskip("matplotlib")
     args = {"missing": [str(tmp_path / "nope")], "empty": [str(tmp_path / "empty")],
             "suffix": [str(_run(tmp_path / "r", 5)), "--out", str(tmp_path / "x.nope")],
-            "tokens": [str(tmp_path / "old"), "--x", "tokens"]}[case]
+            "tokens": [str(tmp_path / "old"), "--x", "tokens"], "killed": [str(tmp_path / "killed")],
+            "toml": [str(tmp_path / "some.toml")], "json": [str(tmp_path / "some.json")]}[case]
+    (tmp_path / "killed").mkdir()
+    (tmp_path / "killed" / "metrics.jsonl").write_text('{"step": 1, "lo')
+    (tmp_path / "some.toml").write_text('[train]\nsteps = 3\n')
+    (tmp_path / "some.json").write_text('{\n  "step": 1\n}\n')
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "metrics.jsonl").write_text("")
     (tmp_path / "old").mkdir()
@@ -106,6 +116,22 @@ def test_plot_says_the_file_it_wrote(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"--out = '{tmp_path / 'pics'}': is a folder" in err, err
     assert not (tmp_path / "pics.png").exists()
+
+
+def test_plot_out_in_a_missing_folder_is_refused_and_not_created(tmp_path, capsys):
+    """As `plait schedule --png`: a mistyped folder is named, never created; a file where the folder
+    should be is not called missing."""
+    pytest.importorskip("matplotlib")
+    run = str(_run(tmp_path / "r", 5))
+    out = tmp_path / "nope" / "deeper" / "c.png"
+    assert main(["plot", run, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"plait plot: error: --out = '{out}': its folder {out.parent} does not exist; create it first\n"
+    assert not (tmp_path / "nope").exists()
+    (tmp_path / "file").write_text("a file, not a folder")
+    assert main(["plot", run, "--out", str(tmp_path / "file" / "c.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot be written (" in err and "does not exist" not in err, err
 
 
 def test_without_matplotlib_plot_says_how_to_install_it(tmp_path, monkeypatch):

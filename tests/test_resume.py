@@ -88,6 +88,23 @@ def test_resume_without_a_checkpoint_refuses_and_auto_starts_fresh(corpus, tmp_p
     assert f"to continue the run in a folder, give it as --out: --out {empty} --resume" in _error_line(capfd)
 
 
+def test_a_checkpoint_given_as_the_run_folder_names_the_run_folder(corpus, tmp_path, capfd):
+    run = tmp_path / "r"
+    assert main(_first_run(corpus, run, steps=2)) == 0
+    capfd.readouterr()
+    step = run / "checkpoints" / "step_00000002"
+    for out, resume, what in [(step, [], "a checkpoint"), (run / "checkpoints", [], "the checkpoints folder"),
+                              (run / "checkpoints", ["auto"], "the checkpoints folder")]:
+        # not "holds no checkpoint to resume": it holds the very checkpoint the user wants
+        assert main(["train", "--out", str(out), "--resume", *resume]) == 2
+        flag = " ".join(["--resume", *resume])
+        assert _error_line(capfd) == (f"plait train: error: train.out = {str(out)!r}: is {what} of the run in {run}; "
+                                      f"pass the run folder: --out {run} {flag}")
+    assert sorted(p.name for p in step.iterdir()) == sorted(["manifest.json", "model.pt", "optim.pt", "rng.pt",
+                                                             "train_state.json"])  # no run began inside it
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000002"]
+
+
 def test_metrics_hold_one_curve_after_resuming_from_an_older_checkpoint(corpus, tmp_path, capfd):
     run = tmp_path / "r"
     assert main(_first_run(corpus, run, steps=4)) == 0

@@ -7,8 +7,9 @@ import pytest
 
 from plait.cli import main
 from plait.errors import UserError
+from plait.parallel.rules import flag_field, run_field
 from plait.parallel.schedules import (Action, Schedule, ScheduleError, build_schedule, check, check_args,
-                                      compute_order, in_flight, peak_activation_units)
+                                      check_no_pipeline, compute_order, in_flight, peak_activation_units)
 from plait.planner.simulate import render, simulate, unit_durations
 
 GRID = [(name, v, pp, m)
@@ -223,6 +224,30 @@ def test_bad_requests_are_one_line_user_errors():
     assert check_args("ZB-H1", 4, 8, 1) == "zb" and check_args("ZB-V", 4, 8, 2) == "zbv"
 
 
+@pytest.mark.parametrize("call,plan,train", [
+    # each caller's own names: plait plan's flags, plait train's fields (rules.run_field)
+    (lambda f: check_args("1f1b", 4, 8, 2, field=f), "--v = 2", "parallel.v = 2"),
+    (lambda f: check_args("interleaved", 1, 8, 2, field=f), "--pp = 1", "parallel.pp = 1"),
+    (lambda f: check_args("interleaved", 4, 6, 2, field=f), "--microbatches = 6", "parallel.microbatches = 6"),
+    (lambda f: check_args("foo", 4, 8, 1, field=f), "--schedule = 'foo'", "parallel.schedule = 'foo'"),
+    (lambda f: check_no_pipeline("1f1b", 2, field=f), "--v = 2", "parallel.v = 2"),
+    (lambda f: check_no_pipeline("zb", 1, field=f), "--schedule = 'zb'", "parallel.schedule = 'zb'"),
+])
+def test_schedule_errors_name_each_callers_knob(call, plan, train):
+    for field, name, other in ((flag_field, plan, train), (run_field, train, plan)):
+        with pytest.raises(UserError) as e:
+            call(field)
+        assert str(e.value).startswith(name) and other.split(" = ")[0] not in str(e.value)
+
+
+def test_virtual_stages_without_a_pipeline_say_what_they_need():
+    with pytest.raises(UserError) as e:
+        check_no_pipeline("1f1b", 2)  # --v 2 given, --schedule not: 1f1b is only the default
+    msg = str(e.value)
+    assert msg.startswith("--v = 2:") and "--pp > 1" in msg and "--schedule interleaved" in msg
+    check_no_pipeline("1f1b", 1)
+
+
 def test_p2p_time_lengthens_the_pipeline():
     s = build_schedule("1f1b", 4, 8)
     assert simulate(s, p2p_s=0.1).makespan_s > simulate(s).makespan_s
@@ -279,6 +304,15 @@ def test_schedule_command_png_that_cannot_be_written_is_one_line(tmp_path, capsy
     # a folder was written beside itself as folder.png, and said `wrote FOLDER`
     assert main(["schedule", "--pp", "2", "--microbatches", "2", "--png", str(tmp_path)]) == 2
     assert "is a folder" in capsys.readouterr().err and not tmp_path.with_suffix(".png").exists()
+
+
+def test_schedule_command_png_in_a_missing_folder_is_refused_like_plot_out(tmp_path, capsys):
+    """It created the missing folders (a typo in one left a new tree) where `plait plot --out` refuses."""
+    png = tmp_path / "nope" / "deeper" / "s.png"
+    assert main(["schedule", "--pp", "2", "--microbatches", "2", "--png", str(png)]) == 2
+    out, err = capsys.readouterr()
+    assert err == f"plait schedule: error: --png = '{png}': its folder {png.parent} does not exist; create it first\n"
+    assert out == "" and not (tmp_path / "nope").exists()  # refused before the schedule was printed
 
 
 def test_schedule_command_png_without_a_suffix_says_the_file_it_wrote(tmp_path, capsys):

@@ -11,7 +11,8 @@ import types
 import pytest
 
 from conftest import micro_config
-from plait.data import MixedData, prepare
+from plait.data import MixedData
+from plait.prepare import prepare
 from plait.errors import UserError
 from plait.tokenizer import ByteTokenizer
 from plait.preflight import preflight

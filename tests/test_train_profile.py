@@ -9,7 +9,9 @@ import re
 import pytest
 import torch
 
-from conftest import micro_config
+from conftest import MICRO_MODEL, micro_config
+from dp_runs import cli_train
+from plait.cli import main
 from plait.errors import UserError
 from plait.profile import snapshot_on_oom
 from plait.preflight import preflight
@@ -43,6 +45,17 @@ def test_a_window_the_run_ends_inside_is_written_at_the_end(corpus, tmp_path):
     train(preflight(micro_config(corpus, run, train={"steps": 3, "profile_steps": "3:3"})))
     _, steps = _trace(run / "profile" / "trace_steps3-3_rank0.json")
     assert sorted(steps) == ["plait.step 3"]
+
+
+def test_every_ranks_trace_is_named(corpus, tmp_path, capfd):
+    # each rank writes its own trace: a line naming rank 0's alone sent users looking for rank 1's in it
+    run = tmp_path / "r"
+    assert main(cli_train(corpus, run, MICRO_MODEL, steps=3, extra=["--nproc", "2", "--train.micro_batch", "2",
+                                                                     "--train.profile_steps", "2:3"])) == 0
+    assert sorted(p.name for p in (run / "profile").iterdir()) == ["trace_steps2-3_rank0.json", "trace_steps2-3_rank1.json"]
+    lines = [x for x in capfd.readouterr().err.splitlines() if "profiler trace" in x]
+    assert lines == [f"plait: profiler traces of steps 2-3 in {run / 'profile' / 'trace_steps2-3_rank*.json'} "
+                     "(2 files, one per rank)"], lines
 
 
 @pytest.mark.parametrize("spec, needle", [

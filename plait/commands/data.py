@@ -34,7 +34,7 @@ def run(args, extra) -> int:
 
     if args.data_command == "tokenizer":
         return _tokenizer(args)
-    from plait.data import prepare
+    from plait.prepare import prepare
     from plait.tokenizer import from_path
 
     if not 0 <= args.val_fraction < 0.5:
@@ -50,7 +50,7 @@ def _tokenizer(args) -> int:
     import sys
     from pathlib import Path
 
-    from plait.data import collect_sources, iter_texts
+    from plait.prepare import collect_sources, iter_texts
     from plait.errors import bad_value
     from plait.tokenizer import train_bpe
 

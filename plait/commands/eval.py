@@ -42,7 +42,8 @@ def run(args, extra) -> int:
     r = evaluate(args.checkpoint, data, batches=args.batches, batch_size=args.batch_size,
                  seq_len=args.seq_len, device=args.device)
     print(f"{args.checkpoint} on {path} (validation): loss {r['loss']:.4f}, perplexity {r['perplexity']:.3f} "
-          f"over {r['tokens']:,} tokens ({r['batches']} batches x {r['batch_size']} x {r['seq_len']})")
+          f"over {r['tokens']:,} tokens ({r['batches']} batch{'es' if r['batches'] != 1 else ''} x {r['batch_size']} "
+          f"x {r['seq_len']})")
     return 0
 
 

@@ -20,10 +20,16 @@ def add_arguments(p) -> None:
 
 
 def run(args, extra) -> int:
+    from pathlib import Path
+
     from plait.errors import bad_value
     from plait.parallel.schedules import SPLIT_BACKWARD, build_schedule, check, check_args, in_flight
     from plait.planner.simulate import render, simulate, unit_durations
 
+    if args.png:  # before anything is printed; as `plait plot --out`, a mistyped folder is not created
+        folder = Path(args.png).expanduser().parent
+        if not folder.exists():
+            raise bad_value("--png", args.png, f"its folder {folder} does not exist; create it first")
     v = args.v if args.v is not None else (2 if str(args.schedule).lower() in ("interleaved", "zbv", "zb-v") else 1)
     name = check_args(args.schedule, args.pp, args.microbatches, v)
     split = name in SPLIT_BACKWARD
@@ -61,7 +67,7 @@ def run(args, extra) -> int:
         spans = [(s.rank, s.start_s, s.end_s, s.action.kind, s.action.microbatch, s.action.chunk) for s in tl.spans]
         title = f"{name}, pp {p}, {m} micro-batches" + (f", v {v}" if v > 1 else "") + f": bubble {tl.bubble_fraction:.1%}"
         try:
-            print(f"wrote {draw(spans, p, v, args.png, title, unit='units of --f')}")
+            print(f"wrote {draw(spans, p, v, Path(args.png).expanduser(), title, unit='units of --f')}")
         except (ValueError, OSError) as e:  # a suffix matplotlib cannot write, an unwritable folder
             why = f"cannot be written ({e}); use a .png, .pdf or .svg path"  # as `plait plot --out` says it
             raise bad_value("--png", args.png, why) from None

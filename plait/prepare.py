@@ -1,0 +1,421 @@
+"""Documents in, token shards out: `prepare` (what `plait data prepare` runs) and the default corpus.
+
+`prepare` turns documents (text files, JSONL, Parquet, a HuggingFace `datasets` folder) into flat
+token arrays (`train_000.bin`, `val_000.bin`, uint16 when the vocabulary fits, else uint32) plus
+`meta.json`, which `plait.data` reads. The validation split is held out by *document* (a whole
+text file, or one JSONL / Parquet / datasets row), chosen by a hash of its name, so no validation
+text was ever seen in training. Where that picks no document (one text file is one document; a
+handful of rows may all hash into one split), the last val_fraction of the token stream is held
+out instead, so a positive val_fraction always gives both splits. val_fraction 0 holds nothing out:
+an empty validation split, which training refuses (it evaluates on the split).
+
+Document boundaries. Each document ends with the tokenizer's EOS token; the byte tokenizer has
+none (all 256 ids are bytes), so its documents end with a newline as they always did. Either way
+`train_000.docs.bin` (int64) lists the offsets in `train_000.bin` at which a document begins, so
+the loader finds boundaries without scanning for EOS (which a text may also contain) and without
+a 257th byte id.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import os
+import shutil
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from plait.data import FORMAT_VERSION, META
+from plait.errors import UserError, bad_value
+from plait.tokenizer import DocumentEncoder, save_spec_files
+
+SHARD_TOKENS = 1 << 30  # tokens per shard file; keeps each file well under 4 GiB
+TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".c", ".h", ".cc", ".cpp", ".js", ".ts", ".json",
+                 ".toml", ".yaml", ".yml", ".html", ".css", ".sh", ".tex", ".csv", ".ini", ".cfg"}
+RECORD_SUFFIXES = {".jsonl": "jsonl", ".parquet": "parquet"}
+_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+_CHUNK_DOCS, _CHUNK_CHARS = 512, 1 << 20  # documents handed to a worker at once
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading documents
+
+
+@dataclass(frozen=True)
+class Source:
+    """One input to read: kind is "text" (a whole file is a document), "jsonl", "parquet" or "hf"
+    (a folder written by `datasets.Dataset.save_to_disk`); size (bytes on disk) drives the bar."""
+
+    kind: str
+    path: Path
+    size: int
+
+
+def _is_hf_dataset(folder: Path) -> bool:
+    return (folder / "dataset_dict.json").is_file() or (
+        (folder / "state.json").is_file() and (folder / "dataset_info.json").is_file())
+
+
+def _file_kind(path: Path) -> str | None:
+    if path.suffix in RECORD_SUFFIXES:
+        return RECORD_SUFFIXES[path.suffix]
+    return "text" if path.suffix in TEXT_SUFFIXES else None
+
+
+def collect_sources(inputs: list[str]) -> list[Source]:
+    """Every source the inputs name, in a fixed order (folders are walked in sorted path order)."""
+    sources: list[Source] = []
+    for item in inputs:
+        p = Path(item).expanduser()
+        if p.is_file():  # a file named explicitly is read whatever its suffix
+            sources.append(Source(RECORD_SUFFIXES.get(p.suffix, "text"), p, p.stat().st_size))
+        elif p.is_dir() and _is_hf_dataset(p):
+            sources.append(Source("hf", p, sum(f.stat().st_size for f in p.rglob("*.arrow"))))
+        elif p.is_dir():
+            for f in sorted(f for f in p.rglob("*") if f.is_file() and not _SKIP_DIRS & set(f.parts)):
+                kind = _file_kind(f)
+                if kind:
+                    sources.append(Source(kind, f, f.stat().st_size))
+        else:
+            raise bad_value("--input", item, "no such file or folder")
+    return sources
+
+
+def _is_val(key: str, fraction: float) -> bool:
+    """Hold a document out by a hash of its name: stable across machines, re-runs and workers."""
+    h = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little")
+    return (h / 2**64) < fraction
+
+
+def _json_kind(value) -> str:
+    """What a JSON value is, in JSON's words and with its article: the user reads the file, not Python's types."""
+    for typ, kind in ((bool, "a boolean"), ((int, float), "a number"), (list, "an array"), (dict, "an object")):
+        if isinstance(value, typ):  # bool first: True is an int to Python
+            return kind
+    return f"a {type(value).__name__}"
+
+
+def _text_field_error(field: str, where: str, fields) -> UserError:
+    return bad_value("--text-field", field, f"is not a field of {where} (fields: {', '.join(map(str, fields))}); "
+                     "pass --text-field NAME")
+
+
+def read_documents(source: Source, text_field: str = "text") -> Iterator[tuple[str | None, str, float]]:
+    """(text, hold-out key, bytes of input it stands for) per document; text None = unreadable.
+
+    Keys name the document (a text file by its name and folder; a record by its file's name
+    without suffix, its folder and its row number), so the same document is held out wherever the
+    corpus sits on disk, and the same rows as JSONL, Parquet or a datasets folder split alike.
+    """
+    p = source.path
+    if source.kind == "text":
+        try:
+            text = p.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            text = None
+        yield text, f"0:{p.name}:{p.parent.name}", source.size  # the key format of plait's first release
+    elif source.kind == "jsonl":
+        row_no = 0
+        with open(p, "rb") as f:
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                row_no += 1
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    raise bad_value("--input", f"{p}:{line_no}", "is not a JSON object; fix or remove that line") from None
+                if not isinstance(row, dict):  # a list or a number has no fields to name
+                    raise bad_value("--input", f"{p}:{line_no}", "is not a JSON object; fix or remove that line")
+                if text_field not in row:
+                    raise _text_field_error(text_field, f"{p} line {line_no}", row)
+                text = row[text_field]
+                if text is not None and not isinstance(text, str):
+                    raise bad_value("--text-field", text_field, f"holds {_json_kind(text)}, not text, in "
+                                    f"{p} line {line_no}; name a text field")
+                yield text, f"{p.stem}:{p.parent.name}:{row_no}", len(line)
+    elif source.kind == "parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise bad_value("--input", str(p), "is Parquet, which needs pyarrow: pip install pyarrow") from None
+        pf = pq.ParquetFile(p)
+        if text_field not in pf.schema_arrow.names:
+            raise _text_field_error(text_field, str(p), pf.schema_arrow.names)
+        per_row = source.size / max(1, pf.metadata.num_rows)
+        row = 0
+        for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
+            for text in batch.column(0).to_pylist():
+                row += 1
+                if text is not None and not isinstance(text, str):
+                    raise bad_value("--text-field", text_field, f"is not a text column in {p}; name a text column")
+                yield text, f"{p.stem}:{p.parent.name}:{row}", per_row
+    elif source.kind == "hf":
+        yield from _read_hf_dataset(source, text_field)
+    else:
+        raise AssertionError(source.kind)
+
+
+def _read_hf_dataset(source: Source, text_field: str):
+    p = source.path
+    try:
+        import datasets
+    except ImportError:
+        raise bad_value("--input", str(p), "is a HuggingFace datasets folder, which needs the `datasets` "
+                        "package: pip install datasets") from None
+    ds = datasets.load_from_disk(str(p))
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise bad_value("--input", str(p), f"holds splits {', '.join(ds)} but no 'train'; give one split's "
+                            f"folder, e.g. {p / next(iter(ds))}")
+        ds = ds["train"]
+    if text_field not in ds.column_names:
+        raise _text_field_error(text_field, str(p), ds.column_names)
+    per_row = source.size / max(1, len(ds))
+    row = 0
+    for batch in ds.select_columns([text_field]).iter(batch_size=1024):
+        for text in batch[text_field]:
+            row += 1
+            if text is not None and not isinstance(text, str):
+                raise bad_value("--text-field", text_field, f"is not a text column in {p}; name a text column")
+            yield text, f"{p.name}:{p.parent.name}:{row}", per_row
+
+
+def iter_texts(inputs: list[str], text_field: str = "text") -> Iterator[str]:
+    """The non-empty document texts of the inputs, in order (for training a tokenizer)."""
+    for source in collect_sources(inputs):
+        for text, _, _ in read_documents(source, text_field):
+            if text and text.strip():
+                yield text
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing shards
+
+
+class _ShardWriter:
+    """Appends tokens to `{split}_NNN.bin` files and document starts to `{split}_NNN.docs.bin`."""
+
+    def __init__(self, folder: Path, split: str, dtype):
+        self.folder, self.split, self.dtype = folder, split, dtype
+        self.shards: list[dict] = []
+        self._starts: list[list[np.ndarray]] = []  # per shard, offsets where a document begins
+        self._f = None
+
+    def write(self, ids: np.ndarray, starts: np.ndarray) -> None:
+        """Append `ids`; `starts` are the offsets in `ids` where a document begins (ascending).
+        A document that crosses into the next shard has no start there: it continues."""
+        pos = 0
+        while pos < len(ids):
+            if self._f is None or self.shards[-1]["tokens"] >= SHARD_TOKENS:
+                self._open()
+            shard = self.shards[-1]
+            n = min(SHARD_TOKENS - shard["tokens"], len(ids) - pos)
+            lo, hi = np.searchsorted(starts, [pos, pos + n])
+            self._starts[-1].append(starts[lo:hi] - pos + shard["tokens"])
+            self._f.write(ids[pos:pos + n].astype(self.dtype, copy=False).tobytes())
+            shard["tokens"] += n
+            pos += n
+
+    def _open(self) -> None:
+        if self._f:
+            self._f.close()
+        name = f"{self.split}_{len(self.shards):03d}"
+        self._f = open(self.folder / f"{name}.bin", "wb")
+        self.shards.append({"file": f"{name}.bin", "tokens": 0, "docs_file": f"{name}.docs.bin"})
+        self._starts.append([])
+
+    def close(self) -> list[dict]:
+        if self._f:
+            self._f.close()
+        for shard, parts in zip(self.shards, self._starts):
+            starts = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+            starts.tofile(self.folder / shard["docs_file"])
+            shard["documents"] = len(starts)
+        return self.shards
+
+
+class _Bar:
+    """Tokenizing progress on stderr: one redrawn line on a terminal, a line per ~10% elsewhere."""
+
+    def __init__(self, total: float, enabled: bool):
+        self.total, self.enabled = max(total, 1.0), enabled
+        self.t0 = self._last = time.perf_counter()
+        self.tty = enabled and sys.stderr.isatty()
+        self._decile = 0
+
+    def update(self, done: float, docs: int, tokens: int) -> None:
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        frac = min(1.0, done / self.total)
+        rate = tokens / max(now - self.t0, 1e-9)
+        line = (f"tokenizing [{'#' * int(24 * frac)}{'.' * (24 - int(24 * frac))}] {100 * frac:3.0f}% "
+                f"{docs:,} docs {tokens:,} tokens {rate / 1e3:,.0f}k tok/s")
+        if self.tty and now - self._last > 0.1:
+            sys.stderr.write("\r" + line.ljust(100))
+            sys.stderr.flush()
+            self._last = now
+        elif not self.tty and int(10 * frac) > self._decile:
+            self._decile = int(10 * frac)
+            sys.stderr.write(line + "\n")
+
+    def close(self) -> None:
+        if self.tty:
+            sys.stderr.write("\r" + " " * 100 + "\r")
+
+
+def _chunks(sources: list[Source], text_field: str, val_fraction: float, counts: dict):
+    """Documents grouped for the workers: (texts, is_val per text, input bytes covered)."""
+    texts, is_val, covered, chars = [], [], 0.0, 0
+    hold_out = len(sources) > 1 or sources[0].kind != "text"  # one text file: split its tail instead
+    for source in sources:
+        used = False
+        for text, key, size in read_documents(source, text_field):
+            covered += size
+            if text is None:
+                counts["skipped"] += 1
+                continue
+            if not text.strip():
+                continue
+            used = True
+            texts.append(text)
+            is_val.append(hold_out and _is_val(key, val_fraction))
+            chars += len(text)
+            if len(texts) >= _CHUNK_DOCS or chars >= _CHUNK_CHARS:
+                yield texts, np.array(is_val, dtype=bool), covered
+                texts, is_val, covered, chars = [], [], 0.0, 0
+        counts["files"] += used
+    if texts or covered:
+        yield texts, np.array(is_val, dtype=bool), covered
+
+
+def prepare(inputs: list[str], out: str | Path, tokenizer, val_fraction: float = 0.01,
+            quiet: bool = False, *, text_field: str = "text", workers: int = 1) -> Path:
+    """Tokenize documents into shards in `out` (written to a temp folder, then renamed into place).
+
+    The shards are byte-identical for any `workers`: chunks are encoded in parallel but written in
+    input order.
+    """
+    out = Path(out).expanduser()
+    if out.exists() and not out.is_dir():  # else iterdir below raises NotADirectoryError
+        raise bad_value("--out", str(out), "is a file; give a new folder for the shards")
+    if (out / META).exists():
+        raise bad_value("--out", str(out), "already holds prepared data; choose another folder or delete it")
+    if out.exists() and any(out.iterdir()):
+        raise bad_value("--out", str(out), "exists and is not empty; choose a new folder")
+    sources = collect_sources(inputs)
+    if not sources:
+        raise bad_value("--input", " ".join(inputs), "holds no text files; give files or folders of text, "
+                        ".jsonl or .parquet files, or a datasets folder")
+    dtype = np.uint16 if tokenizer.vocab_size <= 65536 else np.uint32
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    except OSError as e:
+        raise bad_value("--out", str(out), f"cannot write there ({e.strerror}); choose a writable folder") from None
+    try:
+        meta = _write_shards(tmp, sources, tokenizer, dtype, val_fraction, text_field, workers, quiet, inputs)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    os.replace(tmp, out)
+    if not quiet:
+        n = {k: sum(s["tokens"] for s in v) for k, v in meta["splits"].items()}
+        print(f"prepared {out}: {meta['documents']['count']:,} documents from {meta['files_used']} file(s) "
+              f"({meta['files_skipped']} skipped), {n['train']:,} train / {n['val']:,} val tokens, "
+              f"{np.dtype(dtype).name}; {meta['_seconds']:.1f} s, {sum(n.values()) / meta['_seconds']:,.0f} "
+              f"tokens/s on {max(1, workers)} worker(s)", file=sys.stderr)
+        if not n["val"]:
+            print("no validation split (--val-fraction 0): `plait train` and `plait eval` need one; prepare "
+                  "with --val-fraction above 0 to train on this folder", file=sys.stderr)
+    return out
+
+
+def _write_shards(tmp: Path, sources, tokenizer, dtype, val_fraction, text_field, workers, quiet, inputs) -> dict:
+    t0 = time.perf_counter()
+    writers = {s: _ShardWriter(tmp, s, dtype) for s in ("train", "val")}
+    counts = {"skipped": 0, "files": 0}
+    bar = _Bar(sum(s.size for s in sources), enabled=not quiet)
+    pending: collections.deque = collections.deque()  # (is_val, bytes) of chunks handed to the encoder
+
+    def texts():
+        for chunk_texts, is_val, covered in _chunks(sources, text_field, val_fraction, counts):
+            pending.append((is_val, covered))
+            yield chunk_texts
+
+    done = n_docs = n_tokens = 0
+    for ids, lengths in DocumentEncoder(tokenizer, workers, dtype).map(texts()):
+        is_val, covered = pending.popleft()
+        token_is_val = np.repeat(is_val, lengths)
+        for split, docs in (("train", ~is_val), ("val", is_val)):
+            doc_lengths = lengths[docs]
+            starts = np.concatenate([[0], np.cumsum(doc_lengths)[:-1]]).astype(np.int64) if len(doc_lengths) else \
+                np.zeros(0, np.int64)
+            writers[split].write(ids[token_is_val == (split == "val")], starts)
+        done, n_docs, n_tokens = done + covered, n_docs + len(lengths), n_tokens + len(ids)
+        bar.update(done, n_docs, n_tokens)
+    bar.close()
+    shards = {s: w.close() for s, w in writers.items()}
+    n_train = sum(s["tokens"] for s in shards["train"])
+    n_val = sum(s["tokens"] for s in shards["val"])
+    if n_train + n_val == 0:
+        raise bad_value("--input", " ".join(inputs), "contains no readable UTF-8 text; the corpus is empty")
+    if val_fraction > 0 and (n_val == 0 or n_train == 0):
+        # too few documents to hold any out by name (or one text file: one document): split the token
+        # stream itself (tail = validation). With val_fraction 0 the user asked for no validation data.
+        _split_tail(tmp, shards, dtype, val_fraction)
+    save_spec_files(tokenizer, tmp)
+    eos = getattr(tokenizer, "eos_id", None)
+    meta = {"format": FORMAT_VERSION, "vocab_size": int(tokenizer.vocab_size),
+            "dtype": np.dtype(dtype).name, "tokenizer": tokenizer.spec, "splits": shards,
+            "documents": {"count": n_docs, "end": "newline" if eos is None else "eos", "eos_id": eos},
+            "files_used": counts["files"], "files_skipped": counts["skipped"]}
+    (tmp / META).write_text(json.dumps(meta, indent=1))  # no timings in it: same inputs, same bytes
+    return {**meta, "_seconds": max(time.perf_counter() - t0, 1e-9)}
+
+
+def _split_tail(folder: Path, shards: dict, dtype, fraction: float) -> None:
+    """Rebuild the splits as head/tail of all tokens (single-file corpora), documents kept."""
+    parts = [s for split in ("train", "val") for s in shards[split]]
+    all_ids = np.concatenate([np.fromfile(folder / s["file"], dtype=dtype) for s in parts])
+    bases = np.cumsum([0] + [s["tokens"] for s in parts])
+    starts = np.concatenate([np.fromfile(folder / s["docs_file"], dtype=np.int64) + base
+                             for s, base in zip(parts, bases)])
+    for s in parts:
+        (folder / s["file"]).unlink()
+        (folder / s["docs_file"]).unlink()
+    cut = len(all_ids) - max(1, int(len(all_ids) * fraction))
+    for split, lo, hi in (("train", 0, cut), ("val", cut, len(all_ids))):
+        w = _ShardWriter(folder, split, dtype)
+        w.write(all_ids[lo:hi], starts[(starts >= lo) & (starts < hi)] - lo)
+        shards[split] = w.close()
+
+
+def default_corpus_dir(cache_dir: str, val_fraction: float) -> Path:
+    """The Python standard library of this interpreter, prepared once (bytes) into the cache."""
+    if not val_fraction > 0:  # refused here, by the setting they gave: TokenData.check would name the cache
+        raise bad_value("data.val_fraction", val_fraction, "leaves the default corpus no validation split, "
+                        "which training evaluates on; use a value above 0 (default 0.01)")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    tag = hashlib.sha256(f"{stdlib}:{sys.version}:{val_fraction}".encode()).hexdigest()[:10]
+    out = Path(cache_dir).expanduser() / f"stdlib-py{sys.version_info[0]}.{sys.version_info[1]}-{tag}"
+    if not (out / META).exists():
+        from plait.tokenizer import ByteTokenizer
+
+        print(f"preparing the default corpus (Python standard library at {stdlib}) into {out}", file=sys.stderr)
+        try:
+            prepare([str(stdlib)], out, ByteTokenizer(), val_fraction, quiet=False)
+        except UserError:
+            if not (out / META).exists():  # another process may have prepared it meanwhile
+                raise
+    return out
