@@ -93,17 +93,16 @@ def validate_config(cfg: Config) -> Config:
 def validate_pipeline(cfg: Config) -> None:
     """Schedule, micro-batches and stage split of a pipelined run (`parallel.microbatches` is
     train.grad_accum's name there: the micro-batches every pipeline runs per step)."""
-    from plait.parallel.schedules import canonical, check_args
+    from plait.parallel.schedules import check_args, check_no_pipeline
     from plait.parallel.stages import resolve_counts
 
     p, t, m = cfg.parallel, cfg.train, cfg.model
     if p.pp == 1:
-        if p.v != 1 or p.stage_layers:
-            name, value = ("parallel.v", p.v) if p.v != 1 else ("parallel.stage_layers", p.stage_layers)
-            raise bad_value(name, value, "splits a pipeline: it needs --pp > 1")
-        # a schedule or micro-batch count without a pipeline was meant for one: say so rather than ignore it
-        if canonical(p.schedule) != "1f1b":
-            raise bad_value("parallel.schedule", p.schedule, "orders a pipeline's stages: it needs --pp > 1")
+        if p.stage_layers:
+            raise bad_value("parallel.stage_layers", p.stage_layers, "splits a pipeline: it needs --pp > 1")
+        # virtual stages, a schedule or a micro-batch count without a pipeline were meant for one:
+        # say so rather than ignore them (the same rule `plait plan` applies, in field names here)
+        check_no_pipeline(p.schedule, p.v, field=rules.run_field)
         if p.microbatches:
             raise bad_value("parallel.microbatches", p.microbatches, "counts a pipeline's micro-batches: it needs "
                             "--pp > 1 (without a pipeline, train.grad_accum accumulates micro-batches)")
@@ -113,7 +112,7 @@ def validate_pipeline(cfg: Config) -> None:
             raise bad_value("parallel.microbatches", p.microbatches, f"contradicts train.global_batch = "
                             f"{t.global_batch}, which makes {t.grad_accum} micro-batches a step here: give one of them")
         t.grad_accum = p.microbatches
-    p.schedule = check_args(p.schedule, p.pp, t.grad_accum, p.v, v_flag="parallel.v")
+    p.schedule = check_args(p.schedule, p.pp, t.grad_accum, p.v, field=rules.run_field)
     counts = resolve_counts(p.stage_layers, m, t.seq_len, p.pp * p.v, p.schedule)
     if counts is None and m.n_layers % (p.pp * p.v) and p.v > 1:
         raise bad_value("parallel.v", p.v, f"pp x v = {p.pp * p.v} stages do not divide the {m.n_layers} layers "

@@ -75,16 +75,16 @@ def test_schedule_png(tmp_path, capsys):
 @pytest.mark.parametrize("extra, needle", [
     (["--nproc", "2", "--pp", "2", "--model.n_layers", "1"],  # the fix too, not only what is wrong
      "parallel.pp = 2: pp x v = 2 stages exceed the 1 layers (a stage needs one): use pp x v <= 1, or a model"),
-    (["--nproc", "2", "--pp", "2", "--schedule", "fifo"], "--schedule = 'fifo': choose one of gpipe, 1f1b"),
+    (["--nproc", "2", "--pp", "2", "--schedule", "fifo"], "parallel.schedule = 'fifo': choose one of gpipe, 1f1b"),
     (["--nproc", "2", "--pp", "2", "--schedule", "interleaved", "--parallel.v", "2", "--microbatches", "3"],
-     "--microbatches = 3: the interleaved schedule runs micro-batches in groups of pp = 2"),
+     "parallel.microbatches = 3: the interleaved schedule runs micro-batches in groups of pp = 2"),
     (["--nproc", "2", "--pp", "2", "--schedule", "interleaved", "--parallel.v", "2", "--microbatches", "2",
       "--model.n_layers", "6"], "parallel.v = 2: pp x v = 4 stages do not divide the 6 layers"),
     (["--nproc", "2", "--pp", "2", "--parallel.stage_layers", "3,4"], "parallel.stage_layers = '3,4': must be counts"),
     (["--nproc", "4", "--pp", "2", "--dp", "2", "--train.global_batch", "6"], "train.global_batch = 6: is not a multiple"),
     (["--nproc", "4", "--pp", "2", "--dp", "2", "--zero", "3"], "parallel.zero = 3: with pp > 1 a tied embedding"),
-    (["--parallel.v", "2"], "parallel.v = 2: splits a pipeline: it needs --pp > 1"),
-    (["--schedule", "zb"], "parallel.schedule = 'zb': orders a pipeline's stages: it needs --pp > 1"),
+    (["--parallel.v", "2"], "parallel.v = 2: virtual stages are chunks of a pipeline's stages: v > 1 needs parallel.pp > 1"),
+    (["--schedule", "zb"], "parallel.schedule = 'zb': orders a pipeline's stages: it needs parallel.pp > 1"),
     (["--schedule", "interleaved"], "parallel.schedule = 'interleaved': orders a pipeline's stages"),
     (["--microbatches", "4"], "parallel.microbatches = 4: counts a pipeline's micro-batches: it needs --pp > 1"),
     (["--nproc", "2", "--pp", "2", "--microbatches", "4", "--train.grad_accum", "2"],  # ran 4, ignoring the 2

@@ -112,16 +112,14 @@ def canonical(name: str, field: Callable[[str], str] = flag_field) -> str:
     return name
 
 
-def check_args(name: str, pp: int, microbatches: int, v: int = 1, v_flag: str | None = None,
+def check_args(name: str, pp: int, microbatches: int, v: int = 1,
                field: Callable[[str], str] = flag_field) -> str:
     """Validate a schedule request without building it; return the canonical name.
 
     Every bad input is one UserError line naming the knob, the value and the fix, as the caller's
     command line names it: `field(knob)` (`plait.parallel.rules`' convention) gives --pp, --v, ... for
     `plait plan` and `plait schedule`, `rules.run_field` parallel.pp, parallel.v, ... for `plait
-    train`. `v_flag` renames v alone (what `plait train` passed before `field`: it has no --v)."""
-    if v_flag is not None:
-        field = functools.partial(_renamed, field, {"v": v_flag})
+    train`."""
     name = canonical(name, field)
     for knob, value in (("pp", pp), ("microbatches", microbatches), ("v", v)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -159,10 +157,6 @@ def check_no_pipeline(name: str, v: int, field: Callable[[str], str] = flag_fiel
     if canonical(name, field) != "1f1b":
         raise bad_value(field("schedule"), name, f"orders a pipeline's stages: it needs {field('pp')} > 1 "
                         f"(without a pipeline, drop {field('schedule')})")
-
-
-def _renamed(field: Callable[[str], str], names: dict[str, str], knob: str) -> str:
-    return names.get(knob) or field(knob)
 
 
 @functools.lru_cache(maxsize=512)
