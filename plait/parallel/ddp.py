@@ -42,8 +42,9 @@ class DDP(Engine):
         # Every bucket but the last reduces while the backward's matmuls run beside it: on a
         # communicator of `overlap_ctas` SMs they leave the matmuls more of the GPU (4 x H200, 1b,
         # every collective capped by NCCL_MAX_CTAS: the step's compute 8.2 ms over one GPU's at NCCL's
-        # choice, 2.1 ms at 8). The last bucket (the embedding's) runs after the backward with
-        # nothing beside it, where the cap only slowed it (3.1 -> 6.5 ms): it keeps NCCL's choice.
+        # choice, 2.1 ms at 8). The last bucket launched (the embedding's, unless it goes as rows)
+        # runs after the backward with nothing beside it, where the cap only slowed it (3.1 -> 6.5
+        # ms): it keeps NCCL's choice.
         self.lean = overlap_ctas > 0
         if self.lean:
             comm.lean(groups.grad, overlap_ctas)

@@ -65,6 +65,9 @@ class RowExchange:
             return
         ids, rows = (h.wait() for h in self.pending)
         self.pending = None
+        # a transient (vocab, dim) buffer, as each micro-batch's dense embedding backward allocates;
+        # summing per token in it (sorted, fp32 within a row) keeps a frequent token's many rows
+        # from being added one rounding at a time into a 16-bit gradient
         grad.add_(torch.ops.aten.embedding_dense_backward(rows.to(grad.dtype), ids, self.vocab, -1, False),
                   alpha=scale)
 
