@@ -217,7 +217,8 @@ def spawn(entry, args=(), nproc: int = 2, *, device_type: str = "cpu", timeout_s
         from multiprocessing import forkserver
 
         multiprocessing.set_forkserver_preload(list(dict.fromkeys(PRELOAD + list(preload))))
-        forkserver.ensure_running()
+        with _sigint_ignored():
+            forkserver.ensure_running()
         _reap_forkserver_at_exit()
     workdir = tempfile.mkdtemp(prefix="plait-launch-")
     child_env[STOP_FILE_ENV] = os.path.join(workdir, "stop")  # SIGUSR1 to this process: the workers stop
@@ -241,9 +242,45 @@ def spawn(entry, args=(), nproc: int = 2, *, device_type: str = "cpu", timeout_s
             except Exception as e:  # the free port was taken between probing and binding it
                 if attempt == 2 or "address already in use" not in str(e).lower():
                     raise
+    except KeyboardInterrupt:
+        if start_method == "forkserver":
+            _kill_forkserver()
+        raise
     finally:
         unrelay()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+@contextmanager
+def _sigint_ignored():
+    """Ignore Ctrl-C while the fork server starts. It runs in this process group, so Ctrl-C reaches it
+    too, and it only ignores SIGINT once its preload (torch: seconds, tens on a busy machine) is
+    imported: a Ctrl-C before that printed its KeyboardInterrupt traceback under the run's one line.
+    An ignored signal stays ignored across fork and exec, so it ignores SIGINT from its first
+    instruction; the workers it forks take SIGINT back (`_worker`), and this process handles it again
+    as soon as the server is started (milliseconds: it does not wait for the preload)."""
+    if threading.current_thread() is not threading.main_thread():  # signal() works in the main thread only
+        yield
+        return
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def _kill_forkserver() -> None:
+    """End the fork server at once on Ctrl-C. Asked to stop (at exit), it first finishes importing its
+    preload, then may still fork a worker asked for before the Ctrl-C, whose parent's semaphores are
+    gone by then: the run's one line got a worker's FileNotFoundError traceback under it, and the
+    launcher waited for the preload to end. Workers already started are the agent's to end."""
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid:
+        _quietly(lambda: os.kill(pid, signal.SIGKILL))
+        _quietly(server._stop)  # reaps it; a later spawn in this process starts a new one
 
 
 _REAP_REGISTERED = False

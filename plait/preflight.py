@@ -57,11 +57,12 @@ def preflight(cfg: Config, model_given: dict | None = None) -> Config:
     try:
         ckpt.check_writable(out, "train.out")
         check_wandb(t.wandb)
-        folder = _check_resume(cfg, out)
+        folder = _check_resume(cfg, out, model_given)
         if not cfg.data.path and not cfg.data.mix:
             cfg.data.path = str(default_corpus_dir(cfg.data.cache_dir, cfg.data.val_fraction))
         data = open_data(cfg.data)
         data.check(cfg.model.vocab_size, t.seq_len)
+        _absolute_data(cfg)
         _check_tokenizer(data, folder if folder is not None else t.init_from)
         if t.init_from and folder is None and _first_process():  # said once everything passed
             m = cfg.model
@@ -75,6 +76,20 @@ def preflight(cfg: Config, model_given: dict | None = None) -> Config:
                 pass
         raise
     return cfg
+
+
+def _absolute_data(cfg: Config) -> None:
+    """Name the data folders by absolute path in the config the run saves: `--resume`, `plait eval`
+    and a restart read it, maybe from another directory, where a relative `data.path` named nothing
+    (or another folder)."""
+    import os
+
+    d = cfg.data
+    if d.mix:  # checked by open_data: "DIR:WEIGHT,..."; each weight is kept as written
+        items = (item.strip().rpartition(":") for item in d.mix.split(",") if item.strip())
+        d.mix = ",".join(f"{os.path.abspath(os.path.expanduser(p.strip()))}:{w.strip()}" for p, _, w in items)
+    elif d.path:
+        d.path = os.path.abspath(os.path.expanduser(d.path))
 
 
 def _check_tokenizer(data, weights) -> None:
@@ -101,7 +116,7 @@ def _check_tokenizer(data, weights) -> None:
                         "tokenizer.json saved beside them)")
 
 
-def _check_resume(cfg: Config, out: Path) -> Path | None:
+def _check_resume(cfg: Config, out: Path, model_given: dict | None = None) -> Path | None:
     """The run folder's checkpoints against checkpoint.resume: refuse to overwrite a run, to
     "resume" nothing, to go back before its step or to load weights of another shape; name a
     change of the global batch. Returns the checkpoint the run continues from (None: a fresh run)."""
@@ -126,7 +141,7 @@ def _check_resume(cfg: Config, out: Path) -> Path | None:
     if folder is None:
         raise bad_value("checkpoint.resume", resume, f"every checkpoint in {out / 'checkpoints'} is damaged; "
                         "move them away to start fresh")
-    check_model_shape(cfg.model, folder)
+    check_model_shape(cfg.model, folder, model_given)
     step = int(json.loads((folder / "train_state.json").read_text())["step"])
     if cfg.train.steps < step:
         raise bad_value("train.steps", cfg.train.steps, f"but the run in {out} is already at step {step}; give "

@@ -92,13 +92,20 @@ def describe_resume(source: Path, changed: list[str]) -> str:
     return line + (f"; the command line changes {', '.join(changed)}" if changed else "")
 
 
-def check_model_shape(model: ModelConfig, folder: Path) -> ModelConfig:
+def check_model_shape(model: ModelConfig, folder: Path, given: dict | None = None) -> ModelConfig:
     """Refuse (one line) a checkpoint whose weights have another shape than `model`; returns the
-    checkpoint's model config."""
+    checkpoint's model config. `given`: the [model] fields the user set; where a field that does
+    not fit came from a preset given with --preset, not set itself, the line names the preset."""
     saved = config_from_dict(json.loads((folder / "train_state.json").read_text())["config"]).model
+    given = given or {}
     for name in SHAPE_FIELDS:
         new, old = getattr(model, name), getattr(saved, name)
         if new != old:
+            if name not in given and "preset" in given:  # else the line names a value the user never typed
+                raise bad_value("model.preset", given["preset"], f"builds a model with {name} = {new!r}, but the "
+                                f"checkpoint {folder} holds a {saved.preset!r} model with {name} = {old!r}; resume "
+                                "without --preset (the run's saved config already has its shape), or train into "
+                                "a new --out")
             raise bad_value(f"model.{name}", new, f"but the checkpoint {folder} holds a {saved.preset!r} model with "
                             f"{name} = {old!r}; resume without the --model options that change it (the run's "
                             "saved config already has its shape), or train into a new --out")

@@ -59,7 +59,8 @@ def test_a_checkpoint_of_another_shape_is_refused_before_anything_runs(corpus, t
     capfd.readouterr()
     saved = (run / "config.toml").read_bytes()
     for extra, needle, saved_shape in [(["--model.n_layers", "3"], "model.n_layers = 3: but the checkpoint", "n_layers = 2"),
-                                       (["--model.preset", "tiny"], "model.dim = 256: but the checkpoint", "dim = 64")]:
+                                       (["--model.preset", "tiny"], "model.preset = 'tiny': builds a model with dim = 256, but the checkpoint",
+                                        "dim = 64")]:
         t0 = time.perf_counter()
         assert main(["train", "--out", str(run), "--resume", "--steps", "4", *extra]) == 2
         line = _error_line(capfd)

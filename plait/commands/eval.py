@@ -26,7 +26,8 @@ def add_arguments(p) -> None:
                    "(default: the data the checkpoint's run trained on)")
     p.add_argument("--batches", type=int, default=0, help="batches to average (default: the run's validation set, train.eval_batches global batches)")
     p.add_argument("--batch-size", type=int, default=0, help="sequences per batch (default: the run's train.micro_batch)")
-    p.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (default: the run's train.seq_len)")
+    p.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (default: the run's train.seq_len; an HF folder's: "
+                   "256, or its max_position_embeddings if shorter)")
     p.add_argument("--device", default="cpu")
 
 
@@ -120,7 +121,9 @@ def evaluate(checkpoint: str, data, *, batches: int = 0, batch_size: int = 0, se
     t = cfg.train
     if not batches:  # the run's validation set: eval_batches of its global batch, a micro-batch at a time
         batches = max(1, -(-t.eval_batches * _global_batch(checkpoint, t) // (batch_size or t.micro_batch)))
-    batch_size, seq_len = batch_size or t.micro_batch, seq_len or t.seq_len
+    # an HF folder records no training length: the trainer's default one may exceed its
+    # max_position_embeddings (a plait run's train.seq_len never exceeds its max_seq_len)
+    batch_size, seq_len = batch_size or t.micro_batch, seq_len or min(t.seq_len, cfg.model.max_seq_len)
     if seq_len > cfg.model.max_seq_len:
         raise bad_value("--seq-len", seq_len, f"exceeds the model's max_seq_len {cfg.model.max_seq_len}; use a shorter one")
     if not data.has_val:  # else the length check below would blame --seq-len for a split of 0 tokens
