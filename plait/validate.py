@@ -13,6 +13,8 @@ from plait.parallel import rules
 def _positive(name: str, value, allow_zero: bool = False) -> None:
     if not value >= 0 or (value == 0 and not allow_zero):  # `not >=`: NaN (--train.lr nan) fails too
         raise bad_value(name, value, "must be " + ("zero or more" if allow_zero else "a positive number"))
+    if value == float("inf"):  # TOML's `inf` passed: an infinite lr trains NaNs, an infinite timeout overflows
+        raise bad_value(name, value, "must be a finite number")
 
 
 def validate_model(m) -> None:

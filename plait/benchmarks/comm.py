@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import time
 
 HELP = "collective bandwidth (time, algbw, busbw) of torch.distributed vs plait's ring, like nccl-tests"
@@ -47,12 +48,13 @@ def add_arguments(p) -> None:
     p.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
 
 
-def parse_bytes(text: str) -> int:
+def parse_bytes(text: str, flag: str = "size") -> int:
+    """`64K` -> 65536; a bad one is refused naming `flag`, the option it came from."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*", str(text), re.I)
     if not m:
         from plait.errors import bad_value
 
-        raise bad_value("size", text, "write a byte count like 4096, 64K, 256M or 1G")
+        raise bad_value(flag, text, "write a byte count like 4096, 64K, 256M or 1G")
     return int(float(m.group(1)) * 1024 ** " kmgt".index((m.group(2) or " ").lower()))
 
 
@@ -65,6 +67,27 @@ def run(args) -> int:
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise bad_value("--device", "cuda", "no GPU is visible; use --device cpu")
+    # each count checked by its flag: --factor 1 ran as 2 unsaid, --min-bytes 0 never ended (0 x factor),
+    # negative --iters printed negative times, --timeout 0 and --nproc -1 failed in the workers
+    # naming parallel.* fields this command has not
+    for flag, val, low, what in (("--nproc", args.nproc, 0, "0 (every GPU, or 2 on CPU) or a number of processes"),
+                                 ("--factor", args.factor, 2, "at least 2 (the size multiplier between rows)"),
+                                 ("--iters", args.iters, 0, "0 (the default) or a number of timed calls"),
+                                 ("--warmup", args.warmup, 0, "0 (the default) or a number of untimed calls")):
+        if val < low:
+            raise bad_value(flag, val, f"must be {what}")
+    if not 0 < args.timeout < float("inf"):
+        raise bad_value("--timeout", args.timeout, "must be a positive number of seconds")
+    min_bytes = parse_bytes(args.min_bytes, "--min-bytes")
+    max_bytes = parse_bytes(args.max_bytes or ("1G" if device == "cuda" else "16M"), "--max-bytes")
+    piece_bytes = parse_bytes(args.piece_bytes, "--piece-bytes")
+    if min_bytes < 1:
+        raise bad_value("--min-bytes", args.min_bytes, "must be at least 1 byte")
+    if min_bytes > max_bytes:
+        raise bad_value("--min-bytes", args.min_bytes, f"is more than --max-bytes "
+                        f"{args.max_bytes or max_bytes}: no size would be measured")
+    if piece_bytes < 1:
+        raise bad_value("--piece-bytes", args.piece_bytes, "must be at least 1 byte")
     launched = detect_launch()
     nproc = args.nproc or (torch.cuda.device_count() if device == "cuda" else 2)
     if launched is not None:
@@ -75,16 +98,26 @@ def run(args) -> int:
             raise bad_value("--ops", o, f"choose from {', '.join(OPS)}")
     impls = [i.strip() for i in args.impl.split(",") if i.strip()]
     for i in impls:
-        if not re.fullmatch(r"torch|ring|ring-auto|ring-\d+", i):
+        if not re.fullmatch(r"torch|ring|ring-auto|ring-[1-9]\d*", i):  # ring-0: no pieces at all
             raise bad_value("--impl", i, "choose torch, ring, ring-auto or ring-K (K pieces per chunk)")
     if "send_recv" in ops and "torch" not in impls:
         raise bad_value("--impl", args.impl, "send_recv is measured with torch's point-to-point only: add torch")
-    opts = dict(device=device, ops=ops, impls=impls, min_bytes=parse_bytes(args.min_bytes),
-                max_bytes=parse_bytes(args.max_bytes or ("1G" if device == "cuda" else "16M")),
-                factor=max(2, args.factor), dtype=args.dtype or ("bf16" if device == "cuda" else "fp32"),
-                iters=args.iters, warmup=args.warmup, piece_bytes=parse_bytes(args.piece_bytes),
+    opts = dict(device=device, ops=ops, impls=impls, min_bytes=min_bytes, max_bytes=max_bytes,
+                factor=args.factor, dtype=args.dtype or ("bf16" if device == "cuda" else "fp32"),
+                iters=args.iters, warmup=args.warmup, piece_bytes=piece_bytes,
                 json=args.json, timeout=args.timeout, nproc=nproc)
-    results = launch_run(bench_rank, (opts,), nproc=nproc, device_type=device)
+    from plait.launch import SpawnError, Stopped
+
+    try:
+        results = launch_run(bench_rank, (opts,), nproc=nproc, device_type=device)
+    except Stopped as e:  # SIGTERM to the launcher: the workers were ended (was the launcher's traceback)
+        print(f"plait bench comm: stopped by {e.signame}", file=sys.stderr)
+        return 143
+    except SpawnError as e:  # a worker failed (a rendezvous that timed out, a collective that raised): one line
+        if e.traceback:
+            print(e.traceback.rstrip(), file=sys.stderr)
+        print(f"plait bench comm: error: {e}", file=sys.stderr)
+        return 1
     return 0 if results and all(r is None or r.get("ok", True) for r in results) else 1
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from plait.parallel.schedules import SCHEDULES
 from plait.planner.memory import PRECISIONS
 
@@ -184,7 +186,10 @@ def run(args, extra) -> int:
     best = res.best if res.ranked else None
     if args.json:
         doc = {**head, "mode": "search", "considered": res.considered, "rejected": dict(res.rejected),
-               "ranked": [report.prediction_dict(p) for p in res.ranked]}
+               "ranked": [report.prediction_dict(p) for p in res.ranked],
+               # the text shows it ("fastest layout that does not fit"): the one answer when nothing fits
+               "fastest_not_fitting": (report.prediction_dict(res.example_oom) if res.example_oom is not None
+                                       else None)}
         print(report.to_json(_details(doc, args, best, c)))
         return 0 if res.ranked else 1
     print(report.title(d, c, args.global_batch, args.precision))
@@ -264,7 +269,18 @@ def _validate(args, d, c, knobs, head) -> int:
                              dp_replicate=args.dp_replicate, **knobs)
     precision = v.cpu_prediction_args(args.precision, cuda)
     p = predict(d, lay, c, args.global_batch, precision)
-    measured = v.measure(args.model, d, lay, args.global_batch, args.validate_steps)
+    from plait.launch import SpawnError, Stopped
+
+    try:
+        measured = v.measure(args.model, d, lay, args.global_batch, args.validate_steps)
+    except Stopped as e:  # SIGTERM (a `timeout`, a scheduler): the workers were ended; was the launcher's traceback
+        print(f"plait {NAME}: --validate run stopped by {e.signame}; nothing was measured", file=sys.stderr)
+        return 143
+    except SpawnError as e:  # a worker died or raised: one report, as `plait train` gives it
+        if e.traceback:
+            print(e.traceback.rstrip(), file=sys.stderr)
+        print(f"plait {NAME}: error: --validate run failed: {e}", file=sys.stderr)
+        return 1
     if args.json:
         rows = [{"quantity": n, "predicted": a, "measured": b, "comparable": ok} for n, a, b, ok in v.compare(p, measured)]
         print(report.to_json({**head, "mode": "validate", "prediction": report.prediction_dict(p),

@@ -6,6 +6,11 @@ NAME = "schedule"
 HELP = "Draw a pipeline schedule (gpipe, 1f1b, interleaved, zb, zbv) as a timeline and simulate its bubble"
 
 
+# what matplotlib's savefig writes (its Agg, PDF, PS, SVG and PGF backends)
+_IMAGE_SUFFIXES = ("png", "pdf", "svg", "svgz", "eps", "ps", "jpg", "jpeg", "tif", "tiff", "webp", "gif",
+                   "avif", "pgf", "raw", "rgba")
+
+
 def add_arguments(p) -> None:
     p.add_argument("--pp", type=int, default=4, help="pipeline ranks")
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per step")
@@ -30,6 +35,9 @@ def run(args, extra) -> int:
         folder = Path(args.png).expanduser().parent
         if not folder.exists():
             raise bad_value("--png", args.png, f"its folder {folder} does not exist; create it first")
+        suffix = Path(args.png).suffix.lower().lstrip(".")
+        if suffix and suffix not in _IMAGE_SUFFIXES:  # was refused by matplotlib after the whole timeline printed
+            raise bad_value("--png", args.png, f"cannot be written (matplotlib writes no .{suffix}); use a .png, .pdf or .svg path")
     v = args.v if args.v is not None else (2 if str(args.schedule).lower() in ("interleaved", "zbv", "zb-v") else 1)
     name = check_args(args.schedule, args.pp, args.microbatches, v)
     split = name in SPLIT_BACKWARD
@@ -37,8 +45,9 @@ def run(args, extra) -> int:
         raise bad_value("--w", args.w, f"{name} has no separate weight-gradient pass (only zb and zbv split B "
                         f"from W); leave --w out or use --schedule zb or zbv")
     for flag, val in (("--f", args.f), ("--b", args.b), ("--w", args.w)):
-        if val is not None and not val > 0:
-            raise bad_value(flag, val, "must be a positive time")
+        # inf passed `> 0` and reached the simulation: a traceback from an infinite makespan
+        if val is not None and not 0 < val < float("inf"):
+            raise bad_value(flag, val, "must be a positive, finite time")
     b = args.b if args.b is not None else (args.f if split else 2 * args.f)
     w = (args.w if args.w is not None else args.f) if split else 0.0
     sched = build_schedule(name, args.pp, args.microbatches, v)

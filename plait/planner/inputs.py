@@ -94,6 +94,12 @@ def make_layout(c: Cluster, tp=None, pp=None, dp=None, cp=None, dp_replicate=Non
             raise UserError(f"tp {tp} x pp {pp} x cp {cp} = {tp * pp * cp} does not divide the {c.n_gpus} GPUs "
                             f"({c.nodes} x {c.gpus_per_node}): choose degrees whose product divides it")
         dp = c.n_gpus // (tp * pp * cp)
+    elif tp * pp * dp * cp != c.n_gpus:
+        # the flag given is what is off (the degrees' product is checked later without knowing which)
+        fix = (f"use --dp {c.n_gpus // (tp * pp * cp)} or leave --dp out" if c.n_gpus % (tp * pp * cp) == 0
+               else f"tp x pp x cp = {tp * pp * cp} does not divide them either")
+        raise bad_value("--dp", dp, f"tp {tp} x pp {pp} x dp {dp} x cp {cp} = {tp * pp * dp * cp} GPUs, but the "
+                        f"cluster has --nodes {c.nodes} x --gpus-per-node {c.gpus_per_node} = {c.n_gpus}: {fix}")
     rep = _given(dp_replicate)
     if dp % rep:
         raise bad_value("--dp-replicate", rep, f"must divide --dp = {dp}")

@@ -184,6 +184,12 @@ def check_layout(d: ModelDims, lay: Layout, c: Cluster, global_batch: int) -> in
                       pp=lay.pp, v=lay.v, cp=lay.cp, sp="auto" if lay.sp else "off", cp_impl=lay.cp_impl,
                       field=rules.flag_field)
     rules.check_tp_in_node(lay.tp, c.gpus_per_node, field=rules.flag_field)
+    if lay.micro_batch > 1 and lay.dp * lay.micro_batch > global_batch:
+        # the micro-batch is what is too large: --global-batch's default of 512 was never given
+        raise bad_value("--micro-batch", lay.micro_batch, f"dp {lay.dp} x micro-batch {lay.micro_batch} = "
+                        f"{lay.dp * lay.micro_batch} sequences is more than --global-batch {global_batch}: " + (
+                            f"use --micro-batch {global_batch // lay.dp} or less, or a larger --global-batch"
+                            if global_batch >= lay.dp else f"give --global-batch {lay.dp * lay.micro_batch} or more"))
     if global_batch % (lay.dp * lay.micro_batch):
         raise bad_value("--global-batch", global_batch, f"must be a multiple of dp x micro-batch = "
                         f"{lay.dp} x {lay.micro_batch} = {lay.dp * lay.micro_batch}")

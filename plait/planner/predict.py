@@ -68,6 +68,9 @@ class Prediction:
     exact: bool = True
     """False when the pipeline was estimated in closed form instead of simulated (search screening)."""
     explain: tuple[tuple[str, str], ...] = field(default=(), repr=False)
+    masked_share: float = 0.0
+    """Share of the model FLOPs a causal attention kernel does not run: the masked half of the
+    T x T square that the MFU convention (PaLM's, torchtitan's) counts."""
 
     @property
     def memory_total_bytes(self) -> float:
@@ -269,7 +272,9 @@ def predict(d: ModelDims, lay: Layout, c: Cluster, global_batch: int,
     pp, v = lay.pp, lay.v
     sched_name = lay.schedule if pp > 1 else "1f1b"
     sc = stage_costs(d, lay, c, prec, m)
-    run = simulate_makespan if exact else estimate_makespan
+    # one stage has no fill, drain or P2P: the closed form is exact there, and simulating every
+    # micro-batch of a huge global batch took minutes (a million: 28 s, 1e8: hours)
+    run = simulate_makespan if exact and pp > 1 else estimate_makespan
     makespan, bubble, ends = run(sched_name, pp, m, v, sc.durations, sc.p2p_s, sc.order_costs)
 
     # the step ends when the last rank has synchronised its gradients and updated its weights
@@ -318,8 +323,9 @@ def predict(d: ModelDims, lay: Layout, c: Cluster, global_batch: int,
     hfu = hw_flops / (step * c.n_gpus * peak)
     explain = _explain(d, lay, c, prec, global_batch, m, sc, mem_rank, sched_name, makespan, bubble,
                        dp_exposed, opt_s, step, model_flops, mfu, traffic) if exact else ()
+    masked = d.layers * costs.attention_flops_per_token(d, causal=True) * 3 / costs.model_flops_per_token(d)
     return Prediction(lay, c.n_gpus, m, tokens_step, mem, mem_rank, state, c.gpu.hbm_gib * GIB, traffic, time_s,
-                      makespan, bubble, step, model_flops, hw_flops, mfu, hfu, exact, explain)
+                      makespan, bubble, step, model_flops, hw_flops, mfu, hfu, exact, explain, masked)
 
 
 def _explain(d, lay, c, prec, gb, m, sc, mem_rank, sched_name, makespan, bubble, dp_exposed, opt_s,

@@ -34,7 +34,9 @@ def header_dict(d: ModelDims, c: Cluster, global_batch: int, precision: str) -> 
                     "hbm_bytes": c.gpu.hbm_gib * GIB, "hbm_gbps": c.gpu.hbm_gbps,
                     "matmul_efficiency": c.matmul_efficiency, "hbm_efficiency": c.hbm_efficiency,
                     "reserved_bytes": c.reserved_gib * GIB, "intra_link": _link(c.intra),
-                    "inter_link": _link(c.inter)},
+                    "inter_link": _link(c.inter),
+                    # the text names the measured card in --explain only: a program must see what priced it
+                    "profile": c.profile.card if c.profile is not None else None},
         "global_batch": global_batch,
         "precision": precision,
     }
@@ -68,6 +70,7 @@ def prediction_dict(p: Prediction) -> dict:
         "hardware_flops_per_step": p.hardware_flops_per_step,
         "mfu": p.mfu,
         "hfu": p.hfu,
+        "causal_masked_share": p.masked_share,
         "simulated": p.exact,
     }
 
@@ -85,6 +88,12 @@ def _bytes(x: float) -> str:
         if x >= k:
             return f"{x / k:.2f} {unit}"
     return f"{x:.0f} B"
+
+
+def _step(t: float) -> str:
+    """A step time with digits that say something: a CPU-sized model's step is a fraction of a
+    millisecond, which three decimals of a second printed as 0.000 s."""
+    return f"{t:.3f} s" if t >= 0.1 else f"{t * 1e3:.3g} ms"
 
 
 def title(d: ModelDims, c: Cluster, global_batch: int, precision: str) -> str:
@@ -124,10 +133,15 @@ def breakdown_text(p: Prediction, explain: bool = False) -> str:
     # as in the papers) and the idle time of the busiest rank, which is what lengthens the step.
     idle = p.time_s.get("bubble", 0.0) / t
     how = "simulated schedule" if p.exact else "closed-form estimate"
-    lines += ["", f"step time   {t:.3f} s  (on the busiest rank: {parts})",
+    lines += ["", f"step time   {_step(t)}  (on the busiest rank: {parts})",
               f"bubble      {p.bubble:.2%} of all pipeline ranks' time ({how}); the busiest rank idles "
               f"{idle:.2%} of the step" if lay.pp > 1 else "bubble      none (one pipeline stage)",
               f"throughput  {p.tokens_per_s:,.0f} tokens/s; MFU {p.mfu:.1%} (HFU {p.hfu:.1%})"]
+    if p.masked_share >= 0.1:  # long sequences: the convention's count is well above the kernels' work
+        lines += [f"            MFU and HFU count causal attention over the whole T x T square (PaLM's and "
+                  f"torchtitan's convention, to compare with theirs);",
+                  f"            the causal kernel skips its masked half, {p.masked_share:.0%} of the model FLOPs: "
+                  f"on the FLOPs it runs, MFU {p.mfu * (1 - p.masked_share):.1%}"]
     if explain:
         lines += ["", "how these numbers come out:"]
         lines += [f"  {k}: {v}" for k, v in p.explain]
@@ -135,9 +149,12 @@ def breakdown_text(p: Prediction, explain: bool = False) -> str:
 
 
 def ranking_text(res: SearchResult, explain: bool = True) -> str:
-    lines = [f"{'#':>3}  {'layout':<52}{'step s':>9}{'MFU':>8}{'bubble':>8}{'mem GiB':>9}{'free':>7}"]
+    # milliseconds where the steps are short: a small model's ranked steps all printed as 0.000 s
+    ms = bool(res.ranked) and max(p.step_time_s for p in res.ranked) < 0.1
+    unit, scale = ("step ms", 1e3) if ms else ("step s", 1.0)
+    lines = [f"{'#':>3}  {'layout':<52}{unit:>9}{'MFU':>8}{'bubble':>8}{'mem GiB':>9}{'free':>7}"]
     for i, p in enumerate(res.ranked, start=1):
-        lines.append(f"{i:>3}  {p.layout.describe():<52}{p.step_time_s:>9.3f}{p.mfu:>8.1%}{p.bubble:>8.1%}"
+        lines.append(f"{i:>3}  {p.layout.describe():<52}{p.step_time_s * scale:>9.3f}{p.mfu:>8.1%}{p.bubble:>8.1%}"
                      f"{p.memory_total_bytes / GIB:>9.1f}{p.headroom_bytes / GIB:>7.1f}")
     if explain or not res.ranked:
         lines += ["", "why:"] + [f"  {x}" for x in explain_ranking(res)]

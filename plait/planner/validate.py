@@ -63,7 +63,10 @@ def measure(preset: str | None, d, lay, global_batch: int, steps: int) -> dict:
     cuda = torch.cuda.is_available()
     if cuda and torch.cuda.device_count() < lay.n_gpus:
         raise UserError(f"the layout needs {lay.n_gpus} GPUs to validate; this machine has {torch.cuda.device_count()}")
+    if not cuda:
+        _check_host_room(d)
     with tempfile.TemporaryDirectory(prefix="plait-validate-") as tmp:
+        _check_disk(Path(tmp), model)
         vocab = build_config({"model": model}).model.vocab_size
         data = _random_tokens(Path(tmp), vocab, max(1 << 16, 4 * per_step * (seq + 1)))
         cfg = build_config({
@@ -90,6 +93,39 @@ def measure(preset: str | None, d, lay, global_batch: int, steps: int) -> dict:
             "sent_bytes": statistics.median(r.get("comm_sent_bytes", 0) for r in timed)}
 
 
+def _check_host_room(d) -> None:
+    """A CPU run keeps every parameter's fp32 weight, gradient and two Adam moments (16 bytes) in
+    host memory, once at least whatever the layout: an 8b model needs 128 GB before one activation.
+    Refuse it here, in one line, rather than let the workers be killed for memory."""
+    from plait.planner.costs import param_count
+
+    need = 16 * param_count(d)
+    try:
+        avail = next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
+                     if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return  # not Linux: nothing to check against
+    if need > avail:
+        raise bad_value("--validate", True, f"runs the layout on this machine's CPU, where the model's fp32 state "
+                        f"alone needs {need / 2**30:.1f} GiB and {avail / 2**30:.1f} GiB of memory is available: "
+                        f"validate a smaller shape (--model tiny, small, 125m, or --layers/--hidden) or on GPUs")
+
+
+def _check_disk(tmp: Path, model: dict) -> None:
+    """`plait train` refuses a run folder without room for one checkpoint and names train.out and
+    --out, which `plait plan` has not: the throwaway run lives in TMPDIR, so name that."""
+    import shutil
+
+    from plait.config import build_config
+    from plait.run_folder import checkpoint_bytes
+
+    need, free = checkpoint_bytes(build_config({"model": model}).model), shutil.disk_usage(tmp).free
+    if free < need:
+        raise bad_value("--validate", True, f"runs the layout in a throwaway folder under {tmp.parent}, which has "
+                        f"{free / 2**30:.1f} GiB free where plait's trainer wants {need / 2**30:.1f} GiB for a "
+                        f"checkpoint: point TMPDIR at a disk with room")
+
+
 def compare(pred, measured: dict) -> list[tuple[str, float, float | None, bool]]:
     """(quantity, predicted, measured, comparable) rows."""
     m, st, s = pred.memory_bytes, pred.state_bytes, measured["state_bytes"]
@@ -112,7 +148,8 @@ def report(pred, measured: dict) -> str:
              f"{'':32} {'predicted':>16} {'measured':>16} {'measured/predicted':>19}"]
     for name, p, m, comparable in compare(pred, measured):
         ratio = f"{m / p:18.3f}x" if comparable and p else f"{'n/a':>19}"
-        fmt = (lambda x: f"{x:16.4f}") if "time" in name else (lambda x: f"{x:16,.0f}")
+        # a CPU-sized step is a fraction of a millisecond: four decimals of a second printed 0.0000
+        fmt = (lambda x: f"{x:16.4g}") if "time" in name else (lambda x: f"{x:16,.0f}")
         lines.append(f"{name:32} {fmt(p)} {fmt(m)} {ratio}")
     return "\n".join(lines)
 
