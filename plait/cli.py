@@ -18,14 +18,18 @@ def _command_modules():
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict]:
-    parser = argparse.ArgumentParser(prog="plait", description="Train Llama-style language models "
+    parser = argparse.ArgumentParser(prog="plait", allow_abbrev=False, description="Train Llama-style language models "
                                      "on one CPU or many GPUs, every parallelism on one device mesh.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     modules = {}
+    parser.subparsers = {}  # name -> its parser: unknown flags are matched against its options
     for mod in _command_modules():
-        p = sub.add_parser(mod.NAME, help=mod.HELP, description=mod.HELP)
+        # no abbreviations: `plan --gpus 8` silently meant --gpus-per-node 8, and a prefix that is
+        # unique today picks another flag once a longer one is added
+        p = sub.add_parser(mod.NAME, help=mod.HELP, description=mod.HELP, allow_abbrev=False)
         mod.add_arguments(p)
         modules[mod.NAME] = mod
+        parser.subparsers[mod.NAME] = p
     return parser, modules
 
 
@@ -37,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     mod = modules[args.command]
     try:
+        _near_miss(parser.subparsers[mod.NAME], mod.NAME, extra)
         if extra and not getattr(mod, "TAKES_OVERRIDES", False):
             raise UserError(f"unrecognized arguments for `plait {mod.NAME}`: {' '.join(extra)} "
                             f"(see plait {mod.NAME} --help)")
@@ -47,6 +52,23 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"plait {mod.NAME}: interrupted", file=sys.stderr)
         return 130
+
+
+def _near_miss(sub: argparse.ArgumentParser, name: str, extra: list[str]) -> None:
+    """Refuse an unknown flag that is a prefix of, or close to, one of the command's own (`plan
+    --gpus 8` for --gpus-per-node; abbreviations are off) naming the flag meant; dotted overrides
+    (`--train.steps`) and anything else go on to the command."""
+    import difflib
+
+    own = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
+    for arg in extra:
+        flag = arg.split("=", 1)[0]
+        if not flag.startswith("--") or "." in flag or flag in own:
+            continue
+        near = [o for o in own if o.startswith(flag)] or difflib.get_close_matches(flag, own, n=2, cutoff=0.8)
+        if near:
+            raise UserError(f"unknown flag {flag!r} for `plait {name}`: did you mean {' or '.join(near)}? "
+                            f"(see plait {name} --help)")
 
 
 if __name__ == "__main__":

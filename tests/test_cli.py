@@ -153,3 +153,14 @@ def test_sp_flag_takes_a_value_like_its_field():
         args, extra = parser.parse_known_args(["train", "--nproc", "2", "--tp", "2", *argv])
         cfg = config_from_args(args, extra)[0]
         assert cfg.parallel.sp == want, argv
+
+
+@pytest.mark.parametrize("argv,meant", [(["plan", "--model", "8b", "--gpus", "8"], "--gpus-per-node"),
+                                        (["train", "--step", "3"], "--steps"),
+                                        (["plan", "--model", "8b", "--gpus-per-nod", "8"], "--gpus-per-node")])
+def test_an_abbreviated_or_misspelt_flag_is_refused_naming_the_flag(capsys, argv, meant):
+    # argparse took `plan --gpus 8` as --gpus-per-node 8: 8 GPUs a node, not 8 GPUs, and nothing said so
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"did you mean {meant}?" in err[0], err
+    assert main(["plan", "--model", "8b", "--gpus-per-node", "8", "--link.nvlink-gbps", "370"]) == 0  # dotted: overrides

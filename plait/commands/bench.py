@@ -24,7 +24,7 @@ def add_arguments(p) -> None:
     sub = p.add_subparsers(dest="bench", metavar="WHAT")
     for name, module in SUBCOMMANDS.items():
         mod = importlib.import_module(module)
-        mod.add_arguments(sub.add_parser(name, help=mod.HELP, description=mod.HELP))
+        mod.add_arguments(sub.add_parser(name, help=mod.HELP, description=mod.HELP, allow_abbrev=False))
 
 
 def run(args, extra) -> int:

@@ -12,7 +12,7 @@ INPUT_HELP = ("text files, .jsonl / .parquet files, folders of them (searched re
 
 def add_arguments(p) -> None:
     sub = p.add_subparsers(dest="data_command", metavar="ACTION", required=True)
-    prep = sub.add_parser("prepare", help="tokenize documents into memory-mapped shards")
+    prep = sub.add_parser("prepare", allow_abbrev=False, help="tokenize documents into memory-mapped shards")
     prep.add_argument("--input", nargs="+", required=True, help=INPUT_HELP)
     prep.add_argument("--out", required=True, help="new folder for the shards and meta.json")
     prep.add_argument("--tokenizer", help="HuggingFace tokenizer.json (default: built-in bytes, vocab 256)")
@@ -22,7 +22,7 @@ def add_arguments(p) -> None:
     prep.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 8),
                       help="tokenizing processes (default: min(CPU count, 8)); the shards do not depend on it")
 
-    tok = sub.add_parser("tokenizer", help="train a byte-level BPE tokenizer.json for `prepare --tokenizer`")
+    tok = sub.add_parser("tokenizer", allow_abbrev=False, help="train a byte-level BPE tokenizer.json for `prepare --tokenizer`")
     tok.add_argument("--input", nargs="+", required=True, help=INPUT_HELP)
     tok.add_argument("--vocab", type=int, default=32000, help="vocabulary size, including the EOS token")
     tok.add_argument("--out", required=True, help="the tokenizer.json file to write")

@@ -12,7 +12,7 @@ HELP = "HuggingFace interop (plait hf export --checkpoint RUN --out DIR)"
 
 def add_arguments(p) -> None:
     sub = p.add_subparsers(dest="hf_command", metavar="ACTION", required=True)
-    exp = sub.add_parser("export", help="write a checkpoint as config.json + safetensors")
+    exp = sub.add_parser("export", allow_abbrev=False, help="write a checkpoint as config.json + safetensors")
     exp.add_argument("--checkpoint", required=True, help="step_XXXXXXXX folder or run folder")
     exp.add_argument("--out", required=True, help="new folder")
     exp.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"], help="dtype of the saved weights (default bf16)")
