@@ -28,25 +28,21 @@ def test_predicted_state_bytes_and_traffic_equal_the_run(zero, capsys):
         # plait pads each shard to a multiple of N: at most N-1 elements per unit of difference
         assert abs(r["measured"] - r["predicted"]) <= 0.002 * r["predicted"], (name, r)
     sent = rows["sent per GPU per step (bytes)"]
-    expected = sent["predicted"]
-    if zero == "3":
-        # the planner prices the textbook 3P(N-1)/N; plait keeps its root unit (embedding, output,
-        # norm gains: 2*256*64 + 5*64 fp32 elements here) gathered from forward into backward
-        expected -= (2 * 256 * 64 + 5 * 64) * 4 * (2 - 1) / 2
-    assert sent["measured"] == expected + control(2), sent
+    # ZeRO-3: the planner counts what plait sends, not the textbook's 3P(N-1)/N: the root unit
+    # (embedding, output, norm gains) is gathered once a micro-batch, kept from forward into backward
+    assert sent["measured"] == sent["predicted"] + control(2), sent
     assert rows["step time (s)"]["comparable"] is False  # a CPU run is not a GPU prediction
 
 
 def test_the_fp8_gather_layout_runs_as_predicted(capsys):
     """`--fp8 tensorwise --zero3-fp8-gather --validate`: the trainer runs the planned FP8 layout, and
-    every byte it sends is the planner's (the blocks' weights at one byte) but for the root unit kept
-    gathered (as above) and the FP8 weights' maxima, one all-reduce of 7 numbers a block a step."""
+    every byte it sends is the planner's (the blocks' weights at one byte, the root unit's once) but
+    for the FP8 weights' maxima, one all-reduce of 7 numbers a block a step."""
     assert main(["plan", *SHAPE, "--zero", "3", "--fp8", "tensorwise", "--zero3-fp8-gather"]) == 0
     rows = {r["quantity"]: r for r in json.loads(capsys.readouterr().out)["comparison"]}
     sent = rows["sent per GPU per step (bytes)"]
-    root = (2 * 256 * 64 + 5 * 64) * 4 * (2 - 1) / 2
     maxima = 2 * (4 * 7 * 2) * (2 - 1) / 2  # 7 fp32 maxima a block, 2 blocks, all-reduced over 2
-    assert sent["measured"] == sent["predicted"] - root + maxima + control(2), sent
+    assert sent["measured"] == sent["predicted"] + maxima + control(2), sent
 
 
 @pytest.mark.parametrize("zero", ["0", "3"])
@@ -67,12 +63,10 @@ def test_tensor_parallel_prediction_equals_the_run(zero, capsys):
     if zero == "0":
         assert sent["measured"] == sent["predicted"] + stats, sent
     else:
-        # ZeRO-3 keeps its root unit (untied embedding and output: 2 x 128 x 64 rows of the split
-        # vocabulary, and 5 norm gains of 64) gathered from forward into backward: one gather fewer
-        # per micro-batch (2 here) over the 2 shards; the shards split the partial gradients'
-        # all-reduce unevenly (at most its 5 x 64 fp32 differ)
-        root = (2 * 128 * 64 + 5 * 64) * 4 * (2 - 1) / 2
-        assert abs(sent["measured"] - (sent["predicted"] - 2 * root + stats)) <= 5 * 64 * 4, sent
+        # ZeRO-3's root unit (untied embedding and output: 2 x 128 x 64 rows of the split vocabulary,
+        # and 5 norm gains of 64) is gathered once a micro-batch, as the planner counts it; the
+        # shards split the partial gradients' all-reduce unevenly (at most its 5 x 64 fp32 differ)
+        assert abs(sent["measured"] - (sent["predicted"] + stats)) <= 5 * 64 * 4, sent
 
 
 def test_validate_refuses_layouts_without_an_engine(capsys):

@@ -242,16 +242,24 @@ def _traffic(d: ModelDims, lay: Layout, prec: Precision, sc: StageCosts, m: int)
         out["dp"] = DimTraffic("dp", lay.grad_group, *sc.links["grad"], (
             Collective("all_reduce", (psi - dense_out) * g, lay.grad_group, 1, "gradient all-reduce"),) + extra)
     if lay.zero >= 1 and shard > 1:
-        if lay.zero == 3:  # FSDP gathers and reduces again for every micro-batch
+        if lay.zero == 3 and lay.pp > 1:
+            # a pipeline stage gathers its units once a step and reduces their accumulated gradients
+            # once (plait/parallel/fsdp.py, `keep`), not per micro-batch
+            colls = (Collective("all_gather", psi * p, shard, 1, "parameter all-gather, once a step"),
+                     Collective("reduce_scatter", psi * g, shard, 1, "gradient reduce-scatter, once a step"))
+        elif lay.zero == 3:
+            # every micro-batch: the blocks' linears gathered in forward and again in backward; the root
+            # unit (embedding, norm gains) and the output matrix once, kept into backward or never read
+            # there (plait/parallel/fsdp.py) - the textbook's 3P less their second gathers
+            blocks = nl * costs.block_linear_share(d, lay.tp)
+            once = (Collective("all_gather", (psi - blocks) * p, shard, m,
+                               "all-gather of the embedding, output and norm gains, once a micro-batch"),)
             if lay.zero3_fp8_gather:  # the blocks' weights in FP8: a byte a parameter
-                blocks = nl * costs.block_linear_share(d, lay.tp)
-                colls = (Collective("all_gather", blocks, shard, 2 * m, "FP8 block all-gather, forward and backward"),
-                         Collective("all_gather", (psi - blocks) * p, shard, 2 * m,
-                                    "16-bit all-gather of the rest, forward and backward"))
+                colls = (Collective("all_gather", blocks, shard, 2 * m, "FP8 block all-gather, forward and backward"),) + once
             else:
-                colls = (Collective("all_gather", psi * p, shard, 2 * m, "parameter all-gather, forward and backward"),)
-            colls += (
-                      Collective("reduce_scatter", psi * g, shard, m, "gradient reduce-scatter"),)
+                colls = (Collective("all_gather", blocks * p, shard, 2 * m,
+                                    "block all-gather, forward and backward"),) + once
+            colls += (Collective("reduce_scatter", psi * g, shard, m, "gradient reduce-scatter"),)
         else:
             colls = (Collective("reduce_scatter", psi * g, shard, m if lay.zero == 2 else 1, "gradient reduce-scatter"),
                      Collective("all_gather", psi * p, shard, 1, "updated-parameter all-gather"))
