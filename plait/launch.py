@@ -7,6 +7,7 @@ The whole API (what `plait train --nproc N` and the benchmarks use):
     init_distributed(parallel_cfg, device_type) -> ParallelDims   # in each worker: process group + mesh
     shutdown()                                           # in each worker, at the end
     detect_launch() -> LaunchEnv | None                  # torchrun / srun / plait's own workers
+    check_launched(nproc, le)                            # what a torchrun / srun run cannot ask for
 
     def worker(cfg):                                     # module level, so it pickles by name
         dims = init_distributed(cfg.parallel, "cuda")    # sets cuda:<local rank>, timeout, mesh
@@ -172,13 +173,34 @@ def run(entry, args=(), nproc: int = 1, device_type: str = "cpu", isolate: bool 
     else via `spawn` (`isolate`: even one rank gets its own process, which may die without us)."""
     le = detect_launch()
     if le is not None and le.launcher != "plait":
-        if nproc > 1 and nproc != le.local_world_size:
-            raise bad_value("parallel.nproc", nproc, f"{le.launcher} already started {le.local_world_size} "
-                            f"process(es) on this node; drop --nproc when launching with {le.launcher}")
+        check_launched(nproc, le)
         return [_call(entry, args)]
     if nproc == 1 and not isolate:
         return [_call(entry, args)]
     return spawn(entry, args, nproc, device_type=device_type, **kw)
+
+
+def check_launched(nproc: int, le: LaunchEnv | None, env=None) -> None:
+    """What a run that torchrun or srun started cannot ask for; `plait train` checks it before the run
+    folder is made (preflight), `run` again for its other callers."""
+    if le is None or le.launcher == "plait":
+        return
+    if nproc > 1 and nproc != le.local_world_size:
+        raise bad_value("parallel.nproc", nproc, f"{le.launcher} already started {le.local_world_size} "
+                        f"process(es) on this node; drop --nproc when launching with {le.launcher}")
+    env = os.environ if env is None else env
+    restarts = env.get("TORCHELASTIC_MAX_RESTARTS", "0").strip()
+    shared = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if le.launcher == "torchrun" and restarts not in ("", "0") and shared:
+        # torchrun hands its workers its own rendezvous store, the same one on every attempt, and the
+        # process group's keys carry no attempt: a restarted worker reads the dead attempt's addresses
+        # and its process group fails to connect (gloo and NCCL alike; pytorch issues 135712, 167288).
+        # With the variable set, the c10d rendezvous gives every attempt a store of its own; the static
+        # one (--master_addr/--node_rank) always shares it.
+        raise UserError(f"torchrun --max-restarts {restarts} shares its rendezvous store with the workers "
+                        "(TORCHELASTIC_USE_AGENT_STORE=True), and a restarted worker would then fail to connect "
+                        "to its peers: export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun and use "
+                        "--rdzv_backend c10d (or --standalone)")
 
 
 def _call(entry, args):

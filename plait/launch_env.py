@@ -29,29 +29,88 @@ class LaunchEnv:
 
 
 def detect_launch(env=None) -> LaunchEnv | None:
-    """Read torchrun-style variables (RANK, WORLD_SIZE, ...) or srun's SLURM_* ones; None if neither."""
+    """Read torchrun-style variables (RANK, WORLD_SIZE, ...) or srun's SLURM_* ones; None if neither.
+
+    A launcher's variables that cannot describe a world (a rank outside it, half of them, a word
+    where a number goes) are refused in one line naming the variable: joining with them would wait
+    for peers that never come, or fail deep inside torch."""
     env = os.environ if env is None else env
     if "RANK" in env and "WORLD_SIZE" in env:
         if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
             raise UserError("RANK and WORLD_SIZE are set but MASTER_ADDR/MASTER_PORT are not: set both "
                             "(rank 0's host and a free port) or start the run with torchrun")
-        world = int(env["WORLD_SIZE"])
+        world = _count(env, "WORLD_SIZE")
         launcher = "plait" if env.get("PLAIT_SPAWNED") else "torchrun" if "TORCHELASTIC_RUN_ID" in env else "env"
-        return LaunchEnv(int(env["RANK"]), world, int(env.get("LOCAL_RANK", 0)),
-                         int(env.get("LOCAL_WORLD_SIZE", world)), env["MASTER_ADDR"], int(env["MASTER_PORT"]),
-                         launcher)
+        le = LaunchEnv(_number(env, "RANK"), world, _number(env, "LOCAL_RANK", 0),
+                       _count(env, "LOCAL_WORLD_SIZE", world), env["MASTER_ADDR"], _number(env, "MASTER_PORT"),
+                       launcher)
+        return _checked(le, ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"), env)
+    # half of torchrun's pair: a script that set one by hand meant a world of several processes, and
+    # running it as a world of one would silently train alone (or, as rank 1, beside rank 0's run)
+    for have, lack, alone in (("WORLD_SIZE", "RANK", "1"), ("RANK", "WORLD_SIZE", "0")):
+        if have in env and lack not in env and env[have].strip() != alone:
+            raise UserError(f"{have} = {env[have]!r} is set but {lack} is not: set {lack} too (with MASTER_ADDR "
+                            f"and MASTER_PORT) for each process, start the run with torchrun or plait train "
+                            f"--nproc N, or unset {have}")
     # SLURM_STEP_ID is set by srun only: a batch script run directly (no srun) also has SLURM_PROCID=0
     # and SLURM_NTASKS=N, and treating it as rank 0 of N would wait forever for peers that never come.
     if "SLURM_PROCID" in env and ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env):
-        world = int(env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or 1)
+        tasks = "SLURM_STEP_NUM_TASKS" if env.get("SLURM_STEP_NUM_TASKS") else "SLURM_NTASKS"
+        world = _count(env, tasks, 1)
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "")
         addr = env.get("MASTER_ADDR") or first_host(nodelist) or "127.0.0.1"
-        port = int(env.get("MASTER_PORT") or slurm_port(env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID") or "0"))
-        per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or str(world)
-        local_world = tasks_on_node(per_node, int(env.get("SLURM_NODEID", 0)))
-        return LaunchEnv(int(env["SLURM_PROCID"]), world, int(env.get("SLURM_LOCALID", 0)), local_world,
-                         addr, port, "slurm")
+        port = (_number(env, "MASTER_PORT") if env.get("MASTER_PORT")
+                else slurm_port(env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID") or "0"))
+        per_node_var = "SLURM_STEP_TASKS_PER_NODE" if env.get("SLURM_STEP_TASKS_PER_NODE") else "SLURM_TASKS_PER_NODE"
+        per_node = env.get(per_node_var) or str(world)
+        local_world = tasks_on_node(per_node, _number(env, "SLURM_NODEID", 0))
+        le = LaunchEnv(_number(env, "SLURM_PROCID"), world, _number(env, "SLURM_LOCALID", 0), local_world,
+                       addr, port, "slurm")
+        return _checked(le, ("SLURM_PROCID", tasks, "SLURM_LOCALID", per_node_var, "MASTER_ADDR", "MASTER_PORT"), env)
     return None
+
+
+def _number(env, name: str, default: int | None = None) -> int:
+    """The integer a launcher variable holds (`default` when unset); anything else is one line."""
+    raw = env.get(name)
+    if raw is None or (default is not None and not str(raw).strip()):
+        return default
+    try:
+        return int(str(raw).strip())
+    except ValueError:
+        raise UserError(f"{name} = {raw!r}: must be a whole number; it is set by the launcher (torchrun, srun): "
+                        f"fix or unset it") from None
+
+
+def _count(env, name: str, default: int | None = None) -> int:
+    n = _number(env, name, default)
+    if n < 1:
+        raise UserError(f"{name} = {env.get(name)!r}: must be a number of processes, 1 or more; fix or unset it")
+    return n
+
+
+def _checked(le: LaunchEnv, names: tuple[str, ...], env) -> LaunchEnv:
+    """Refuse a rank outside the world and a port no socket has. `names`: the variables that gave
+    rank, world size, local rank, local world size, address and port."""
+    rank, world, local, local_world, addr, port = names
+
+    def said(name, value):  # what the variable holds, or that the count is a default
+        return f"{name} = {value}" if name in env else f"{name} unset, so {value}"
+
+    if not 0 <= le.rank < le.world_size:
+        raise UserError(f"{rank} = {le.rank}: must be 0 to {le.world_size - 1} ({said(world, le.world_size)}); "
+                        "each process needs its own rank below the number of processes")
+    if not 0 <= le.local_rank < le.local_world_size:
+        raise UserError(f"{local} = {le.local_rank}: must be 0 to {le.local_world_size - 1} "
+                        f"({said(local_world, le.local_world_size)} process(es) on this node)")
+    if le.local_world_size > le.world_size:
+        raise UserError(f"{local_world} = {le.local_world_size}: more processes on this node than "
+                        f"{said(world, le.world_size)} in all")
+    if not le.master_addr.strip():
+        raise UserError(f"{addr} = {le.master_addr!r}: must name rank 0's host; set it or unset it")
+    if not 0 < le.master_port < 65536:
+        raise UserError(f"{port} = {le.master_port}: must be a TCP port, 1 to 65535")
+    return le
 
 
 def first_host(nodelist: str) -> str:

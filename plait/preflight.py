@@ -43,10 +43,11 @@ def preflight(cfg: Config, model_given: dict | None = None) -> Config:
                             and cfg.checkpoint.resume):  # a resumed run's own checkpoint decides its model
         cfg.model = init_model_config(t.init_from, model_given or {})
     validate_config(cfg)
-    if not t.out:
-        from plait.launch import detect_launch
+    from plait.launch import check_launched, detect_launch
 
-        le = detect_launch()
+    le = detect_launch()
+    check_launched(cfg.parallel.nproc, le)  # before the run folder is made: a refused start leaves none
+    if not t.out:
         if le is not None and le.world_size > 1 and le.launcher != "plait":
             # each process runs this: a timestamp could differ between them by a second
             raise bad_value("train.out", t.out, f"must be given when {le.launcher} starts the processes, so that "

@@ -1,0 +1,109 @@
+"""User-found launch defects: launcher variables that cannot describe a world, a refused --nproc
+under torchrun leaving a run folder, and torchrun --max-restarts whose restarts cannot connect."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dp_runs import cli_train
+from plait import cli
+from plait.errors import UserError
+from plait.launch import check_launched, detect_launch
+
+TORCHRUN = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "29400", "TORCHELASTIC_RUN_ID": "job1", "TORCHELASTIC_MAX_RESTARTS": "0",
+            "TORCHELASTIC_USE_AGENT_STORE": "True"}
+SRUN = {"SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_ID": "0",
+        "SLURM_NODEID": "0", "SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "gpu[01-02]",
+        "SLURM_STEP_TASKS_PER_NODE": "2"}
+
+
+@pytest.mark.parametrize("env, message", [
+    # half of torchrun's pair: was a world of one (WORLD_SIZE=2 trained alone, RANK=1 beside rank 0)
+    ({"WORLD_SIZE": "2"}, "WORLD_SIZE = '2' is set but RANK is not"),
+    ({"RANK": "1"}, "RANK = '1' is set but WORLD_SIZE is not"),
+    # a rank outside the world: was a hang waiting for peers that never come
+    (dict(TORCHRUN, RANK="3"), "RANK = 3: must be 0 to 1 (WORLD_SIZE = 2)"),
+    (dict(TORCHRUN, RANK="-1"), "RANK = -1: must be 0 to 1"),
+    (dict(TORCHRUN, LOCAL_RANK="2"), "LOCAL_RANK = 2: must be 0 to 1 (LOCAL_WORLD_SIZE = 2"),
+    (dict(TORCHRUN, LOCAL_WORLD_SIZE="4"), "LOCAL_WORLD_SIZE = 4: more processes on this node than WORLD_SIZE = 2"),
+    (dict(TORCHRUN, WORLD_SIZE="0"), "WORLD_SIZE = '0': must be a number of processes"),
+    # a word where a number goes: was a ValueError traceback
+    (dict(TORCHRUN, RANK="x"), "RANK = 'x': must be a whole number"),
+    (dict(TORCHRUN, WORLD_SIZE="two"), "WORLD_SIZE = 'two': must be a whole number"),
+    (dict(TORCHRUN, MASTER_PORT="abc"), "MASTER_PORT = 'abc': must be a whole number"),
+    (dict(TORCHRUN, MASTER_PORT="99999"), "MASTER_PORT = 99999: must be a TCP port"),
+    (dict(TORCHRUN, MASTER_ADDR=""), "MASTER_ADDR = '': must name rank 0's host"),
+    # srun: the same, named by SLURM's variables
+    (dict(SRUN, SLURM_PROCID="2"), "SLURM_PROCID = 2: must be 0 to 1 (SLURM_STEP_NUM_TASKS = 2)"),
+    ({k: v for k, v in SRUN.items() if k != "SLURM_STEP_NUM_TASKS"},
+     "SLURM_PROCID = 1: must be 0 to 0 (SLURM_NTASKS unset, so 1)"),
+    (dict(SRUN, SLURM_LOCALID="2"), "SLURM_LOCALID = 2: must be 0 to 1 (SLURM_STEP_TASKS_PER_NODE = 2"),
+    (dict(SRUN, SLURM_STEP_NUM_TASKS="n"), "SLURM_STEP_NUM_TASKS = 'n': must be a whole number"),
+])
+def test_launcher_variables_that_describe_no_world_are_one_line(env, message):
+    with pytest.raises(UserError) as e:
+        detect_launch(env)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_launcher_variables_that_describe_a_world_still_work():
+    assert detect_launch({"WORLD_SIZE": "1"}) is None and detect_launch({"RANK": "0"}) is None  # a world of one
+    assert detect_launch(TORCHRUN).world_size == 2
+    le = detect_launch(SRUN)
+    assert (le.rank, le.world_size, le.local_rank, le.local_world_size, le.master_addr) == (1, 2, 1, 2, "gpu01")
+    # an empty SLURM_STEP_NUM_TASKS falls back to SLURM_NTASKS, as before
+    assert detect_launch(dict(SRUN, SLURM_STEP_NUM_TASKS="", SLURM_NTASKS="2")).world_size == 2
+
+
+def test_world_size_without_rank_exits_2_in_one_line(tmp_path):
+    # it used to train alone as a world of one; now no traceback, nothing started, no run folder
+    env = dict(os.environ, WORLD_SIZE="2")
+    env.pop("RANK", None)
+    out = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "plait.cli", "train", "--train.device", "cpu", "--out", str(out)],
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip().splitlines() == [
+        "plait train: error: WORLD_SIZE = '2' is set but RANK is not: set RANK too (with MASTER_ADDR and "
+        "MASTER_PORT) for each process, start the run with torchrun or plait train --nproc N, or unset WORLD_SIZE"]
+    assert not out.exists()
+
+
+def _torchrun_env(monkeypatch, **extra):
+    for k in ("PLAIT_SPAWNED", "SLURM_PROCID", "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in dict(TORCHRUN, **extra).items():
+        monkeypatch.setenv(k, v)
+
+
+def test_nproc_under_torchrun_is_refused_before_the_run_folder_is_made(corpus, tmp_path, monkeypatch, capsys):
+    # it was refused only once every rank had passed preflight: `--out` was left holding a .lock
+    _torchrun_env(monkeypatch)
+    out = tmp_path / "run"
+    assert cli.main(cli_train(corpus, out, {}, extra=["--parallel.nproc", "4"])) == 2
+    assert capsys.readouterr().err.strip() == ("plait train: error: parallel.nproc = 4: torchrun already started 2 "
+                                               "process(es) on this node; drop --nproc when launching with torchrun")
+    assert not out.exists()
+
+
+def test_torchrun_max_restarts_with_a_shared_store_is_refused(corpus, tmp_path, monkeypatch, capsys):
+    # torchrun's restarted workers read the dead attempt's addresses from the shared store and never
+    # connect (measured: gloo connectFullMesh "Connection refused" on torch 2.13): refuse it up front
+    _torchrun_env(monkeypatch, TORCHELASTIC_MAX_RESTARTS="3")
+    out = tmp_path / "run"
+    assert cli.main(cli_train(corpus, out, {})) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("plait train: error: torchrun --max-restarts 3 shares its rendezvous store")
+    assert "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in err and "\n" not in err
+    assert not out.exists()
+
+
+def test_torchrun_max_restarts_with_a_store_per_attempt_is_accepted():
+    # what torchrun exports with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (c10d rendezvous), or without restarts
+    le = detect_launch(TORCHRUN)
+    check_launched(1, le, dict(TORCHRUN, TORCHELASTIC_MAX_RESTARTS="3", TORCHELASTIC_USE_AGENT_STORE="False"))
+    check_launched(2, le, TORCHRUN)
+    check_launched(4, None, {})  # not launched: plait starts the processes itself
