@@ -346,6 +346,7 @@ def _worker(entry, args, env, timeout_s, workdir, stdout_fd=None, stderr_fd=None
     signal.signal(signal.SIGINT, signal.default_int_handler)
     rank = int(os.environ.get("RANK", 0))
     lifeline.watch(int(os.environ.get("PLAIT_LAUNCHER_PID") or 0), rank)  # end with the launcher
+    lifeline.after_ctrl_c()  # and within seconds of Ctrl-C, even blocked inside a collective
     if os.environ.get("OMP_NUM_THREADS"):
         import torch
 

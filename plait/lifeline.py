@@ -9,7 +9,9 @@ plait's own launcher watches two things and ends itself within about a second:
     where the parent ended before prctl ran);
   - the launcher itself (its pid), in case the fork server outlives it.
 A worker that ends this way is killed, not stopped cleanly: its peers are going too, so there is no
-one to finish a collective with. Checkpoints stay valid because they only ever appear by an atomic
+one to finish a collective with. The same holds after Ctrl-C (`after_ctrl_c`): a worker blocked
+inside a collective whose peer already left cannot run its KeyboardInterrupt, and ends itself a few
+seconds later instead of when the launcher's agent kills it (30 s). Checkpoints stay valid because they only ever appear by an atomic
 rename; a half-written one is left under a `.tmp-` name, which the next start removes.
 """
 
@@ -73,3 +75,39 @@ def watch(launcher_pid: int | None, rank: int, interval: float = 0.5) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=loop, name="plait-lifeline", daemon=True).start()
+
+
+def after_ctrl_c(grace_s: float = 5.0) -> None:
+    """End this worker `grace_s` seconds after a Ctrl-C (SIGINT) if it is still running then.
+
+    Python runs a signal's handler (here: raise KeyboardInterrupt) only when the main thread next
+    runs Python code; a rank blocked in a collective's wait (NCCL's barrier, a CUDA synchronize
+    behind a collective) whose peer already stopped never gets there. Measured on 4 x H200 (1b,
+    ZeRO-3, Ctrl-C during a checkpoint's barrier): rank 0 left, ranks 1-3 sat in the barrier until
+    the launcher's agent killed them. The signal's C-level handler writes its number to the wakeup
+    fd at once, whatever the main thread is doing: a thread reading it gives the clean stop its
+    grace, then exits with 130 as Ctrl-C does. Call from the main thread, after SIGINT's handler is
+    set; a process that already has a wakeup fd (an event loop) is left alone."""
+    import socket
+
+    recv, send = socket.socketpair()
+    send.setblocking(False)
+    try:
+        old = signal.set_wakeup_fd(send.fileno(), warn_on_full_buffer=False)
+    except ValueError:  # not the main thread
+        return
+    if old != -1:  # someone else's (an event loop): put it back
+        signal.set_wakeup_fd(old)
+        return
+
+    def loop() -> None:
+        while True:
+            got = recv.recv(64)
+            if not got:
+                return
+            if signal.SIGINT in got:
+                time.sleep(grace_s)
+                os._exit(130)
+
+    threading.Thread(target=loop, args=(), name="plait-ctrl-c", daemon=True).start()
+    after_ctrl_c.sockets = (recv, send)  # kept open for the process's life

@@ -139,3 +139,21 @@ def bounded(seconds: float):
 
 def fault_log(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines()] if Path(path).is_file() else []
+
+
+def blocked_in_a_collective(ready_prefix: str) -> None:
+    """A worker entry (`plait.launch.spawn`) whose two ranks block inside collectives that never
+    complete, as a rank does in NCCL's wait once its peer has gone: rank 0 in the world's barrier,
+    rank 1 in another group's. Neither returns to Python, so neither can run a KeyboardInterrupt."""
+    import torch.distributed as dist
+
+    from plait.config import ParallelConfig
+    from plait.launch import init_distributed
+
+    dims = init_distributed(ParallelConfig(nproc=2, timeout_s=300), "cpu")
+    other = dist.new_group([0, 1])
+    Path(f"{ready_prefix}{dims.rank}").touch()
+    if dims.rank == 0:
+        dist.barrier()
+    else:
+        dist.barrier(group=other)

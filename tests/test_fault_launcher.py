@@ -131,3 +131,26 @@ def test_sigusr1_saves_the_step_every_rank_is_at_and_stops(corpus, tmp_path, to)
     with bounded(90):
         assert main(train_args(corpus, run, stopped + 2, nproc=2, zero=3, extra=["--resume"])) == 0
     assert sorted(losses(run)) == list(range(1, stopped + 3))
+
+
+def test_ctrl_c_ends_workers_blocked_inside_a_collective_within_seconds(tmp_path):
+    """Ctrl-C while every rank waits inside a collective that will not complete (NCCL's barrier
+    behind a rank that already left, on 4 x H200): their KeyboardInterrupt cannot run, and they sat
+    there until the launcher's agent killed them 30 s later. Each ends itself a few seconds after the
+    signal now (plait.lifeline.after_ctrl_c)."""
+    marker, ready = uuid.uuid4().hex, str(tmp_path / "ready")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PLAIT_")}
+    env.update(PLAIT_TEST_MARKER=marker, OMP_NUM_THREADS="1")
+    tests = os.path.dirname(os.path.abspath(__file__))
+    code = (f"import sys; sys.path.insert(0, {tests!r}); import fault_runs; from plait.launch import spawn; "
+            f"spawn(fault_runs.blocked_in_a_collective, ({ready!r},), nproc=2)")
+    launcher = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.monotonic() + 90
+    while not all(os.path.exists(f"{ready}{r}") for r in (0, 1)):
+        assert launcher.poll() is None and time.monotonic() < deadline, launcher.stderr.read().decode()
+        time.sleep(0.05)
+    time.sleep(0.5)  # inside the barriers
+    code, took, err = _stop(launcher, marker, lambda: os.killpg(launcher.pid, signal.SIGINT))
+    assert took < 15, (code, took, err)
+    assert not with_marker(marker)
