@@ -341,6 +341,10 @@ def _worker(entry, args, env, timeout_s, workdir, stdout_fd=None, stderr_fd=None
         if fd is not None:
             os.dup2(fd, target)
             os.close(fd)
+    # Everything imported so far (torch and the fork server's preload: ~300k objects) lives as long
+    # as the process: frozen, the collector no longer walks it - not in training's collections, nor
+    # in shutdown's, which took 0.3 s a worker and 7% of the CPU test suite's time.
+    gc.freeze()
     # the fork server ignores Ctrl-C and its children inherit that: a worker must stop on it as a
     # process of its own would (KeyboardInterrupt), not run on until the agent's grace period ends
     signal.signal(signal.SIGINT, signal.default_int_handler)
