@@ -239,6 +239,12 @@ def spawn(entry, args=(), nproc: int = 2, *, device_type: str = "cpu", timeout_s
         from multiprocessing import forkserver
 
         multiprocessing.set_forkserver_preload(list(dict.fromkeys(PRELOAD + list(preload))))
+        # the resource tracker (started with the server, and given this environment) counts the
+        # semaphores of workers that Ctrl-C or a failure ended, and warned about them under the run's
+        # one line; it cleans them up either way
+        quiet = "ignore::UserWarning:multiprocessing.resource_tracker"
+        if quiet not in os.environ.get("PYTHONWARNINGS", ""):
+            os.environ["PYTHONWARNINGS"] = ",".join(x for x in (os.environ.get("PYTHONWARNINGS"), quiet) if x)
         with _sigint_ignored():
             forkserver.ensure_running()
         _reap_forkserver_at_exit()
