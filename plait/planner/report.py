@@ -138,8 +138,8 @@ def breakdown_text(p: Prediction, explain: bool = False) -> str:
               f"{idle:.2%} of the step" if lay.pp > 1 else "bubble      none (one pipeline stage)",
               f"throughput  {p.tokens_per_s:,.0f} tokens/s; MFU {p.mfu:.1%} (HFU {p.hfu:.1%})"]
     if p.masked_share >= 0.1:  # long sequences: the convention's count is well above the kernels' work
-        lines += [f"            MFU and HFU count causal attention over the whole T x T square (PaLM's and "
-                  f"torchtitan's convention, to compare with theirs);",
+        lines += ["            MFU and HFU count causal attention over the whole T x T square (PaLM's and "
+                  "torchtitan's convention, to compare with theirs);",
                   f"            the causal kernel skips its masked half, {p.masked_share:.0%} of the model FLOPs: "
                   f"on the FLOPs it runs, MFU {p.mfu * (1 - p.masked_share):.1%}"]
     if explain:
