@@ -11,7 +11,8 @@ from plait.parallel.dims import FLATTENED, NAMES, ParallelDims
 
 
 def test_product_must_equal_world_size():
-    with pytest.raises(UserError, match=r"= 3 but 8 processes run.*--nproc 3"):
+    # the fix for each way of starting the processes: plait's --nproc, torchrun's and srun's counts
+    with pytest.raises(UserError, match=r"= 3 but 8 processes run.*--nproc 3;.*--nproc_per_node and --nnodes, or --ntasks"):
         ParallelDims(dp_shard=3, world_size=8)
 
 

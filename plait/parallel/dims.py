@@ -73,7 +73,8 @@ class ParallelDims:
             setattr(self, name, self.world_size // known)
         elif known != self.world_size:
             raise UserError(f"{self._formula()} = {known} but {self.world_size} processes run: make the "
-                            f"product equal the number of processes (e.g. --nproc {known}), or set "
+                            f"product equal the number of processes (--nproc {known}; started by torchrun or srun: "
+                            f"{known} processes in all from their --nproc_per_node and --nnodes, or --ntasks), or set "
                             f"parallel.dp_shard = -1 to infer it")
 
     @classmethod
