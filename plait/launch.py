@@ -369,6 +369,11 @@ def _worker(entry, args, env, timeout_s, workdir, stdout_fd=None, stderr_fd=None
     except BaseException as e:
         kind = "UserError" if isinstance(e, UserError) else type(e).__name__  # subclasses too: one line, exit 2
         _write_report(workdir, rank, f"{kind}: {e}", traceback.format_exc())
+        if _PEER_LOSS.search(str(e)):
+            # a peer ended first: let the agent, polling every 50 ms, see that rank's end before this
+            # one's, or it reports this rank alone (it names the first failed rank in rank order),
+            # and the run's line blames the survivor with its "connection reset" traceback
+            time.sleep(1.0)
         raise
     finally:
         done.set()
