@@ -14,7 +14,7 @@ from plait.planner import costs
 from plait.planner.costs import ModelDims
 from plait.planner.hardware import GIB, Cluster, Link
 from plait.planner.predict import Prediction
-from plait.planner.search import SearchResult, explain_ranking
+from plait.planner.search import SearchResult, explain_ranking, seconds
 
 SCHEMA = "plait.plan/1"
 
@@ -90,12 +90,6 @@ def _bytes(x: float) -> str:
     return f"{x:.0f} B"
 
 
-def _step(t: float) -> str:
-    """A step time with digits that say something: a CPU-sized model's step is a fraction of a
-    millisecond, which three decimals of a second printed as 0.000 s."""
-    return f"{t:.3f} s" if t >= 0.1 else f"{t * 1e3:.3g} ms"
-
-
 def title(d: ModelDims, c: Cluster, global_batch: int, precision: str) -> str:
     n = costs.param_count(d)
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"  # a CPU-sized model is not "0.00B"
@@ -133,7 +127,7 @@ def breakdown_text(p: Prediction, explain: bool = False) -> str:
     # as in the papers) and the idle time of the busiest rank, which is what lengthens the step.
     idle = p.time_s.get("bubble", 0.0) / t
     how = "simulated schedule" if p.exact else "closed-form estimate"
-    lines += ["", f"step time   {_step(t)}  (on the busiest rank: {parts})",
+    lines += ["", f"step time   {seconds(t)}  (on the busiest rank: {parts})",
               f"bubble      {p.bubble:.2%} of all pipeline ranks' time ({how}); the busiest rank idles "
               f"{idle:.2%} of the step" if lay.pp > 1 else "bubble      none (one pipeline stage)",
               f"throughput  {p.tokens_per_s:,.0f} tokens/s; MFU {p.mfu:.1%} (HFU {p.hfu:.1%})"]

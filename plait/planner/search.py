@@ -152,7 +152,7 @@ def explain_ranking(res: SearchResult, n: int = 5) -> list[str]:
     if not res.ranked:
         return ["no layout fits: " + ", ".join(f"{k}: {v}" for k, v in res.rejected.items())]
     best = res.ranked[0]
-    lines = [f"#1 {best.layout.describe()}: {_seconds(best.step_time_s)}/step, MFU {best.mfu:.1%}; time = "
+    lines = [f"#1 {best.layout.describe()}: {seconds(best.step_time_s)}/step, MFU {best.mfu:.1%}; time = "
              f"{_share(best)}; {best.headroom_bytes / GIB:.1f} GiB free of {best.capacity_bytes / GIB:.0f}"]
     for i, p in enumerate(res.ranked[1:n], start=2):
         noise = 5e-4 * best.step_time_s  # differences below this are rounding, not reasons
@@ -160,20 +160,20 @@ def explain_ranking(res: SearchResult, n: int = 5) -> list[str]:
                   if abs(p.time_s[k] - best.time_s[k]) > noise}
         worse = sorted(((k, v) for k, v in deltas.items() if v > 0), key=lambda kv: -kv[1])[:2]
         better = sorted(((k, v) for k, v in deltas.items() if v < 0), key=lambda kv: kv[1])[:1]
-        why = ", ".join(f"+{_seconds(v)} {k}" for k, v in worse) or "same time"
-        gain = f" (saves {_seconds(-better[0][1])} {better[0][0]})" if better else ""
+        why = ", ".join(f"+{seconds(v)} {k}" for k, v in worse) or "same time"
+        gain = f" (saves {seconds(-better[0][1])} {better[0][0]})" if better else ""
         lines.append(f"#{i} {p.layout.describe()}: +{p.step_time_s / best.step_time_s - 1:.1%}: {why}{gain}")
     if res.example_oom is not None:
         o = res.example_oom
-        lines.append(f"fastest layout that does not fit: {o.layout.describe()} ({_seconds(o.step_time_s)}/step) needs "
+        lines.append(f"fastest layout that does not fit: {o.layout.describe()} ({seconds(o.step_time_s)}/step) needs "
                      f"{o.memory_total_bytes / GIB:.1f} GiB per GPU, over by {-o.headroom_bytes / GIB:.1f} GiB")
     rejected = ", ".join(f"{v} rejected: {k}" for k, v in res.rejected.items())
     lines.append(f"considered {res.considered} layouts" + (f"; {rejected}" if rejected else ", none rejected"))
     return lines
 
 
-def _seconds(x: float) -> str:
-    """A time difference with digits that say something: a small model's parts differ by a
+def seconds(x: float) -> str:
+    """A time (or a difference of two) with digits that say something: a small model's parts differ by a
     fraction of a millisecond, which three decimals of a second print as 0.000."""
     return f"{x:.3f} s" if abs(x) >= 0.1 else f"{x * 1e3:.3g} ms"
 
