@@ -43,7 +43,7 @@ import time
 import traceback
 from contextlib import contextmanager
 
-from plait import lifeline
+from plait import fork_server, lifeline
 from plait.errors import UserError, bad_value
 from plait.launch_env import (  # noqa: F401  (re-exported: the launch API in one place)
     LaunchEnv,
@@ -235,19 +235,7 @@ def spawn(entry, args=(), nproc: int = 2, *, device_type: str = "cpu", timeout_s
         # nproc ranks share the cores: oversubscribed intra-op threads slow every rank down
         child_env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
     if start_method == "forkserver":
-        import multiprocessing
-        from multiprocessing import forkserver
-
-        multiprocessing.set_forkserver_preload(list(dict.fromkeys(PRELOAD + list(preload))))
-        # the resource tracker (started with the server, and given this environment) counts the
-        # semaphores of workers that Ctrl-C or a failure ended, and warned about them under the run's
-        # one line; it cleans them up either way
-        quiet = "ignore::UserWarning:multiprocessing.resource_tracker"
-        if quiet not in os.environ.get("PYTHONWARNINGS", ""):
-            os.environ["PYTHONWARNINGS"] = ",".join(x for x in (os.environ.get("PYTHONWARNINGS"), quiet) if x)
-        with _sigint_ignored():
-            forkserver.ensure_running()
-        _reap_forkserver_at_exit()
+        fork_server.start(PRELOAD + list(preload))
     workdir = tempfile.mkdtemp(prefix="plait-launch-")
     child_env[STOP_FILE_ENV] = os.path.join(workdir, "stop")  # SIGUSR1 to this process: the workers stop
     unrelay = relay_to(child_env[STOP_FILE_ENV])
@@ -272,68 +260,11 @@ def spawn(entry, args=(), nproc: int = 2, *, device_type: str = "cpu", timeout_s
                     raise
     except KeyboardInterrupt:
         if start_method == "forkserver":
-            _kill_forkserver()
+            fork_server.kill()
         raise
     finally:
         unrelay()
         shutil.rmtree(workdir, ignore_errors=True)
-
-
-@contextmanager
-def _sigint_ignored():
-    """Ignore Ctrl-C while the fork server starts. It runs in this process group, so Ctrl-C reaches it
-    too, and it only ignores SIGINT once its preload (torch: seconds, tens on a busy machine) is
-    imported: a Ctrl-C before that printed its KeyboardInterrupt traceback under the run's one line.
-    An ignored signal stays ignored across fork and exec, so it ignores SIGINT from its first
-    instruction; the workers it forks take SIGINT back (`_worker`), and this process handles it again
-    as soon as the server is started (milliseconds: it does not wait for the preload)."""
-    if threading.current_thread() is not threading.main_thread():  # signal() works in the main thread only
-        yield
-        return
-    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, old)
-
-
-def _kill_forkserver() -> None:
-    """End the fork server at once on Ctrl-C. Asked to stop (at exit), it first finishes importing its
-    preload, then may still fork a worker asked for before the Ctrl-C, whose parent's semaphores are
-    gone by then: the run's one line got a worker's FileNotFoundError traceback under it, and the
-    launcher waited for the preload to end. Workers already started are the agent's to end."""
-    from multiprocessing import forkserver
-
-    server = getattr(forkserver, "_forkserver", None)
-    pid = getattr(server, "_forkserver_pid", None)
-    if pid:
-        _quietly(lambda: os.kill(pid, signal.SIGKILL))
-        _quietly(server._stop)  # reaps it; a later spawn in this process starts a new one
-
-
-_REAP_REGISTERED = False
-
-
-def _reap_forkserver_at_exit() -> None:
-    """Stop and wait for the fork server when this process exits, so that it does not outlive us as
-    a zombie waiting for an init process that may never reap it."""
-    global _REAP_REGISTERED
-    if _REAP_REGISTERED:
-        return
-    import atexit
-    from multiprocessing import forkserver
-
-    stop = getattr(getattr(forkserver, "_forkserver", None), "_stop", None)
-    if stop is not None:
-        atexit.register(lambda: _quietly(stop))
-        _REAP_REGISTERED = True
-
-
-def _quietly(fn) -> None:
-    try:
-        fn()
-    except Exception:  # already stopped, or a Python whose private API differs: nothing to reap
-        pass
 
 
 def _worker(entry, args, env, timeout_s, workdir, stdout_fd=None, stderr_fd=None):
