@@ -118,11 +118,7 @@ def validate_pipeline(cfg: Config) -> None:
     counts = resolve_counts(p.stage_layers, m, t.seq_len, p.pp * p.v, p.schedule)
     if counts is None and m.n_layers % (p.pp * p.v) and p.v > 1:
         raise bad_value("parallel.v", p.v, f"pp x v = {p.pp * p.v} stages do not divide the {m.n_layers} layers "
-                        "evenly; give --parallel.stage_layers (a count per stage) or another v")
-    if m.tie_embeddings and p.zero >= 2 and p.schedule != "zbv":  # ZB-V holds both ends on rank 0
-        raise bad_value("parallel.zero", p.zero, "with pp > 1 a tied embedding has two copies (first and last "
-                        "stage) whose whole gradients are added before the data-parallel split; use --zero 0 "
-                        "or 1, or model.tie_embeddings false")
+                        "evenly; give --parallel.stage_layers balance (split by cost) or a count per stage, or another v")
 
 
 def derive_grad_accum(cfg: Config, dp: int) -> None:

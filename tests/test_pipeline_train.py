@@ -82,7 +82,6 @@ def test_schedule_png(tmp_path, capsys):
       "--model.n_layers", "6"], "parallel.v = 2: pp x v = 4 stages do not divide the 6 layers"),
     (["--nproc", "2", "--pp", "2", "--parallel.stage_layers", "3,4"], "parallel.stage_layers = '3,4': must be counts"),
     (["--nproc", "4", "--pp", "2", "--dp", "2", "--train.global_batch", "6"], "train.global_batch = 6: is not a multiple"),
-    (["--nproc", "4", "--pp", "2", "--dp", "2", "--zero", "3"], "parallel.zero = 3: with pp > 1 a tied embedding"),
     (["--parallel.v", "2"], "parallel.v = 2: virtual stages are chunks of a pipeline's stages: v > 1 needs parallel.pp > 1"),
     (["--schedule", "zb"], "parallel.schedule = 'zb': orders a pipeline's stages: it needs parallel.pp > 1"),
     (["--schedule", "interleaved"], "parallel.schedule = 'interleaved': orders a pipeline's stages"),
@@ -113,11 +112,13 @@ def test_compiled_zero_bubble_trains_as_one_process(corpus, tmp_path):
 def test_sharded_gradients_under_zero_bubble_train_and_evaluate_as_one_process(corpus, tmp_path, zero):
     """ZB-H1 on 2 stages x 2 replicas with ZeRO-2 (W adds each weight gradient as .grad, which ZeRO-2's
     hook takes, reduces and drops: it must not carry autograd history) and with ZeRO-3 (its stage,
-    gathered for a step, is gathered for evaluation too), untied as ZeRO-2/3 under a pipeline need:
-    losses, the validation loss and the final weights match one process."""
+    gathered for a step, is gathered for evaluation too), with tied embeddings: the first stage's
+    embedding and the last stage's output matrix are sharded alike and their reduced chunks added,
+    so both copies take the one matrix's update. Losses, the validation loss and the final weights
+    (the tied matrix as the first stage saved it) match one process."""
     from dp_runs import assert_same_cli_run
 
-    model = {**PPM, "tie_embeddings": "false"}
+    model = PPM
     common = ["--train.lr", "1e-3", "--train.micro_batch", "2"]
     one, run = tmp_path / "one", tmp_path / "run"
     assert main(cli_train(corpus, one, model, 3, [*common, "--train.grad_accum", "4"])) == 0
@@ -130,7 +131,7 @@ def test_sharded_gradients_under_zero_bubble_train_and_evaluate_as_one_process(c
 
 def test_zb_v_with_tied_embeddings_under_zero_3_resumes_as_1f1b(corpus, tmp_path):
     """ZB-V holds both ends of the model on rank 0, so a tied embedding is one matrix there and
-    ZeRO-3 may shard it (two copies on two stages could not be): 2 V-placed stages x 2 replicas with
+    ZeRO-3 shards it as one device's would: 2 V-placed stages x 2 replicas with
     ZeRO-3 train 2 steps and evaluate, the checkpoint resumes as 1F1B with ZeRO-1 for 2 more, and
     losses, the validation loss and the final weights match one process."""
     from dp_runs import assert_same_cli_run

@@ -301,7 +301,28 @@ class Sharded(Engine):
         if self.replicas > 1:
             for _, g in segments:
                 self.comm.all_reduce(g, self.groups.replicate, op="avg")
+        self._sum_tied_chunks(segments)
         return self._finish(lr, loss_sum, segments)
+
+    def _sum_tied_chunks(self, segments) -> None:
+        """`_sum_tied` for sharded gradients: the first and last pipeline stage each hold their copy
+        of a tied matrix as a unit of its own, chunked alike (same shape, same shard group size), so
+        data-parallel rank r of each holds the same elements' averaged gradient; adding the two
+        chunks over `Groups.tied` gives both the gradient of the one matrix, as the whole-gradient
+        sum followed by the reduce-scatter would (the sum and the average commute)."""
+        if not self.tied_params or self.pp_size == 1:
+            return
+        tied = {id(p) for p in self.tied_params}
+        ranges = []
+        for u in self.layout.units:
+            if any(id(p) in tied for p in u.params):
+                assert len(u.params) == 1, "a tied copy must be a unit of its own"
+                ranges.append((u.owned, u.owned + u.chunk))
+        views = _views(segments, ranges)
+        packed = torch.cat(views) if len(views) > 1 else views[0]
+        self.comm.all_reduce(packed, self.groups.tied)
+        if len(views) > 1:
+            torch._foreach_copy_(views, list(packed.split([v.numel() for v in views])))
 
     def _grad_segments(self) -> list[tuple[int, torch.Tensor]]:
         """(offset in the owned space, reduced gradient) pieces covering it."""

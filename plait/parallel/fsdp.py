@@ -93,10 +93,12 @@ def own_head(model) -> torch.nn.Parameter | None:
     return out.weight
 
 
-def units_of(model) -> list[list[tuple[str, torch.nn.Parameter]]]:
+def units_of(model, alone: frozenset[str] = frozenset()) -> list[list[tuple[str, torch.nn.Parameter]]]:
     """One unit per transformer block (its matrices), then the head unit when the model has an
-    output matrix of its own (`own_head`), then the root unit: everything else, its matrices first
-    (weight decay stays a prefix of the owned space)."""
+    output matrix of its own (`own_head`), then a unit for each parameter named in `alone`, then the
+    root unit: everything else, its matrices first (weight decay stays a prefix of the owned space).
+    `alone`: a pipeline's first stage's copy of a tied embedding, which is chunked as the last
+    stage's copy (its head unit) is, so the two ranks' reduced chunks can be added element by element."""
     units, taken = [], set()
     for key, block in model.layers.items():
         mats = [(f"layers.{key}.{name}", p) for name, p in block.named_parameters() if p.ndim >= 2]
@@ -106,6 +108,10 @@ def units_of(model) -> list[list[tuple[str, torch.nn.Parameter]]]:
     if head is not None:
         units.append([("output.weight", head)])
         taken.add(id(head))
+    for name, p in model.named_parameters():
+        if name in alone and id(p) not in taken:
+            units.append([(name, p)])
+            taken.add(id(p))
     rest = [(name, p) for name, p in model.named_parameters() if id(p) not in taken]
     units.append([e for e in rest if e[1].ndim >= 2] + [e for e in rest if e[1].ndim < 2])
     return units
@@ -125,7 +131,7 @@ class Zero3(Sharded):
         n, r = comm.size(groups.shard), comm.rank(groups.shard)
         self.keep, self.sync = keep, True
         self.blocks = list(model.layers.values())
-        units = units_of(model)
+        units = units_of(model, split.tied)
         layout = ShardLayout(units, n, r)
         self.layout, self.reduce_dtype = layout, reduce_dtype
         self.root = len(layout.units) - 1
@@ -164,7 +170,10 @@ class Zero3(Sharded):
 
     def _reduce_order(self) -> list[int]:
         blocks = list(range(len(self.blocks) - 1, -1, -1))
-        return ([self.head] if self.head is not None else []) + blocks + [self.root]
+        head = [self.head] if self.head is not None else []
+        # a tied embedding's own unit (a pipeline's first stage): its gradient comes last, as the root's
+        alone = [i for i in range(len(self.blocks), self.root) if i not in head]
+        return head + blocks + alone + [self.root]
 
     def _arrived(self, p) -> None:
         if self.sync:

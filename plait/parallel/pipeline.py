@@ -29,7 +29,7 @@ once the send completed when nothing of autograd reads it.
 Statistics: the last stage's loss is the only loss; the engine's step sums squared norms over every
 stage (its statistics all-reduce spans the job). Tied embeddings: stage 0's embedding and the last
 stage's output matrix are two copies; the engine adds their gradients over the `pp_ends` group and
-both take the same update (ZB-V holds both stages on rank 0: one matrix, nothing to add).
+both take the same update (ZeRO-2/3 add their reduced chunks: `Sharded._sum_tied_chunks`) (ZB-V holds both stages on rank 0: one matrix, nothing to add).
 """
 
 from __future__ import annotations

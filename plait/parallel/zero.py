@@ -76,6 +76,10 @@ class Zero2(Sharded):
         n, r = comm.size(groups.shard), comm.rank(groups.shard)
         ordered = flat_order(named)
         buckets = group_by_size([p.numel() for _, p in ordered], cap)
+        # a pipeline's copy of a tied matrix is a bucket of its own, chunked alike on both stages,
+        # so the two ranks' reduced chunks can be added element by element (`Sharded._sum_tied_chunks`)
+        alone = {i for i, (name, _) in enumerate(ordered) if name in split.tied}
+        buckets = [part for b in buckets for part in _cut_out(b, alone)]
         layout = ShardLayout([[ordered[i] for i in b] for b in buckets], n, r)
         p0 = ordered[0][1]
         self.layout, self.reduce_dtype = layout, reduce_dtype
@@ -150,3 +154,14 @@ class Zero2(Sharded):
     def memory(self):
         o = self.opt
         return {"params": [self.data], "grads": [self.acc], "optimizer": [o.master, o.exp_avg, o.exp_avg_sq]}
+
+
+def _cut_out(bucket: list[int], alone: set[int]) -> list[list[int]]:
+    """`bucket` with each index in `alone` made a bucket of its own, the order kept."""
+    out: list[list[int]] = [[]]
+    for i in bucket:
+        if i in alone:
+            out += [[i], []]
+        else:
+            out[-1].append(i)
+    return [b for b in out if b]
