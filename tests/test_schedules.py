@@ -230,6 +230,8 @@ def test_bad_requests_are_one_line_user_errors():
     (lambda f: check_args("interleaved", 1, 8, 2, field=f), "--pp = 1", "parallel.pp = 1"),
     (lambda f: check_args("interleaved", 4, 6, 2, field=f), "--microbatches = 6", "parallel.microbatches = 6"),
     (lambda f: check_args("foo", 4, 8, 1, field=f), "--schedule = 'foo'", "parallel.schedule = 'foo'"),
+    # more stage passes than plait schedules: refused at once (1000 x 10000 ran for minutes into GBs)
+    (lambda f: check_args("1f1b", 1000, 10000, 1, field=f), "--microbatches = 10000", "parallel.microbatches = 10000"),
     (lambda f: check_no_pipeline("1f1b", 2, field=f), "--v = 2", "parallel.v = 2"),
     (lambda f: check_no_pipeline("zb", 1, field=f), "--schedule = 'zb'", "parallel.schedule = 'zb'"),
 ])
@@ -391,3 +393,14 @@ def test_measured_split_moves_layers_off_a_slow_head():
     # an embedding that costs layers' time moves layers off the first stage too
     first = [8 * layer + 3 * layer, 8 * layer, 8 * layer, 8 * layer]
     assert measured_split(first, [8, 8, 8, 8])[0][0] < 8
+
+
+def test_a_schedule_too_large_to_build_is_one_line_at_once(capsys):
+    """pp x v x micro-batches above `MAX_STAGE_MICROBATCHES` is refused before anything is built,
+    with the most micro-batches that would do; the largest allowed still builds."""
+    from plait.parallel.schedules import MAX_STAGE_MICROBATCHES
+
+    assert main(["schedule", "--pp", "1000", "--microbatches", "10000"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "use at most 1,048 micro-batches at pp x v = 1000" in err[0], err
+    assert check_args("1f1b", 2, MAX_STAGE_MICROBATCHES // 2, 1) == "1f1b"

@@ -112,6 +112,11 @@ def canonical(name: str, field: Callable[[str], str] = flag_field) -> str:
     return name
 
 
+# Largest pp x v x micro-batches a schedule is built for: 128 stages x 8192 micro-batches, about a
+# minute and 2 GB to build and check; beyond it a request is refused rather than left to run for hours.
+MAX_STAGE_MICROBATCHES = 2**20
+
+
 def check_args(name: str, pp: int, microbatches: int, v: int = 1,
                field: Callable[[str], str] = flag_field) -> str:
     """Validate a schedule request without building it; return the canonical name.
@@ -124,6 +129,11 @@ def check_args(name: str, pp: int, microbatches: int, v: int = 1,
     for knob, value in (("pp", pp), ("microbatches", microbatches), ("v", v)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise bad_value(field(knob), value, "must be a positive integer")
+    if pp * v * microbatches > MAX_STAGE_MICROBATCHES:  # lists, checks and simulations grow with it
+        most = max(1, MAX_STAGE_MICROBATCHES // (pp * v))
+        raise bad_value(field("microbatches"), microbatches, f"pp x v x micro-batches = {pp * v * microbatches:,} "
+                        f"stage passes a step, more than plait schedules ({MAX_STAGE_MICROBATCHES:,}): use at most "
+                        f"{most:,} micro-batches at pp x v = {pp * v} (the bubble depends on their ratio, not their size)")
     if name == "interleaved":
         if v < 2:
             raise bad_value(field("v"), v, "the interleaved schedule needs v >= 2 model chunks per rank "
@@ -509,5 +519,7 @@ def peak_activation_units(name: str, pp: int, microbatches: int, v: int, rank: i
     differ in size and it admits micro-batches by what they hold.
 
     A waiting W keeps its layers' inputs and output gradients, `w_fraction` of a full set."""
+    if check_args(name, pp, microbatches, v) == "gpipe":  # every forward before any backward, no W
+        return float(microbatches)
     acts = compute_order(name, pp, microbatches, v, costs)[rank]
     return _running_peaks(acts, check_args(name, pp, microbatches, v) in SPLIT_BACKWARD, w_fraction, chunk_layers)[2]

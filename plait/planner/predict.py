@@ -112,9 +112,31 @@ def estimate_makespan(name: str, pp: int, m: int, v: int, durs: tuple, p2p_s: fl
     return makespan, 1 - sum(per_rank) * m / (pp * makespan), tuple(makespan for _ in range(pp))
 
 
+# Micro-batches per pipeline rank past which the simulation extrapolates (`simulate_makespan`)
+SIMULATED_PER_RANK = 16
+
+
 @functools.lru_cache(maxsize=4096)
 def simulate_makespan(name: str, pp: int, m: int, v: int, durs: tuple, p2p_s: float, costs: tuple | None = None):
-    """Simulate the schedule with per-(rank, chunk) durations: (makespan, bubble, end per rank)."""
+    """Simulate the schedule with per-(rank, chunk) durations: (makespan, bubble, end per rank).
+
+    Past 2 x 16 pp micro-batches the schedule is in its steady state, where every further
+    micro-batch adds the same time (the slowest rank's F + B + W): the makespan and each rank's end
+    are simulated at 16 pp and 32 pp and extended along that line, since simulating every action
+    of a global batch of tens of thousands of sequences took a search minutes per layout
+    (tests/test_planner_predict.py checks the line against the full simulation)."""
+    m1 = SIMULATED_PER_RANK * pp
+    if m <= 2 * m1:
+        return _simulated(name, pp, m, v, durs, p2p_s, costs)
+    t1, _, e1 = _simulated(name, pp, m1, v, durs, p2p_s, costs)
+    t2, _, e2 = _simulated(name, pp, 2 * m1, v, durs, p2p_s, costs)
+    k = (m - 2 * m1) / m1
+    makespan = t2 + k * (t2 - t1)
+    busy = m * sum(sum(d) for d in durs)  # every rank's F, B and W of every micro-batch and chunk
+    return makespan, 1 - busy / (pp * makespan), tuple(b + k * (b - a) for a, b in zip(e1, e2))
+
+
+def _simulated(name: str, pp: int, m: int, v: int, durs: tuple, p2p_s: float, costs: tuple | None = None):
     table = {(r, c): durs[r * v + c] for r in range(pp) for c in range(v)}
 
     def dur(rank: int, a: Action) -> float:
@@ -317,7 +339,7 @@ def predict(d: ModelDims, lay: Layout, c: Cluster, global_batch: int,
     time_s = {**parts, "bubble": max(0.0, makespan - busy), "dp_sync": tail - min(opt_s, tail),
               "optimizer": min(opt_s, tail), "host": gap}
 
-    mem_rank, mem, state = rank_memory(d, lay, c, prec, sc, sched_name, m)
+    mem_rank, mem, state = rank_memory(d, lay, c, prec, sc, sched_name, m, exact)
     traffic = _traffic(d, lay, prec, sc, m)
 
     tokens_step = global_batch * d.seq

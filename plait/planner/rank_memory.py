@@ -17,19 +17,24 @@ from plait.planner.memory import Precision
 from plait.planner.stage_costs import BUCKET_BYTES, StageCosts
 
 
-def saturated(name: str, pp: int, m: int) -> int:
+def saturated(name: str, pp: int, m: int, exact: bool = True) -> int:
     """The micro-batch count past which a rank's peak of held activations no longer grows: by 4 pp
     (a multiple of pp, as interleaving needs) 1F1B, interleaved 1F1B and ZB-H1 have begun their
     steady state, and more micro-batches only lengthen it (tests/test_planner_memory.py checks
     this). Building those schedules for no more keeps a search's memory screening cheap. GPipe
-    holds all m; ZB-V's cost-driven order can keep admitting micro-batches where its stages are
-    uneven: both are built in full."""
-    return m if name in ("gpipe", "zbv") else min(m, 4 * pp)
+    holds all m (`peak_activation_units` says so without building it). ZB-V's cost-driven order can
+    keep admitting micro-batches where its stages are uneven: it is built in full when `exact`; a
+    search's screening (`exact=False`) takes its peak at 4 pp, and the layouts it keeps are priced
+    again in full (at a global batch of thousands, building every candidate's ZB-V in full took
+    minutes)."""
+    if name == "gpipe" or (name == "zbv" and exact):
+        return m
+    return min(m, 4 * pp)
 
 
 def _peak_units(name: str, pp: int, m: int, v: int, rank: int, wfrac: float, costs: tuple | None = None,
-                chunk_layers: tuple | None = None) -> float:
-    return _peak_units_at(name, pp, saturated(name, pp, m), v, rank, wfrac, costs, chunk_layers)
+                chunk_layers: tuple | None = None, exact: bool = True) -> float:
+    return _peak_units_at(name, pp, saturated(name, pp, m, exact), v, rank, wfrac, costs, chunk_layers)
 
 
 @functools.lru_cache(maxsize=8192)
@@ -39,12 +44,12 @@ def _peak_units_at(name: str, pp: int, m: int, v: int, rank: int, wfrac: float, 
 
 
 @functools.lru_cache(maxsize=4096)
-def pending_head_w(name: str, pp: int, m: int, v: int, costs: tuple | None = None) -> int:
+def pending_head_w(name: str, pp: int, m: int, v: int, costs: tuple | None = None, exact: bool = True) -> int:
     """Most micro-batches whose last-stage W has not run yet, at once, on the rank holding the last
     stage: each keeps the fused loss's d(loss)/d(logits) for the output matrix's gradient. Counted on
     the compute order alone (cached, shared with the activation peaks): the messages `build_schedule`
     adds do not reorder a rank's compute, and placing them cost a search most of its ZB-V time."""
-    order = compute_order(name, pp, saturated(name, pp, m), v, costs)
+    order = compute_order(name, pp, saturated(name, pp, m, exact), v, costs)
     rank, chunk = place(name, pp, v, pp * v - 1)
     n = peak = 0
     for a in order[rank]:
@@ -54,18 +59,20 @@ def pending_head_w(name: str, pp: int, m: int, v: int, costs: tuple | None = Non
     return peak
 
 
-def held_layers(sched_name: str, pp: int, m: int, v: int, rank: int, wfrac: float, sc: StageCosts) -> tuple[float, float]:
+def held_layers(sched_name: str, pp: int, m: int, v: int, rank: int, wfrac: float, sc: StageCosts,
+                exact: bool = True) -> tuple[float, float]:
     """(micro-batches in flight, layers' activations held) at the rank's peak: in-flight chunks times
-    the rank's largest chunk, or for ZB-V, whose two chunks differ in size, each chunk by its own."""
+    the rank's largest chunk, or for ZB-V, whose two chunks differ in size, each chunk by its own.
+    `exact=False`: ZB-V's peak as `saturated` screens it."""
     layers = tuple(sc.layers[stage_of(sched_name, pp, rank, ch)] for ch in range(v))
-    units = _peak_units(sched_name, pp, m, v, rank, wfrac, sc.order_costs)
+    units = _peak_units(sched_name, pp, m, v, rank, wfrac, sc.order_costs, exact=exact)
     if sched_name == "zbv":
-        return units, _peak_units(sched_name, pp, m, v, rank, wfrac, sc.order_costs, layers)
+        return units, _peak_units(sched_name, pp, m, v, rank, wfrac, sc.order_costs, layers, exact)
     return units, units * max(layers)
 
 
 def rank_memory(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, sc: StageCosts, sched_name: str,
-            m: int) -> tuple[int, dict[str, float], dict[str, float]]:
+                m: int, exact: bool = True) -> tuple[int, dict[str, float], dict[str, float]]:
     """Peak memory by component on every pipeline rank; return the fullest rank's (and its state)."""
     tp, pp, v, cp, b, e = lay.tp, lay.pp, lay.v, lay.cp, lay.micro_batch, prec.act_bytes
     sp, shard = lay.seq_parallel, lay.shard_group
@@ -78,7 +85,7 @@ def rank_memory(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, sc: Stag
     best: tuple[float, int, dict, dict] = (-1.0, 0, {}, {})
     for r in range(pp):
         st = memory.state_bytes(sc.rank_params[r], lay.zero, shard, prec, shard_is_master=True)  # plait's ZeRO-3
-        units, held = held_layers(sched_name, pp, m, v, r, wfrac, sc)
+        units, held = held_layers(sched_name, pp, m, v, r, wfrac, sc, exact)
         grads, gathered, kept = st.grads, 0.0, 0.0
         if lay.zero == 3 and shard > 1:
             grads, gathered = _zero3_peak(sc.rank_params[r], sc.root_params[r], layer_w, st.grads, prec, pp, m,
@@ -97,7 +104,7 @@ def rank_memory(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, sc: Stag
                                                               lay.fp8)
             if lay.recompute == "full" else 0.0,
             "cp_ring": 2 * sc.kv_chunk_bytes if cp > 1 else 0.0,  # the block in use + the one arriving
-            "loss_chunk": _loss_bytes(d, lay, sched_name, m, sc, e) if r == place(sched_name, pp, v, pp * v - 1)[0] else 0.0,
+            "loss_chunk": _loss_bytes(d, lay, sched_name, m, sc, e, exact) if r == place(sched_name, pp, v, pp * v - 1)[0] else 0.0,
             "reserved": c.reserved_gib * GIB,
         }
         total = sum(comp.values())
@@ -124,12 +131,13 @@ def _zero3_peak(params: float, root: float, block: float, grad_shard: float, pre
     return (grad_shard if m > 1 else 0.0), max(root * prec.param_bytes, block * block_bytes)
 
 
-def _loss_bytes(d: ModelDims, lay: Layout, sched_name: str, m: int, sc: StageCosts, e: float) -> float:
+def _loss_bytes(d: ModelDims, lay: Layout, sched_name: str, m: int, sc: StageCosts, e: float,
+                exact: bool = True) -> float:
     """The fused loss's chunk; in a zero-bubble pipeline also what it keeps for the output matrix's
     deferred gradient (plait/loss.py): every pending micro-batch's 16-bit d(loss)/d(logits) of this
     rank's vocabulary rows."""
     tokens = lay.micro_batch * d.seq // lay.cp
     out = memory.loss_chunk_bytes(d, tokens, lay.tp, lay.compile, e, lay.eager_head)
     if lay.head_wgrad_in_w:
-        out += pending_head_w(sched_name, lay.pp, m, lay.v, sc.order_costs) * tokens * -(-d.vocab // lay.tp) * e
+        out += pending_head_w(sched_name, lay.pp, m, lay.v, sc.order_costs, exact) * tokens * -(-d.vocab // lay.tp) * e
     return out
