@@ -109,3 +109,29 @@ def test_a_small_models_reasons_have_digits_and_no_dangling_separator():
     assert lines[-1] == f"considered {res.considered} layouts, none rejected"
     assert not any("0.000 s" in line for line in lines), lines
     assert "ms compute" in lines[1]
+
+
+def test_a_long_search_reports_its_progress_and_a_pipe_gets_none(monkeypatch):
+    """`search` counts the layouts it has screened, every 1,000, out of all it will screen; `plait
+    plan` shows that on a terminal only (a pipe or file gets the result alone)."""
+    import io
+
+    from plait.commands.plan import _search_progress
+    from plait.planner import inputs
+
+    calls = []
+    res = search(inputs.model_dims("1b", seq=2048), cluster("h100", 1, 8), 64, progress=lambda *a: calls.append(a))
+    assert calls == [(k, res.considered) for k in range(1000, res.considered + 1, 1000)] and len(calls) >= 5
+    monkeypatch.setattr("sys.stderr", io.StringIO())
+    assert _search_progress() is None
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    tty = Tty()
+    monkeypatch.setattr("sys.stderr", tty)
+    show = _search_progress()
+    show(1000, 2500)
+    show(2000, 2500)
+    assert "searching: 1,000 of 2,500 layouts screened\r" in tty.getvalue() and tty.getvalue().endswith("\r\033[K")

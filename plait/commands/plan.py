@@ -182,7 +182,7 @@ def run(args, extra) -> int:
             raise bad_value(f"--{knob.replace('_', '-')}", True, "it prices a given layout, the search does not try "
                             "it: give the layout (--dp, --tp, ...) without --search")
     space = inputs.make_space(tp=args.tp, pp=args.pp, cp=args.cp, dp_replicate=args.dp_replicate, **knobs)
-    res = search(d, c, args.global_batch, args.precision, space, top=args.top)
+    res = search(d, c, args.global_batch, args.precision, space, top=args.top, progress=_search_progress())
     best = res.best if res.ranked else None
     if args.json:
         doc = {**head, "mode": "search", "considered": res.considered, "rejected": dict(res.rejected),
@@ -289,3 +289,16 @@ def _validate(args, d, c, knobs, head) -> int:
     print(report.title(d, c, args.global_batch, precision))
     print(v.report(p, measured))
     return 0
+
+
+def _search_progress():
+    """On a terminal, a line on stderr that counts the layouts screened (erased when done); None
+    where stderr is a file or pipe, whose reader wants the result alone."""
+    if not sys.stderr.isatty():
+        return None
+
+    def show(done: int, total: int) -> None:
+        end = "\r\033[K" if done >= total - total % 1000 else "\r"
+        print(f"\rsearching: {done:,} of {total:,} layouts screened", end=end, file=sys.stderr, flush=True)
+
+    return show
