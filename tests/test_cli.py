@@ -163,4 +163,8 @@ def test_an_abbreviated_or_misspelt_flag_is_refused_naming_the_flag(capsys, argv
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"did you mean {meant}?" in err[0], err
-    assert main(["plan", "--model", "8b", "--gpus-per-node", "8", "--link.nvlink-gbps", "370"]) == 0  # dotted: overrides
+
+
+def test_a_dotted_override_is_not_taken_for_an_abbreviation():
+    # the refusal above leaves `--section.key` overrides alone (one plan: it is the same for every flag)
+    assert main(["plan", "--model", "8b", "--gpus-per-node", "8", "--link.nvlink-gbps", "370"]) == 0
