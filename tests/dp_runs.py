@@ -81,6 +81,23 @@ def train(cfg, comm=None, out: Path | None = None, engine_hook=None, before_step
     return {"losses": losses, "norms": norms, "ledger": ledger}
 
 
+_REFERENCES: dict = {}
+
+
+def reference(cfg, out: Path) -> tuple[dict, Path]:
+    """`train(cfg, None, out)`, the single-process reference of a layout, run once a session: modules
+    compare with the same references (tensor and context parallelism's models are the same, two 3D
+    pipelines accumulate alike). Returns a copy of its result and the folder its final state is
+    saved in (`out`, or the folder of the first run of the same config)."""
+    import copy
+
+    key = cfg.to_toml()
+    if key not in _REFERENCES:
+        _REFERENCES[key] = (train(cfg, None, out), out)
+    res, folder = _REFERENCES[key]
+    return copy.deepcopy(res), folder
+
+
 def backwards_reversed(par, batches, lr):
     """Every micro-batch's forward first, then their backwards in reverse order - the order a
     pipeline schedule may run them in. The engine is told which backward is first and last."""

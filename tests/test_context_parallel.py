@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dist import run_dist
-from dp_runs import Groups, MICRO, assert_equivalent, config, train
+from dp_runs import Groups, MICRO, assert_equivalent, config, reference, train
 from plait.parallel.sharded_state import full_weights
 
 CPM = {"preset": "custom", "vocab_size": 259, "dim": 48, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
@@ -201,9 +201,12 @@ def docs_corpus(tmp_path_factory):
 def runs(corpus, docs_corpus, tmp_path_factory):
     root = tmp_path_factory.mktemp("cp")
     per_rank = run_dist(_body, 4, corpus, root, docs_corpus, timeout=600)
-    refs = {dp: train(config(corpus, micro_batch=MICRO * dp, model=CPM, steps=STEPS), None, root / f"ref-{dp}")
-            for dp in (1, 2)}
+    refs = {}
+    for dp in (1, 2):  # the tensor-parallel tests' references too (CPM is their model)
+        refs[dp], folder = reference(config(corpus, micro_batch=MICRO * dp, model=CPM, steps=STEPS), root / f"ref-{dp}")
+        refs[dp]["weights"] = full_weights(folder)
     refs["docs"] = train(_cfg(docs_corpus, True), None, root / "ref-docs")
+    refs["docs"]["weights"] = full_weights(root / "ref-docs")
     refs["docs-unmasked"] = train(_cfg(docs_corpus, False), None, root / "ref-docs-unmasked")
     return per_rank, refs, root
 
@@ -285,7 +288,7 @@ def test_matches_the_single_process_run(runs, name):
     dp = 2 if name == "cp2-z3-dp2" else 1
     ref = refs["docs" if name in DOCS else dp]
     got = per_rank[0][name]
-    assert_equivalent(name, got, ref, root / name, full_weights(root / ("ref-docs" if name in DOCS else f"ref-{dp}")))
+    assert_equivalent(name, got, ref, root / name, ref["weights"])
     assert ref["losses"][-1] < ref["losses"][0] - 0.5
 
 
@@ -503,16 +506,26 @@ def test_block_kernels_agree(causal):
         assert (torch.cat([dv1, dv2], 2) - vv.grad).abs().max() < 1e-12, how
 
 
+@pytest.fixture(scope="module")
+def one_selective(corpus, tmp_path_factory):
+    """The eager one-process run both compiled CP runs are compared with."""
+    from dp_runs import cli_train
+    from plait.cli import main
+
+    one = tmp_path_factory.mktemp("cp_compiled") / "one"
+    assert main(cli_train(corpus, one, CPM, 2, ["--train.micro_batch", "2", "--train.recompute", "selective"])) == 0
+    return one
+
+
 @pytest.mark.parametrize("impl", ["ring", "ulysses"])
-def test_compiled_cp_with_selective_recompute_trains_as_one_process(corpus, tmp_path, impl):
+def test_compiled_cp_with_selective_recompute_trains_as_one_process(corpus, tmp_path, impl, one_selective):
     """What a GPU user runs: compiled blocks with selective recompute around the ring's registered op
     (and Ulysses' all-to-alls), CP 2 against one eager process - the compiled graph takes the op's
     outputs as they come (shape and strides) and recompute does not run the ring again."""
     from dp_runs import assert_same_cli_run, cli_train
     from plait.cli import main
 
-    one, cp = tmp_path / "one", tmp_path / f"cp-{impl}"
-    assert main(cli_train(corpus, one, CPM, 2, ["--train.micro_batch", "2", "--train.recompute", "selective"])) == 0
+    one, cp = one_selective, tmp_path / f"cp-{impl}"
     assert main(cli_train(corpus, cp, CPM, 2, ["--nproc", "2", "--cp", "2", "--dp", "1", "--parallel.cp_impl", impl,
                                                "--train.micro_batch", "2", "--train.recompute", "selective",
                                                "--train.compile", "on"])) == 0

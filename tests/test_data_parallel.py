@@ -11,7 +11,7 @@ import torch
 import pytest
 
 from dist import run_dist
-from dp_runs import Groups, MICRO, STEPS, UNEVEN, assert_equivalent, backwards_reversed, config, train
+from dp_runs import Groups, MICRO, STEPS, UNEVEN, assert_equivalent, backwards_reversed, config, reference, train
 from plait.parallel.sharded_state import full_weights
 
 # name: (layout, zero, grad_accum[, options]); "pair" runs go two at a time, one on ranks {0,1}, one
@@ -134,8 +134,8 @@ def runs(corpus, tmp_path_factory):
     for name in ("n2-z0", "n4-z0", "n2-z0-accum", "n2-z0-rev", "n2-z0-untied"):
         key = _ref_key(name)
         out = root / f"ref-{'-'.join(map(str, key))}"
-        refs[key] = train(_run_config(corpus, name, micro_batch=MICRO * key[0]), None, out)
-        refs[key]["weights"] = full_weights(out)
+        refs[key], folder = reference(_run_config(corpus, name, micro_batch=MICRO * key[0]), out)
+        refs[key]["weights"] = full_weights(folder)
     return merged, refs, root
 
 

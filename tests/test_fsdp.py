@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 from dist import run_dist
-from dp_runs import (MICRO, STEPS, UNEVEN, Groups, assert_equivalent, backwards_reversed, config, rel, train,
-                     train_torch_peer)
+from dp_runs import (MICRO, STEPS, UNEVEN, Groups, assert_equivalent, backwards_reversed, config, reference, rel,
+                     train, train_torch_peer)
 
 DEEP = dict(UNEVEN, n_layers=5)  # enough blocks that "at most two gathered" means something
 UNTIED = dict(UNEVEN, tie_embeddings=False)
@@ -128,7 +128,7 @@ def runs(corpus, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("fsdp")
     per_rank = run_dist(_body, 4, corpus, root, timeout=300)
-    ref = train(config(corpus, micro_batch=2 * MICRO))
+    ref, _ = reference(config(corpus, micro_batch=2 * MICRO), root / "ref")  # test_data_parallel's n2-z0 reference
     ref_bf16 = train(config(corpus, micro_batch=2 * MICRO, dtype="bf16", steps=5))
     untied = {}
     for name, accum in (("z3", 1), ("z3-rev", 3)):

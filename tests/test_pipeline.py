@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dist import run_dist
-from dp_runs import Groups, MICRO, assert_equivalent, config, train
+from dp_runs import Groups, MICRO, assert_equivalent, config, reference, train
 from plait.parallel.sharded_state import full_weights
 
 PPM = {"preset": "custom", "vocab_size": 259, "dim": 32, "n_layers": 8, "n_heads": 4, "n_kv_heads": 2,
@@ -56,10 +56,13 @@ def _config(corpus, name, **extra):
     return cfg
 
 
-def _reference(corpus, m, out):
-    cfg = config(corpus, grad_accum=m, model=PPM, steps=STEPS)
+def _reference(corpus, m, out, micro_batch=MICRO):
+    """The single-process run of PPM with m micro-batches a step: its result, with its final weights."""
+    cfg = config(corpus, micro_batch=micro_batch, grad_accum=m, model=PPM, steps=STEPS)
     cfg.train.lr, cfg.train.min_lr = LR, LR / 10
-    return train(cfg, None, out)
+    res, folder = reference(cfg, out)
+    res["weights"] = full_weights(folder)
+    return res
 
 
 def _body(dims, corpus, root):
@@ -117,9 +120,7 @@ def runs(corpus, tmp_path_factory):
     per_rank = run_dist(_body, 4, corpus, root, timeout=600)
     refs = {}
     for m in sorted({v[2] for v in RUNS.values()}):
-        out = root / f"ref-{m}"
-        refs[m] = _reference(corpus, m, out)
-        refs[m]["weights"] = full_weights(out)
+        refs[m] = _reference(corpus, m, root / f"ref-{m}")
     return per_rank, refs, root
 
 
@@ -248,11 +249,9 @@ def test_3d_matches_the_single_process_run(corpus, tmp_path_factory, name, _thre
         _three_d["root"] = root
     root = _three_d["root"]
     m = THREE_D[name][1]
-    cfg = config(corpus, micro_batch=2 * MICRO, grad_accum=m, model=PPM, steps=STEPS)
-    cfg.train.lr, cfg.train.min_lr = LR, LR / 10
-    ref = train(cfg, None, root / f"ref-{name}")
+    ref = _reference(corpus, m, root / f"ref-{name}", micro_batch=2 * MICRO)  # ZB-H1's and ZB-V's are one run
     got = _three_d["runs"][-1][name]
-    assert_equivalent(name, got, ref, root / name, full_weights(root / f"ref-{name}"))
+    assert_equivalent(name, got, ref, root / name, ref["weights"])
 
 
 @pytest.mark.parametrize("kv_rows", [None, slice(8, 16)], ids=["whole", "kv-rows"])

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 from dist import run_dist
-from dp_runs import Groups, MICRO, STEPS, assert_equivalent, config, measure_memory, memory_formula, train
+from dp_runs import Groups, MICRO, STEPS, assert_equivalent, config, measure_memory, memory_formula, reference, train
 from plait.parallel.sharded_state import full_weights
 
 TPM = {"preset": "custom", "vocab_size": 259, "dim": 48, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
@@ -98,10 +98,9 @@ def runs(corpus, tmp_path_factory):
     per_rank = run_dist(_body, 4, corpus, root, timeout=600)
     refs = {}
     for dp, accum, model in {(_dp(v[0]), v[5], v[6]) for v in RUNS.values()}:
-        out = root / f"ref-{dp}-{accum}-{model}"
-        refs[(dp, accum, model)] = train(config(corpus, micro_batch=MICRO * dp, grad_accum=accum, model=MODELS[model]),
-                                         None, out)
-        refs[(dp, accum, model)]["weights"] = full_weights(out)
+        cfg = config(corpus, micro_batch=MICRO * dp, grad_accum=accum, model=MODELS[model])
+        refs[(dp, accum, model)], folder = reference(cfg, root / f"ref-{dp}-{accum}-{model}")
+        refs[(dp, accum, model)]["weights"] = full_weights(folder)
     return per_rank, refs, root
 
 
