@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+import plait.launch
 from plait.config import build_config
 from plait.prepare import prepare
 from plait.tokenizer import ByteTokenizer
@@ -17,6 +18,13 @@ from plait.tokenizer import ByteTokenizer
 # faster than vectorized C++ (the compiled CP tests: 46 -> 36 s). Set before torch._inductor reads
 # its configuration, so every worker and subprocess inherits it; a value given outside wins.
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
+
+# Workers of this session trace and compile often (the activation measurements of tensor and context
+# parallelism, every compiled run): the fork server imports the compiler once for all of them, where
+# each worker took ~1.1 s of CPU importing it on its first trace. Launches from a fresh interpreter
+# (the subprocess tests, a user's `plait train`) keep plait's own preload.
+plait.launch.PRELOAD += ["torch._inductor.compile_fx", "torch._dynamo.repro.after_dynamo", "functorch.compile",
+                         "sympy.tensor.tensor"]
 
 MICRO_MODEL = {"preset": "custom", "vocab_size": 256, "dim": 64, "n_layers": 2, "n_heads": 4,
                "n_kv_heads": 2, "ffn_dim": 128, "max_seq_len": 64}
