@@ -209,8 +209,16 @@ def test_p2p_traffic_to_the_byte(runs, name):
     if pp == 4:
         d = ModelDims.from_config(build_config({"model": PPM}).model, seq=SEQ)
         lay = Layout(pp=pp, v=v, schedule=sched, micro_batch=MICRO)
-        planned = predict(d, lay, cluster("h100", 1, pp), MICRO * m, prec="fp32").traffic["pp"]
-        assert planned.bytes_per_device == sends[1][0]["pp"]["send"]["bytes"]  # a middle rank
+        traffic = predict(d, lay, cluster("h100", 1, pp), MICRO * m, prec="fp32").traffic
+        assert traffic["pp"].bytes_per_device == sends[1][0]["pp"]["send"]["bytes"]  # a middle rank
+        # the tied embedding's two copies add their gradients once a step over the pipeline's two
+        # ends, which the planner prices as rank 0's; ZB-V keeps both ends on rank 0: one matrix
+        tied = sends[0][0].get("pp_ends")
+        if sched == "zbv":
+            assert tied is None and "pp_ends" not in traffic
+        else:
+            assert tied["all_reduce"]["calls"] == 1
+            assert traffic["pp_ends"].bytes_per_device == tied["sent_bytes"] == d.vocab * d.hidden * 4
 
 
 def test_a_wrongly_ordered_schedule_is_refused_before_it_runs(monkeypatch):

@@ -21,7 +21,7 @@ import functools
 from dataclasses import dataclass, field
 
 from plait.parallel.rules import embedding_rows
-from plait.parallel.schedules import SPLIT_BACKWARD, Action, build_schedule, stage_of
+from plait.parallel.schedules import SPLIT_BACKWARD, Action, build_schedule, place, stage_of
 from plait.planner import costs, memory
 from plait.planner.costs import ModelDims
 from plait.planner.hardware import GIB, Cluster
@@ -205,6 +205,19 @@ def _sync_s(lay: Layout, psi: float, last: float, m: int, prec: Precision,
     return hidden, after
 
 
+def _tied_sum(d: ModelDims, lay: Layout, prec: Precision) -> Collective | None:
+    """The step's sum of a tied embedding's two copies, the first stage's embedding and the last
+    stage's output matrix, over the `pp_ends` group (plait/parallel/engine.py): DDP and ZeRO-1 add
+    the whole local gradient (`_sum_tied`), ZeRO-2/3 the data-parallel rank's reduced chunk of it
+    (`_sum_tied_chunks`); after the backward, with nothing beside it. None where there is one
+    copy: no pipeline, untied, or ZB-V, whose two ends are both on rank 0."""
+    if lay.pp == 1 or not d.tie_embeddings or place(lay.schedule, lay.pp, lay.v, lay.pp * lay.v - 1)[0] == 0:
+        return None
+    _, embed_t, _ = costs.tp_share(d, lay.tp)
+    size = -(-embed_t // lay.shard_group) * prec.wire_grad_bytes if lay.zero >= 2 else embed_t * prec.grad_bytes
+    return Collective("all_reduce", size, 2, 1, "tied embedding: the first and last stage's gradients added")
+
+
 def _tp_ends(d: ModelDims, lay: Layout, prec: Precision, m: int) -> tuple[Collective, ...]:
     """TP traffic outside the layers (plait/parallel/tensor.py), on a pipeline's first rank:
     per micro-batch the vocab-parallel embedding leaves its region and the loss enters one (an
@@ -257,6 +270,9 @@ def _traffic(d: ModelDims, lay: Layout, prec: Precision, sc: StageCosts, m: int)
         out["pp"] = DimTraffic("pp", lay.pp, *sc.links["pp"], (Collective(
             "send_recv", sc.p2p_bytes, lay.pp, 2 * m * lay.v,
             "activation forward + gradient backward per micro-batch and chunk (a middle stage)"),))
+    tied = _tied_sum(d, lay, prec)
+    if tied is not None:  # rank 0 is one of the two ends
+        out["pp_ends"] = DimTraffic("pp_ends", 2, *sc.links["pp"], (tied,))
     psi = sc.rank_params[0]
     if lay.zero == 0 and lay.grad_group > 1:
         rows = _rows(d, lay, m, prec)
@@ -311,10 +327,13 @@ def predict(d: ModelDims, lay: Layout, c: Cluster, global_batch: int,
     # the optimizer's update streams its state once: measured on a calibrated cluster
     hbm_s = c.profile.optimizer_gbps * 1e9 if c.profile is not None else c.gpu.hbm_gbps * 1e9 * c.hbm_efficiency
     step, dp_exposed, opt_s = 0.0, 0.0, 0.0
+    tied = _tied_sum(d, lay, prec)
+    tied_s = tied.time_s(sc.links["pp"][0]) if tied is not None else 0.0
     for r in range(pp):
         psi = sc.rank_params[r]
         last_bwd = sum(sc.durations[r * v + ch][1] + sc.durations[r * v + ch][2] for ch in range(v))
         hidden, after = _sync_s(lay, psi, sc.last_params[r], m, prec, sc, _rows(d, lay, m, prec) if r == 0 else None)
+        after += tied_s if r in (0, pp - 1) else 0.0
         room = last_bwd * (m if lay.zero == 2 else 1)
         exposed = sum(hide(hidden, room, c)) + after
         local = psi / (lay.shard_group if lay.zero >= 1 else 1)
