@@ -135,3 +135,21 @@ def test_a_long_search_reports_its_progress_and_a_pipe_gets_none(monkeypatch):
     show(1000, 2500)
     show(2000, 2500)
     assert "searching: 1,000 of 2,500 layouts screened\r" in tty.getvalue() and tty.getvalue().endswith("\r\033[K")
+
+
+def test_a_balance_split_that_comes_out_even_is_not_tried_twice():
+    """`balance` moves layers off the last stage to pay for the output head; where the layers divide so
+    that it changes nothing (here 8b's 32 layers over 32 stages: a layer each either way), the even
+    split already is that layout, and a ranking would list the same prediction twice."""
+    from plait.planner.stage_costs import split_layers
+
+    seen = {}
+    for lay in candidates(L8B, cluster("h100", 4, 8), 64, SMALL):
+        if lay.pp == 1:
+            continue
+        S = lay.pp * lay.v
+        key = (lay.tp, lay.pp, lay.v, lay.dp_shard, lay.dp_replicate, lay.cp, lay.cp_impl, lay.zero,
+               lay.micro_batch, lay.recompute, lay.schedule, tuple(split_layers(L8B, S, lay.stage_split, lay.schedule)))
+        assert key not in seen, (lay, seen[key])
+        seen[key] = lay
+    assert any(k[1] * k[2] == 32 for k in seen)  # the case where the two splits agree was searched

@@ -19,6 +19,7 @@ from plait.planner.hardware import GIB, Cluster
 from plait.planner.layout import Layout, check_layout
 from plait.planner.memory import Precision
 from plait.planner.predict import Prediction, predict
+from plait.planner.stage_costs import split_layers
 
 
 def _divisors(n: int) -> list[int]:
@@ -64,8 +65,22 @@ class SearchResult:
 
 
 def candidates(d: ModelDims, c: Cluster, global_batch: int, space: Space = Space()):
-    """Every layout of `space` whose degrees multiply to the cluster's GPU count."""
+    """Every layout of `space` whose degrees multiply to the cluster's GPU count. A `balance` split
+    that comes out as the even one is the even layout again: it is not tried twice."""
     n = c.n_gpus
+    splits: dict[tuple[int, str], tuple[str, ...]] = {}
+
+    def distinct_splits(stages: int, sched: str) -> tuple[str, ...]:
+        if (stages, sched) not in splits:
+            seen, keep = set(), []
+            for split in space.stage_split:
+                counts = tuple(split_layers(d, stages, split, sched))
+                if counts not in seen:
+                    seen.add(counts)
+                    keep.append(split)
+            splits[(stages, sched)] = tuple(keep)
+        return splits[(stages, sched)]
+
     tps = space.tp or tuple(t for t in _divisors(c.gpus_per_node) if d.heads % t == 0 and d.kv_heads % t == 0)
     cps = space.cp or tuple(k for k in (1, 2, 4, 8, 16, 32) if k <= space.max_cp and d.seq % (2 * k) == 0 or k == 1)
     for tp in tps:
@@ -96,7 +111,7 @@ def candidates(d: ModelDims, c: Cluster, global_batch: int, space: Space = Space
                                             continue
                                         if sched == "zbv" and 2 * pp > d.layers:
                                             continue
-                                        for split in space.stage_split if pp > 1 else ("",):
+                                        for split in distinct_splits(pp * v, sched) if pp > 1 else ("",):
                                             for impl in space.cp_impl if cp > 1 else space.cp_impl[:1]:
                                                 yield Layout(tp=tp, pp=pp, dp_replicate=rep, dp_shard=dp // rep,
                                                              cp=cp, zero=zero, v=v, schedule=sched, micro_batch=mb,
