@@ -37,33 +37,98 @@ def sample(model: Transformer, prompt_ids: list[int], max_new_tokens: int, tempe
         return _sample(model, prompt_ids, max_new_tokens, temperature, top_k, seed)
 
 
+def _decode(next_token, prompt_ids: list[int], max_new_tokens: int, window: int) -> list[int]:
+    """The decoding loop: `next_token(tokens, prefill)` runs `tokens` - the prompt, or the recent
+    part of the window after the cache filled up, when `prefill` (the cache starts over), else the
+    one token just chosen - and returns the token that follows them."""
+    if not prompt_ids:  # a model continues text: with none, a caller chooses what stands for "nothing yet"
+        raise ValueError("sample needs at least one prompt token (e.g. the tokenizer's EOS for a new document)")
+    keep = max(1, window - max(1, window // 4))
+    ids = list(prompt_ids)
+    n_prompt = len(ids)
+    pos = min(len(ids), window)  # positions in the cache
+    nxt = next_token(ids[-window:], True)
+    for i in range(max_new_tokens):
+        ids.append(nxt)
+        if i + 1 == max_new_tokens:
+            break
+        if pos == window:  # full: keep the recent part of the window and start over
+            pos = keep
+            nxt = next_token(ids[-keep:], True)
+        else:
+            pos += 1
+            nxt = next_token([nxt], False)
+    return ids[n_prompt:]
+
+
 def _sample(model, prompt_ids, max_new_tokens, temperature, top_k, seed) -> list[int]:
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     window = model.cfg.max_seq_len
-    keep = max(1, window - max(1, window // 4))
-    if not prompt_ids:  # a model continues text: with none, a caller chooses what stands for "nothing yet"
-        raise ValueError("sample needs at least one prompt token (e.g. the tokenizer's EOS for a new document)")
-    ids = list(prompt_ids)
-    n_prompt = len(ids)
     gen = torch.Generator(device=device).manual_seed(seed)
     # no bigger than this generation needs (an 8b model's full window is 1 GB of cache)
-    cache = KVCache.for_model(model, batch=1, max_len=min(window, len(ids) + max_new_tokens))
+    cache = KVCache.for_model(model, batch=1, max_len=min(window, len(prompt_ids) + max_new_tokens))
 
-    def prefill(tokens: list[int]) -> torch.Tensor:
-        cache.reset()
-        return model(torch.tensor([tokens], dtype=torch.long, device=device), cache=cache)[:, -1, :].float()
+    def next_token(tokens: list[int], prefill: bool) -> int:
+        if prefill:
+            cache.reset()
+        logits = model(torch.tensor([tokens], dtype=torch.long, device=device), cache=cache)[:, -1, :].float()
+        return int(_pick(logits, temperature, top_k, gen))
 
-    logits = prefill(ids[-window:])
-    for i in range(max_new_tokens):
-        nxt = _pick(logits, temperature, top_k, gen)
-        ids.append(int(nxt))
-        if i + 1 == max_new_tokens:
-            break
-        if cache.pos == window:  # full: keep the recent part of the window and start over
-            logits = prefill(ids[-keep:])
-        else:
-            logits = model(nxt.view(1, 1), cache=cache)[:, -1, :].float()
-    model.train(was_training)
-    return ids[n_prompt:]
+    try:
+        return _decode(next_token, prompt_ids, max_new_tokens, window)
+    finally:
+        model.train(was_training)
+
+
+@torch.no_grad()
+def sample_pipelined(runner, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
+                     top_k: int = 0, seed: int = 0) -> list[int]:
+    """`sample` through a pipeline (`plait.parallel.pipeline.PipelineRunner`; every rank of it calls
+    this): each rank runs its chunks' layers with a KV cache of their own and hands the hidden
+    states to the next stage's rank, as the forward of evaluation does; the rank with the last stage
+    picks the token and broadcasts it to the pipeline, so every rank returns the same ids - those
+    one process would sample from the same weights. The parameters must be whole on this rank
+    (`Engine.gather_for_inference`); context parallelism is not supported here."""
+    from plait.parallel.schedules import place
+
+    model, comm, dim = runner.model, runner.comm, runner.pp_dim
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype  # the hidden states' (no autocast in decoding)
+    window = model.cfg.max_seq_len
+    S = runner.pp * runner.v
+    rank_of = [place(runner.name, runner.pp, runner.v, s)[0] for s in range(S)]
+    head_rank = rank_of[S - 1]
+    max_len = min(window, len(prompt_ids) + max_new_tokens)
+    caches = [KVCache.for_model(model, batch=1, max_len=max_len, layers=keys) for keys in runner.chunks]
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def next_token(tokens: list[int], prefill: bool) -> int:
+        if prefill:
+            for c in caches:
+                c.reset()
+        x = torch.tensor([tokens], dtype=torch.long, device=device)
+        h, picked = None, torch.zeros(1, dtype=torch.long, device=device)
+        for s in range(S):
+            if rank_of[s] != runner.rank:
+                continue
+            chunk = runner.local_chunk(s)
+            if s > 0 and rank_of[s - 1] != runner.rank:
+                h = torch.empty(1, len(tokens), model.cfg.dim, dtype=dtype, device=device)
+                comm.send_recv(dim, recvs=[(h, rank_of[s - 1])])
+            h = model.hidden(x if s == 0 else None, h, cache=caches[chunk], layers=runner.chunks[chunk])
+            if s == S - 1:
+                picked = _pick(model.head(h, eager=True)[:, -1, :].float(), temperature, top_k, gen).view(1)
+            elif rank_of[s + 1] != runner.rank:
+                comm.send_recv(dim, sends=[(h, rank_of[s + 1])])
+        comm.broadcast(picked, dim, src=head_rank)
+        return int(picked)
+
+    try:
+        with model.tp.inference():  # one position at a time: nothing to split along the sequence
+            return _decode(next_token, prompt_ids, max_new_tokens, window)
+    finally:
+        model.train(was_training)

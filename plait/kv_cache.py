@@ -26,11 +26,12 @@ class KVCache:
         self.pos = 0
 
     @classmethod
-    def for_model(cls, model, batch: int = 1, max_len: int | None = None) -> "KVCache":
-        """A cache shaped for `model`'s blocks (head counts read from the weights, so a shard with
-        fewer heads gets a cache to match), in its parameters' dtype and device."""
+    def for_model(cls, model, batch: int = 1, max_len: int | None = None, layers=None) -> "KVCache":
+        """A cache shaped for `model`'s blocks, or for those of `layers` (their keys: a pipeline
+        chunk's), head counts read from the weights (so a shard with fewer heads gets a cache to
+        match), in its parameters' dtype and device."""
         cfg = model.cfg
-        blocks = list(model.layers.values())
+        blocks = list(model.layers.values()) if layers is None else [model.layers[k] for k in layers]
         attn = blocks[0].attn
         wk = attn.wk.weight
         rows = wk.shape[0] if attn.kv_rows is None else attn.kv_rows.stop - attn.kv_rows.start  # replicated KV: one head used

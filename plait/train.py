@@ -24,7 +24,7 @@ from plait.checkpointer import Checkpointer
 from plait.config import Config, config_from_dict
 from plait.data import open_data
 from plait.errors import bad_value
-from plait.generate import sample
+from plait.generate import sample, sample_pipelined
 from plait.metrics import (MetricsLog, Progress, flops_per_token, peak_flops, peak_memory_bytes,
                            throughput)
 from plait.model import Transformer, build_model
@@ -300,18 +300,18 @@ def _train(cfg: Config, dims, stop: StopRequest) -> dict:
                "state_bytes": engine.state_bytes(), "checkpoint_stall_s": ckpts.stalls, "stopped": stopping}
     if stopping:  # no sample: the time left before the machines go is the scheduler's
         return summary
-    if t.sample_tokens and end > start and cfg.parallel.pp > 1:
-        if is_main:  # (context parallelism needs nothing: generation's KV cache attends without the ring)
-            _warn(f"no sample at the end of a pipelined run: sample its checkpoint with "
-                  f"`plait generate --checkpoint {out}`")
-    elif t.sample_tokens and end > start:
+    if t.sample_tokens and end > start:
         engine.gather_for_inference()  # ZeRO-3: every rank takes part in gathering the model
-        if is_main or cfg.parallel.tp > 1:  # tensor-parallel ranks generate together (same seed, same tokens)
-            ids = sample(model, [int(i) for i in tokenizer.encode(SAMPLE_PROMPT)], t.sample_tokens,
-                         temperature=0.8, top_k=40, seed=t.seed)
-            if is_main:
-                summary["sample"] = SAMPLE_PROMPT + tokenizer.decode(ids)
-                print(f"--- sample ---\n{summary['sample']}\n--------------", file=sys.stderr)
+        prompt = [int(i) for i in tokenizer.encode(SAMPLE_PROMPT)]
+        ids = None
+        # (context parallelism needs nothing: generation's KV cache attends without the ring)
+        if cfg.parallel.pp > 1:  # every rank runs its stages, each pipeline on its own
+            ids = sample_pipelined(par.runner, prompt, t.sample_tokens, temperature=0.8, top_k=40, seed=t.seed)
+        elif is_main or cfg.parallel.tp > 1:  # tensor-parallel ranks generate together (same seed, same tokens)
+            ids = sample(model, prompt, t.sample_tokens, temperature=0.8, top_k=40, seed=t.seed)
+        if is_main:
+            summary["sample"] = SAMPLE_PROMPT + tokenizer.decode(ids)
+            print(f"--- sample ---\n{summary['sample']}\n--------------", file=sys.stderr)
     return summary
 
 

@@ -46,9 +46,13 @@ def test_resume_across_pipeline_layouts(corpus, tmp_path, capfd):
     solo = tmp_path / "solo"
     shutil.copytree(run, solo)
     # steps 4-6: 4 ranks x 2 chunks = 8 stages (interleaved 1F1B, 4 micro-batches), and one process
+    capfd.readouterr()
     assert main(_args(corpus, run, extra=["--nproc", "4", "--pp", "4", "--dp", "1", "--parallel.v", "2",
                                           "--schedule", "interleaved", "--microbatches", "4", "--zero", "0",
-                                          "--resume"])) == 0
+                                          "--train.sample_tokens", "8", "--resume"])) == 0
+    # the end-of-run sample, decoded through the 8 stages (tests/test_pipeline_generate.py: the tokens
+    # one process samples)
+    assert "--- sample ---\ndef " in capfd.readouterr().err
     assert main(_args(corpus, solo, extra=["--nproc", "1", "--dp", "1", "--pp", "1", "--zero", "0",
                                            "--train.grad_accum", "4", "--resume"])) == 0
     ref = _rows(one)
