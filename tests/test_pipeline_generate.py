@@ -2,7 +2,8 @@
 of a pipelined run): every rank of every pipeline returns the tokens one process samples from the
 same weights - greedy and with temperature and top-k, past the window, where the KV caches start
 over - for 1F1B, interleaved and ZB-V stage placements, under ZeRO-1 and ZeRO-3 (the weights
-gathered for inference), on 2 stages x 2 context-parallel ranks."""
+gathered for inference), on 2 stages x 2 context-parallel ranks and on 2 stages x 2 tensor-parallel
+ranks with sequence parallelism (decoding runs without the sequence split)."""
 
 from __future__ import annotations
 
@@ -18,17 +19,18 @@ PROMPT, NEW = [100, 101, 32, 102, 58, 10], 40
 CASES = {"1f1b": dict(schedule="1f1b", zero=0), "interleaved-zero1": dict(schedule="interleaved", v=2, zero=1),
          "zbv-zero3": dict(schedule="zbv", v=2, zero=3), "1f1b-zero3": dict(schedule="1f1b", zero=3)}
 DRAWS = {"greedy": dict(temperature=0.0), "top-k": dict(temperature=0.8, top_k=5, seed=3)}
+TP_CASES = {"tp-1f1b": dict(schedule="1f1b", sp="on"), "tp-zbv": dict(schedule="zbv", v=2, sp="on")}
 
 
-def _body(dims, corpus):
+def _body(dims, corpus, cases, layout):
     from plait.comm import Comm
     from plait.generate import sample_pipelined
     from plait.parallel.build import parallelize
 
     comm = Comm(dims)
     out = {}
-    for name, kw in CASES.items():
-        cfg = config(corpus, model=GEN, pp=2, cp=2, **kw)
+    for name, kw in cases.items():
+        cfg = config(corpus, model=GEN, pp=2, **layout, **kw)
         par = parallelize(cfg, comm, torch.device("cpu"), torch.float32, compile=False)
         par.engine.gather_for_inference()
         for draw, how in DRAWS.items():
@@ -42,13 +44,15 @@ def sampled(corpus):
     from plait.generate import sample
     from plait.parallel.build import parallelize
 
-    got = run_dist(_body, 4, corpus, pp=2, cp=2, timeout=120)
+    got = run_dist(_body, 4, corpus, CASES, {"cp": 2}, pp=2, cp=2, timeout=120)
+    tp = run_dist(_body, 4, corpus, TP_CASES, {"tp": 2}, pp=2, tp=2, timeout=120)
+    got = [{**a, **b} for a, b in zip(got, tp)]
     model = parallelize(config(corpus, model=GEN), None, torch.device("cpu"), torch.float32, compile=False).model
     want = {draw: sample(model, PROMPT, NEW, **how) for draw, how in DRAWS.items()}
     return got, want
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [*CASES, *TP_CASES])
 def test_every_rank_samples_what_one_process_samples(sampled, name):
     got, want = sampled
     assert len(set(map(tuple, want.values()))) == 2  # the two draws differ: the comparison can tell
