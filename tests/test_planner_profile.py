@@ -311,3 +311,47 @@ def test_step_gaps_runs_plaits_own_step():
 
     got = step_gaps.measure(torch.device("cpu"), preset="tiny", micro_batch=1, seq=64, warmup=1, steps=1)
     assert got["seconds"] == 0.0 and got["gaps"] == [] and (got["model"], got["micro_batch"], got["seq"]) == ("tiny", 1, 64)
+
+
+def test_overlap_is_measured_and_priced_per_group_size(tmp_path):
+    """`--only overlap --nproc 4` measures the overlap over 2 GPUs (`overlap`) and over 4
+    (`overlap_groups`), both saved and read back. The planner prices a collective with the largest
+    group measured that is not larger than its own: ZeRO-3 over 4 GPUs with the 4-GPU figures,
+    over 2 with the 2-GPU ones; a profile without groups prices every group size as before."""
+    import dataclasses
+
+    from plait.config import PRESETS, ModelConfig
+    from plait.planner.costs import ModelDims
+    from plait.planner.predict import predict
+    from plait.planner.profile import apply_profile
+
+    out = tmp_path / "cpu.json"
+    save(_profile(card="cpu", gpu=None, peak_tflops=0.2), out)
+    assert main(["bench", "calibrate", "--only", "overlap", "--device", "cpu", "--nproc", "4", "--out", str(out)]) == 0
+    q = load(out)
+    assert set(q.overlap_groups) == set(q.stretch_groups) == {"4"}
+    assert set(q.overlap_groups["4"]) == {"all_gather", "all_reduce", "send_recv"}
+    assert all(x >= 1 for x in q.stretch_groups["4"].values())
+
+    flat = dataclasses.replace(_profile(), overlap={"all_gather": 0.1, "reduce_scatter": 0.1, "all_reduce": 0.2},
+                               stretch={"all_gather": 1.5, "reduce_scatter": 1.5, "all_reduce": 1.4})
+    grouped = dataclasses.replace(flat, overlap_groups={"4": {"all_gather": 0.3, "reduce_scatter": 0.3}},
+                                  stretch_groups={"4": {"all_gather": 1.2, "reduce_scatter": 1.2}})
+    assert grouped.overlap_slowdown("all_gather", 2) == 0.1 and grouped.overlap_slowdown("all_gather", 4) == 0.3
+    assert grouped.overlap_stretch("reduce_scatter", 8) == 1.2 and grouped.overlap_stretch("reduce_scatter", 3) == 1.5
+    assert load_roundtrip(grouped, tmp_path).overlap_groups == grouped.overlap_groups
+    d = ModelDims.from_config(ModelConfig(**PRESETS["8b"]), seq=2048)
+    block, ddp = {}, {}
+    for name, prof in (("flat", flat), ("grouped", grouped)):
+        for n in (2, 4):
+            c = apply_profile(cluster("h100", 1, n), prof)
+            block[name, n] = predict(d, Layout(dp_shard=n, zero=3, micro_batch=1), c, n).time_s["zero3"]
+            ddp[name, n] = predict(d, Layout(dp_shard=n, zero=0, micro_batch=1), c, 4 * n).time_s["dp_sync"]
+    assert block["grouped", 2] == block["flat", 2] and block["grouped", 4] > block["flat", 4]
+    assert ddp["grouped", 4] == ddp["flat", 4]  # no all-reduce measured over 4: its 2-GPU figure
+
+
+def load_roundtrip(p, tmp_path):
+    path = tmp_path / "roundtrip.json"
+    save(p, path)
+    return load(path)

@@ -11,8 +11,9 @@ Measured, each the median of timed repetitions after a warm-up (CUDA events on a
   optimizer   bandwidth of plait's AdamW update on flat fp32 state (compiled on a GPU)
   collectives `plait bench comm`'s torch all-reduce / all-gather / reduce-scatter over 2, 4, ...
               `--nproc` GPUs of this machine, 1 KiB to 1 GiB
-  overlap     how much slower matmuls run while each collective runs beside them, over 2 GPUs
-              (plait/benchmarks/overlap.py)
+  overlap     how much slower matmuls run while each collective runs beside them, and how much slower
+              the collective runs, over 2 GPUs and over 4, 8, ... up to --nproc (NCCL gives a larger
+              group more channels; plait/benchmarks/overlap.py)
   lockstep    how much longer groups of 2, 4, ... GPUs that meet at every collective take for the
               same work than one GPU alone (plait/benchmarks/lockstep.py)
   gaps        how long plait's own training step leaves the GPU idle, per step: the host's share
@@ -120,9 +121,8 @@ def run(args) -> int:
     print(f"# collectives: {len(collectives)} timings over groups up to {nproc}", flush=True)
     from plait.benchmarks import overlap as ov
 
-    overlap, stretch = ov.measure(device, 2) if nproc > 1 else ({}, {})
-    print("# overlap: " + (", ".join(f"{k} +{100 * v:.1f}% (itself x{stretch[k]:.2f})" for k, v in overlap.items())
-                           or "not measured (one GPU)"), flush=True)
+    overlapping = ov.measure_groups(device, nproc) if nproc > 1 else {}
+    print(ov.describe(overlapping) if overlapping else "# overlap: not measured (one GPU)", flush=True)
 
     from plait.benchmarks.recalibrate import lockstep as measure_lockstep, step_gap
 
@@ -138,7 +138,7 @@ def run(args) -> int:
         peak_tflops=None if gpu else best,
         hbm_gib=torch.cuda.get_device_properties(dev).total_memory / 2**30 if cuda else None,
         linear=tuple(linear), attention=tuple(attention), pointwise_gbps=pointwise, optimizer_gbps=optimizer,
-        collectives=tuple(collectives), overlap=overlap, stretch=stretch, lockstep=lockstep, step_gap_s=gap,
+        collectives=tuple(collectives), **overlapping, lockstep=lockstep, step_gap_s=gap,
         source={"torch": torch.__version__, "nccl": _nccl(), "date": time.strftime("%Y-%m-%d"),
                 "command": "plait " + " ".join(sys.argv[1:]),
                 "seconds": round(time.time() - t0, 1),

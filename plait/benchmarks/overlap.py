@@ -36,6 +36,27 @@ def measure(device: str, nproc: int, timeout_s: float = 300.0) -> tuple[dict[str
             {op: statistics.median(r[op][1] for r in per_rank) for op in ops})
 
 
+def measure_groups(device: str, nproc: int, timeout_s: float = 300.0) -> dict:
+    """`measure` over 2 GPUs, and over 4, 8, ... up to `nproc`: the profile's fields `overlap` and
+    `stretch` (2 GPUs) and `overlap_groups` / `stretch_groups` ({size: {op: value}}) for the larger
+    groups, where NCCL runs its collectives with more channels beside the same compute."""
+    overlap, stretch_ = measure(device, 2, timeout_s)
+    out = {"overlap": overlap, "stretch": stretch_, "overlap_groups": {}, "stretch_groups": {}}
+    n = 4
+    while n <= nproc:
+        out["overlap_groups"][str(n)], out["stretch_groups"][str(n)] = measure(device, n, timeout_s)
+        n *= 2
+    return out
+
+
+def describe(fields: dict) -> str:
+    """One line per measured group size: each op's compute slowdown and its own stretch."""
+    tables = [("2", fields["overlap"], fields["stretch"])] + [
+        (k, v, fields["stretch_groups"][k]) for k, v in fields["overlap_groups"].items()]
+    return "\n".join(f"# overlap over {k} GPUs: " + ", ".join(f"{op} +{100 * x:.1f}% (itself x{st[op]:.2f})"
+                                                          for op, x in ov.items()) for k, ov, st in tables)
+
+
 def stretch(alone_s: float, compute_s: float, ended_s: float) -> float:
     """How many times its time alone a collective chain took beside compute: `alone_s` its chain
     alone, `compute_s` the matmuls it ran beside, `ended_s` when it ended, from the matmuls' start.

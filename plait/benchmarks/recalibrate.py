@@ -89,10 +89,8 @@ def only(args, device: str, nproc: int, t0: float) -> int:
     else:
         from plait.benchmarks import overlap as ov
 
-        overlap, stretch = ov.measure(device, 2)
-        print("# overlap: " + ", ".join(f"{k} +{100 * v:.1f}% (itself x{stretch[k]:.2f})" for k, v in overlap.items()),
-              flush=True)
-        fields = {"overlap": overlap, "stretch": stretch}
+        fields = ov.measure_groups(device, nproc)
+        print(ov.describe(fields), flush=True)
     where = {"command": "plait " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),
              "torch": torch.__version__, "nccl": _nccl()}
     prof.save(dataclasses.replace(old, **fields, source={**old.source, args.only: where}), args.out)

@@ -335,7 +335,7 @@ def predict(d: ModelDims, lay: Layout, c: Cluster, global_batch: int,
         hidden, after = _sync_s(lay, psi, sc.last_params[r], m, prec, sc, _rows(d, lay, m, prec) if r == 0 else None)
         after += tied_s if r in (0, pp - 1) else 0.0
         room = last_bwd * (m if lay.zero == 2 else 1)
-        exposed = sum(hide(hidden, room, c)) + after
+        exposed = sum(hide(hidden, room, c, lay.grad_group if lay.zero == 0 else lay.shard_group)) + after
         local = psi / (lay.shard_group if lay.zero >= 1 else 1)
         # read grad + param, read and write master and moments, write param
         opt = local * (prec.grad_bytes + 2 * prec.k + 2 * prec.param_bytes) / hbm_s

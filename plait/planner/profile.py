@@ -12,9 +12,10 @@ What it holds, each as measured on the machine:
   collectives seconds of all-reduce / all-gather / reduce-scatter per (group size, bytes) over the
               machine's GPUs (one node's link)
   overlap     per collective op, how much slower matmuls run while it runs beside them (0.1 = 10%
-              longer per second of overlapped collective; plait/benchmarks/overlap.py)
+              longer per second of overlapped collective; plait/benchmarks/overlap.py), over 2 GPUs,
+              and over larger groups where measured (`overlap_groups`)
   stretch     per collective op, how many times longer it takes beside matmuls than alone (both
-              compete for the SMs and memory bandwidth)
+              compete for the SMs and memory bandwidth), likewise per group size
   lockstep    how much slower GPUs that meet at every collective run than one alone (each waits
               for the slowest), per group size measured, and the spread that extends it to larger
               jobs (plait/benchmarks/lockstep.py)
@@ -80,6 +81,11 @@ class HardwareProfile:
     plait's one-GPU step (plait/benchmarks/step_gaps.py); 0 for profiles made before it."""
     source: dict = field(default_factory=dict, compare=False, hash=False)
     """How it was measured: torch and NCCL versions, date, command."""
+    overlap_groups: dict = field(default_factory=dict, compare=False, hash=False)
+    """{group size: {op: slowdown}} measured over more than 2 GPUs (`overlap` is over 2): NCCL runs a
+    collective over more ranks with more channels, so it takes more of the SMs beside it."""
+    stretch_groups: dict = field(default_factory=dict, compare=False, hash=False)
+    """{group size: {op: stretch}}, as `overlap_groups`."""
 
     # ---- lookups -------------------------------------------------------------------------------
 
@@ -161,19 +167,17 @@ class HardwareProfile:
             lats.append(t / steps(op, n))
         return _median(bws) / 1e9, _median(lats) * 1e6
 
-    def overlap_slowdown(self, op: str) -> float:
-        """Extra compute seconds per second of `op` run beside it: the op's own measurement, else the
-        mean of those measured, else 0."""
-        if op in self.overlap:
-            return self.overlap[op]
-        return sum(self.overlap.values()) / len(self.overlap) if self.overlap else 0.0
+    def overlap_slowdown(self, op: str, n: int = 2) -> float:
+        """Extra compute seconds per second of `op` run beside it over a group of `n` GPUs: the op's own
+        measurement, else the mean of those measured, else 0; from the largest group measured that
+        is not larger than `n` (`overlap` is the 2-GPU one)."""
+        return _measured_at(self.overlap, self.overlap_groups, op, n, 0.0)
 
-    def overlap_stretch(self, op: str) -> float:
-        """How many times its time alone `op` takes beside compute: its own measurement, else the
-        mean of those measured, else 1 (profiles written before it was measured)."""
-        if op in self.stretch:
-            return self.stretch[op]
-        return sum(self.stretch.values()) / len(self.stretch) if self.stretch else 1.0
+    def overlap_stretch(self, op: str, n: int = 2) -> float:
+        """How many times its time alone `op` takes beside compute over a group of `n` GPUs: its own
+        measurement, else the mean of those measured, else 1 (profiles written before it was
+        measured); the group as `overlap_slowdown` picks it."""
+        return _measured_at(self.stretch, self.stretch_groups, op, n, 1.0)
 
     def lockstep_slowdown(self, n: int) -> float:
         """Fraction by which the work of `n` GPUs that synchronise runs longer than one GPU's alone:
@@ -185,6 +189,18 @@ class HardwareProfile:
         if str(n) in measured:
             return measured[str(n)]
         return self.lockstep.get("sigma", 0.0) * expected_max_normal(n)
+
+
+def _measured_at(pairs: dict, groups: dict, op: str, n: int, default: float) -> float:
+    """`op`'s figure from the largest group of at most `n` GPUs that measured it (`groups`: {size:
+    {op: value}}; `pairs`: over 2 GPUs); where none did, the mean of that nearest group's measured
+    ops; else `default`."""
+    tables = [groups[str(k)] for k in sorted((int(k) for k in groups if int(k) <= n), reverse=True)] + [pairs]
+    for table in tables:
+        if op in table:
+            return table[op]
+    table = next((t for t in tables if t), {})
+    return sum(table.values()) / len(table) if table else default
 
 
 @functools.lru_cache(maxsize=None)
@@ -222,7 +238,9 @@ def to_dict(p: HardwareProfile) -> dict:
             "source": p.source,
             "linear": [list(x) for x in p.linear], "attention": [list(x) for x in p.attention],
             "collectives": [list(x) for x in p.collectives], "overlap": dict(p.overlap),
-            "overlap_stretch": dict(p.stretch), "lockstep": dict(p.lockstep), "step_gap_s": p.step_gap_s,
+            "overlap_stretch": dict(p.stretch), "overlap_groups": {k: dict(v) for k, v in p.overlap_groups.items()},
+            "overlap_stretch_groups": {k: dict(v) for k, v in p.stretch_groups.items()},
+            "lockstep": dict(p.lockstep), "step_gap_s": p.step_gap_s,
             "fp8_linear": [[r[0], r[1], r[2], r[3], list(r[4]), r[5], r[6]] for r in p.fp8_linear]}
 
 
@@ -269,15 +287,23 @@ def load(path: str | Path) -> HardwareProfile:
     fp8_linear = rows("fp8_linear", 7, lambda r: r[0] in ("tensorwise", "rowwise") and r[1] in (0, 1)
                       and isinstance(r[4], list) and r[4] and pos(r[2], r[3], *r[4], r[5], r[6]))
     fp8_linear = tuple((r[0], int(r[1]), r[2], r[3], tuple(r[4]), r[5], r[6]) for r in fp8_linear)
-    overlap = raw.get("overlap") or {}
-    if not isinstance(overlap, dict) or not all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 10 for v in overlap.values()):
-        raise UserError(f"{where}: overlap = {overlap!r}, expected {{op: slowdown >= 0}}; re-run `plait bench calibrate`")
-    stretch = raw.get("overlap_stretch") or {}
-    if not isinstance(stretch, dict) or not all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and 1 <= v < 100 for v in stretch.values()):
-        raise UserError(f"{where}: overlap_stretch = {stretch!r}, expected {{op: factor >= 1}}; "
-                        f"re-run `plait bench calibrate`")
+    def table(name, value, lo, hi, what):
+        if not isinstance(value, dict) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and lo <= v < hi for v in value.values()):
+            raise UserError(f"{where}: {name} = {value!r}, expected {{op: {what}}}; re-run `plait bench calibrate`")
+        return {str(k): float(v) for k, v in value.items()}
+
+    def per_group(name, lo, hi, what):
+        value = raw.get(name) or {}
+        if not isinstance(value, dict) or not all(str(k).isdigit() and int(k) > 2 for k in value):
+            raise UserError(f"{where}: {name} = {value!r}, expected {{group size > 2: {{op: {what}}}}}; "
+                            f"re-run `plait bench calibrate --only overlap`")
+        return {str(k): table(f"{name}[{k}]", v, lo, hi, what) for k, v in value.items()}
+
+    overlap = table("overlap", raw.get("overlap") or {}, 0, 10, "slowdown >= 0")
+    stretch = table("overlap_stretch", raw.get("overlap_stretch") or {}, 1, 100, "factor >= 1")
+    overlap_groups = per_group("overlap_groups", 0, 10, "slowdown >= 0")
+    stretch_groups = per_group("overlap_stretch_groups", 1, 100, "factor >= 1")
     gap = raw.get("step_gap_s", 0.0)
     if isinstance(gap, bool) or not isinstance(gap, (int, float)) or not 0 <= gap < 1:
         raise UserError(f"{where}: step_gap_s = {gap!r}, expected seconds in [0, 1); re-run "
@@ -295,8 +321,7 @@ def load(path: str | Path) -> HardwareProfile:
                            peak_tflops=number("peak_tflops", optional=True), hbm_gib=number("hbm_gib", optional=True),
                            linear=linear, attention=attention, pointwise_gbps=number("pointwise_gbps"),
                            optimizer_gbps=number("optimizer_gbps"), collectives=collectives,
-                           overlap={str(k): float(v) for k, v in overlap.items()},
-                           stretch={str(k): float(v) for k, v in stretch.items()},
+                           overlap=overlap, stretch=stretch, overlap_groups=overlap_groups, stretch_groups=stretch_groups,
                            lockstep={"groups": {str(k): float(v) for k, v in groups.items()},
                                      "sigma": float(lockstep.get("sigma", 0.0))} if lockstep else {},
                            step_gap_s=gap, fp8_linear=fp8_linear, source=raw.get("source") or {})

@@ -72,35 +72,37 @@ class StageCosts:
         return sum(sum(self.durations[rank * v + c]) for c in range(v))
 
 
-def overlap_cost(c: Cluster, op: str) -> float:
-    """Extra compute seconds per second of `op` hidden behind compute (measured; 0 without a profile)."""
-    return c.profile.overlap_slowdown(op) if c.profile is not None else 0.0
+def overlap_cost(c: Cluster, op: str, n: int = 2) -> float:
+    """Extra compute seconds per second of `op` over `n` GPUs hidden behind compute (measured; 0
+    without a profile)."""
+    return c.profile.overlap_slowdown(op, n) if c.profile is not None else 0.0
 
 
-def _stretch(c: Cluster, op: str) -> float:
-    """How many times slower `op` runs beside compute than alone (measured; 1 without a profile)."""
-    return c.profile.overlap_stretch(op) if c.profile is not None else 1.0
+def _stretch(c: Cluster, op: str, n: int = 2) -> float:
+    """How many times slower `op` over `n` GPUs runs beside compute than alone (measured; 1 without
+    a profile)."""
+    return c.profile.overlap_stretch(op, n) if c.profile is not None else 1.0
 
 
-def hide(parts: tuple[tuple[str, float], ...], window_s: float, c: Cluster) -> tuple[float, float]:
-    """Collectives (op, seconds alone) issued beside `window_s` seconds of compute: (seconds left to
-    run after the compute, extra compute seconds). Beside compute a collective runs its measured
-    stretch times slower, so the window hides window / stretch of its time alone, and the compute
-    beside it is slowed by the op's overlap cost for as long as it runs."""
+def hide(parts: tuple[tuple[str, float], ...], window_s: float, c: Cluster, n: int = 2) -> tuple[float, float]:
+    """Collectives (op, seconds alone) over a group of `n` GPUs issued beside `window_s` seconds of
+    compute: (seconds left to run after the compute, extra compute seconds). Beside compute a
+    collective runs its measured stretch times slower, so the window hides window / stretch of its
+    time alone, and the compute beside it is slowed by the op's overlap cost for as long as it runs."""
     total = sum(t for _, t in parts)
     if total <= 0.0:
         return 0.0, 0.0
-    stretch = {op: _stretch(c, op) for op, _ in parts}
+    stretch = {op: _stretch(c, op, n) for op, _ in parts}
     beside_s = sum(t * stretch[op] for op, t in parts)  # how long all of it would run beside compute
     share = min(1.0, window_s / beside_s)  # of each collective, what runs while the compute does
-    slowdown = sum(overlap_cost(c, op) * t * stretch[op] for op, t in parts) * share
+    slowdown = sum(overlap_cost(c, op, n) * t * stretch[op] for op, t in parts) * share
     return total * (1.0 - share), slowdown
 
 
-def room_left(parts: tuple[tuple[str, float], ...], window_s: float, c: Cluster) -> float:
+def room_left(parts: tuple[tuple[str, float], ...], window_s: float, c: Cluster, n: int = 2) -> float:
     """Seconds of a `window_s` compute window during which the link is free once `parts` (as in
     `hide`) have run beside it: what another collective issued beside the same compute can use."""
-    return max(0.0, window_s - sum(t * _stretch(c, op) for op, t in parts))
+    return max(0.0, window_s - sum(t * _stretch(c, op, n) for op, t in parts))
 
 
 def split_layers(d: ModelDims, stages: int, split: str, schedule: str = "1f1b") -> list[int]:
@@ -154,9 +156,10 @@ def _zero3_ends(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, link: Li
     f += roofline.kernel_time_s(0.0, r_cast + h_cast, c)
     b += roofline.kernel_time_s(0.0, r_pack + r_add + h_add, c)
     if head:
-        f += sum(hide((("all_gather", moved("all_gather", head, prec.param_bytes)),), lt.forward_s, c))
-        room = n_layers * room_left((("all_gather", block_ag), ("reduce_scatter", block_rs)), lt.backward_s, c)
-        b += sum(hide((("reduce_scatter", moved("reduce_scatter", head, prec.wire_grad_bytes)),), room, c))
+        n = lay.shard_group
+        f += sum(hide((("all_gather", moved("all_gather", head, prec.param_bytes)),), lt.forward_s, c, n))
+        room = n_layers * room_left((("all_gather", block_ag), ("reduce_scatter", block_rs)), lt.backward_s, c, n)
+        b += sum(hide((("reduce_scatter", moved("reduce_scatter", head, prec.wire_grad_bytes)),), room, c, n))
     return f, b
 
 
@@ -238,8 +241,8 @@ def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, m: int =
         cp_f = cp_b = sum(x.time_s(links["cp"][0]) for x in cp_a2a)
     else:
         cp_s = Collective("send_recv", kv_chunk, cp, cp - 1, "").time_s(links["cp"][0]) if cp > 1 else 0.0
-        cp_f = sum(hide((("send_recv", cp_s),), lt.attention_forward_s, c))
-        cp_b = sum(hide((("send_recv", 2 * cp_s),), 2.5 * lt.attention_forward_s, c))  # K/V again plus dK/dV
+        cp_f = sum(hide((("send_recv", cp_s),), lt.attention_forward_s, c, cp))
+        cp_b = sum(hide((("send_recv", 2 * cp_s),), 2.5 * lt.attention_forward_s, c, cp))  # K/V again plus dK/dV
         if cp > 1:  # the ring's own element-wise work: merges, accumulators, copies (plait/parallel/context.py)
             from plait.parallel.context import bookkeeping_bytes
 
@@ -263,8 +266,8 @@ def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, m: int =
         cast, pack, add = zero3_passes(block_t, shard, prec, m, 2, lay.zero3_cast_once, fp8_gather) if pp == 1 \
             else (0.0,) * 3
         pf, pb = roofline.kernel_time_s(0.0, cast / 2, c), roofline.kernel_time_s(0.0, cast / 2 + pack + add, c)
-        z3_f = pf + sum(hide((("all_gather", ag),), lt.forward_s + pf, c))
-        z3_b = pb + sum(hide((("all_gather", ag), ("reduce_scatter", rs)), lt.backward_s + pb, c))
+        z3_f = pf + sum(hide((("all_gather", ag),), lt.forward_s + pf, c, shard))
+        z3_b = pb + sum(hide((("all_gather", ag), ("reduce_scatter", rs)), lt.backward_s + pb, c, shard))
     # ZeRO-3 without a pipeline, at the ends of each micro-batch where no compute runs beside the
     # transfer (plait/parallel/fsdp.py): the forward begins by gathering the root unit (embedding,
     # norms) and then the first block; the backward begins by gathering the last block (the fused
