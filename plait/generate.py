@@ -103,13 +103,16 @@ def sample_pipelined(runner, prompt_ids: list[int], max_new_tokens: int, tempera
     rank_of = [place(runner.name, runner.pp, runner.v, s)[0] for s in range(S)]
     head_rank = rank_of[S - 1]
     max_len = min(window, len(prompt_ids) + max_new_tokens)
-    caches = [KVCache.for_model(model, batch=1, max_len=max_len, layers=keys) for keys in runner.chunks]
+    # a chunk of no layers (`parallel.stage_layers` 0 for a stage) keeps nothing
+    caches = [KVCache.for_model(model, batch=1, max_len=max_len, layers=keys) if keys else None
+              for keys in runner.chunks]
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def next_token(tokens: list[int], prefill: bool) -> int:
         if prefill:
             for c in caches:
-                c.reset()
+                if c is not None:
+                    c.reset()
         x = torch.tensor([tokens], dtype=torch.long, device=device)
         h, picked = None, torch.zeros(1, dtype=torch.long, device=device)
         for s in range(S):

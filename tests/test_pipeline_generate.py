@@ -1,8 +1,8 @@
 """Sampling through a pipeline (`plait.generate.sample_pipelined`, what `plait train` prints at the end
 of a pipelined run): every rank of every pipeline returns the tokens one process samples from the
 same weights - greedy and with temperature and top-k, past the window, where the KV caches start
-over - for 1F1B, interleaved and ZB-V stage placements, under ZeRO-1 and ZeRO-3 (the weights
-gathered for inference), on 2 stages x 2 context-parallel ranks and on 2 stages x 2 tensor-parallel
+over - for 1F1B, interleaved and ZB-V stage placements, stages of no layers, under ZeRO-1 and
+ZeRO-3 (the weights gathered for inference), on 2 stages x 2 context-parallel ranks and on 2 stages x 2 tensor-parallel
 ranks with sequence parallelism (decoding runs without the sequence split)."""
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ GEN = {"preset": "custom", "vocab_size": 259, "dim": 32, "n_layers": 4, "n_heads
        "ffn_dim": 64, "max_seq_len": 24}
 PROMPT, NEW = [100, 101, 32, 102, 58, 10], 40
 CASES = {"1f1b": dict(schedule="1f1b", zero=0), "interleaved-zero1": dict(schedule="interleaved", v=2, zero=1),
-         "zbv-zero3": dict(schedule="zbv", v=2, zero=3), "1f1b-zero3": dict(schedule="1f1b", zero=3)}
+         "zbv-zero3": dict(schedule="zbv", v=2, zero=3), "1f1b-zero3": dict(schedule="1f1b", zero=3),
+         # a stage of no layers (parallel.stage_layers): its rank embeds, or runs the head, and caches nothing
+         "empty-first": dict(schedule="1f1b", stage_layers="0,4"), "empty-last": dict(schedule="1f1b", stage_layers="4,0")}
 DRAWS = {"greedy": dict(temperature=0.0), "top-k": dict(temperature=0.8, top_k=5, seed=3)}
 TP_CASES = {"tp-1f1b": dict(schedule="1f1b", sp="on"), "tp-zbv": dict(schedule="zbv", v=2, sp="on")}
 
