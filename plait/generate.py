@@ -90,7 +90,8 @@ def sample_pipelined(runner, prompt_ids: list[int], max_new_tokens: int, tempera
     states to the next stage's rank, as the forward of evaluation does; the rank with the last stage
     picks the token and broadcasts it to the pipeline, so every rank returns the same ids - those
     one process would sample from the same weights. The parameters must be whole on this rank
-    (`Engine.gather_for_inference`); context parallelism is not supported here."""
+    (`Engine.gather_for_inference`). Context parallelism needs nothing: with a KV cache attention
+    runs without the ring, and each context-parallel rank decodes the same tokens."""
     from plait.parallel.schedules import place
 
     model, comm, dim = runner.model, runner.comm, runner.pp_dim
