@@ -84,20 +84,29 @@ def _children() -> dict[int, int]:
     return out
 
 
+BACKGROUND: set[int] = set()
+"""Processes the session runs beside the tests (conftest's default job): not a test's leftovers."""
+
+
+def _below(parents: dict[int, int], roots: set[int]) -> set[int]:
+    found, frontier = set(), set(roots)
+    while frontier:
+        frontier = {p for p, pp in parents.items() if pp in frontier} - found
+        found |= frontier
+    return found
+
+
 def descendants(root: int | None = None) -> set[int]:
     """Living processes below `root` (default: this one), except the long-lived helpers that
-    multiprocessing keeps for the whole session (fork server, resource tracker)."""
+    multiprocessing keeps for the whole session (fork server, resource tracker) and the session's
+    BACKGROUND processes with theirs."""
     import multiprocessing.forkserver as fs
     import multiprocessing.resource_tracker as rt
 
     keep = {getattr(fs._forkserver, "_forkserver_pid", None), getattr(rt._resource_tracker, "_pid", None)}
     parents = _children()
-    root = os.getpid() if root is None else root
-    found, frontier = set(), {root}
-    while frontier:
-        frontier = {p for p, pp in parents.items() if pp in frontier} - found
-        found |= frontier
-    return {p for p in found if p not in keep}
+    keep |= BACKGROUND | _below(parents, BACKGROUND)
+    return {p for p in _below(parents, {os.getpid() if root is None else root}) if p not in keep}
 
 
 def with_marker(marker: str) -> set[int]:
