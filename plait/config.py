@@ -249,7 +249,14 @@ class Config:
         return {f.name: dataclasses.asdict(getattr(self, f.name)) for f in fields(self)}
 
     def to_toml(self) -> str:
-        return dump_toml(self.to_dict())
+        """The config as TOML. With train.global_batch set, grad_accum is what that batch made at the
+        run's layout: it is written as a comment, so that the file, given back as --config or
+        resumed at another layout, derives it again instead of contradicting the batch."""
+        d = self.to_dict()
+        notes = {}
+        if self.train.global_batch:
+            notes[("train", "grad_accum")] = "derived: global_batch / (micro_batch x dp) at this layout"
+        return dump_toml(d, notes)
 
 
 SECTIONS = {f.name: f.type for f in fields(Config)}
@@ -446,10 +453,14 @@ def _toml_value(v: Any) -> str:
     return f'"{s}"'
 
 
-def dump_toml(d: dict[str, dict[str, Any]]) -> str:
+def dump_toml(d: dict[str, dict[str, Any]], notes: dict[tuple[str, str], str] | None = None) -> str:
+    """`notes`: (section, key) -> why that key is written as a comment (a value derived from others)."""
+    notes = notes or {}
     lines = []
     for section, values in d.items():
         lines.append(f"[{section}]")
-        lines += [f"{k} = {_toml_value(v)}" for k, v in values.items()]
+        for k, v in values.items():
+            note = notes.get((section, k))
+            lines.append(f"# {k} = {_toml_value(v)}  ({note})" if note else f"{k} = {_toml_value(v)}")
         lines.append("")
     return "\n".join(lines)

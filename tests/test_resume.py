@@ -205,6 +205,19 @@ def test_one_field_given_twice_or_the_batch_twice_is_refused(corpus, tmp_path, c
     assert not run.exists()
 
 
+def test_a_runs_config_toml_given_back_as_config_trains_the_same_run(corpus, tmp_path, capfd):
+    """A run folder's config.toml records what the run used; given back with --config it starts the
+    same run: with train.global_batch 0 ("off") beside grad_accum, and with a global batch, whose
+    grad_accum the file notes as derived rather than setting it."""
+    for name, extra in (("accum", ["--train.grad_accum", "2"]), ("batch", ["--train.global_batch", "8"])):
+        run, again = tmp_path / name, tmp_path / f"{name}-again"
+        assert main(_first_run(corpus, run, steps=2, extra=extra)) == 0
+        assert main(["train", "--config", str(run / "config.toml"), "--out", str(again)]) == 0, capfd.readouterr().err
+        assert [r["loss"] for r in _rows(again)] == [r["loss"] for r in _rows(run)]
+        text = (run / "config.toml").read_text()
+        assert ("# grad_accum = 2  (derived" in text) == (name == "batch")
+
+
 def test_the_global_batch_hint_works_at_the_new_layout():
     from plait.resume import global_batch_note
 

@@ -58,7 +58,7 @@ def config_from_args(args, extra):
                 raise bad_value(f"--{flag}", value, f"and --{section}.{key} {other} set one field: give one of them")
             raw = merge(raw, {section: {key: value}})
     given = raw.get("train", {})
-    if "global_batch" in given and "grad_accum" in given:  # the batch derives the accumulation at each layout
+    if given.get("global_batch") and "grad_accum" in given:  # the batch derives the accumulation at each layout
         raise bad_value("train.grad_accum", given["grad_accum"], f"is derived from train.global_batch = "
                         f"{given['global_batch']} (global_batch / (micro_batch x dp)): give one of them")
     cfg = build_config(raw)  # checks every value given, and reads --resume / --out
