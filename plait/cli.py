@@ -17,10 +17,17 @@ def _command_modules():
             yield importlib.import_module(f"plait.commands.{info.name}")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's, but a mistake is one line (argparse prints the whole usage block first)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, dict]:
-    parser = argparse.ArgumentParser(prog="plait", allow_abbrev=False, description="Train Llama-style language models "
-                                     "on one CPU or many GPUs, every parallelism on one device mesh.")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser = _Parser(prog="plait", allow_abbrev=False, description="Train Llama-style language models "
+                     "on one CPU or many GPUs, every parallelism on one device mesh.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     modules = {}
     parser.subparsers = {}  # name -> its parser: unknown flags are matched against its options
     for mod in _command_modules():
@@ -71,5 +78,23 @@ def _near_miss(sub: argparse.ArgumentParser, name: str, extra: list[str]) -> Non
                             f"(see plait {name} --help)")
 
 
+def entry() -> None:
+    """The `plait` console command: main(), then an exit that a late Ctrl-C leaves quiet. Once the
+    command is done, a SIGINT during the interpreter's shutdown (joining the fork server, torch's
+    exit hooks) would print their tracebacks; the work is finished, so it just ends the process."""
+    import os
+    import signal
+
+    rc = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+    def done(*_):
+        os._exit(rc)
+
+    signal.signal(signal.SIGINT, done)
+    sys.exit(rc)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -86,3 +86,5 @@ def _quietly(fn) -> None:
         fn()
     except Exception:  # already stopped, or a Python whose private API differs: nothing to reap
         pass
+    except KeyboardInterrupt:  # Ctrl-C while exiting: the server goes with this process's group
+        pass
