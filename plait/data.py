@@ -116,6 +116,13 @@ class TokenData(_Batches):
 
     def _open_split(self, shards: list[dict], dtype) -> Split:
         shards = [s for s in shards if s["tokens"] > 0]
+        for s in shards:  # a shard cut short (a full disk, a partial copy) would train on part of the data
+            for key, count, size in (("file", "tokens", dtype.itemsize), ("docs_file", "documents", 8)):
+                if key in s and (key == "file" or s[count]):
+                    have = (self.path / s[key]).stat().st_size
+                    if have != s[count] * size:
+                        raise ValueError(f"{s[key]} holds {have // size:,} {count} where meta.json records "
+                                         f"{s[count]:,}")
         tokens = [np.memmap(self.path / s["file"], dtype=dtype, mode="r") for s in shards]
         if not all("docs_file" in s for s in shards):  # format 1: boundaries were not recorded
             return Split(tokens)

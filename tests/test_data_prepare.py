@@ -254,3 +254,19 @@ def test_a_datasets_folder_without_the_library_is_one_line(tmp_path, capsys, mon
     assert main(["data", "prepare", "--input", str(folder), "--out", str(tmp_path / "d")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "is a HuggingFace datasets folder" in err and "pip install datasets" in err
+
+
+@pytest.mark.parametrize("cut", ["tokens", "documents"])
+def test_a_shard_cut_short_is_refused_in_one_line(tmp_path, cut):
+    """A shard shorter than meta.json records (a full disk, a partial copy) trained on part of the
+    data without a word, its document starts pointing past its end; now the folder is refused."""
+    src = _jsonl(tmp_path / "c" / "a.jsonl", DOCS)
+    out = tmp_path / "d"
+    prepare([str(src)], out, ByteTokenizer(), val_fraction=0.2, quiet=True)
+    shard = json.loads((out / "meta.json").read_text())["splits"]["train"][0]
+    name = shard["file"] if cut == "tokens" else shard["docs_file"]
+    data = (out / name).read_bytes()
+    (out / name).write_bytes(data[: len(data) // 2])
+    with pytest.raises(UserError, match=rf"data.path = .*: has a damaged meta.json or shard \({re.escape(name)} holds "
+                       rf"[\d,]+ {cut} where meta.json records [\d,]+\); prepare it again"):
+        TokenData(out)
