@@ -140,7 +140,7 @@ class TrainConfig:
     out: str = ""
     """Run folder for config, metrics and checkpoints (default runs/<timestamp>)."""
     progress: bool = True
-    """Show a progress bar on stderr."""
+    """Show a progress bar on stderr (the run's other lines - the banner, validation losses, checkpoints saved - print either way)."""
     tensorboard: bool = True
     """Also write TensorBoard events when the tensorboard package is installed."""
     sample_tokens: int = 200

@@ -168,17 +168,19 @@ def _fmt_time(s: float) -> str:
 
 
 class Progress:
-    """A one-line bar on a terminal; on a pipe or log file, a plain line every ~5% of the run."""
+    """A one-line bar on a terminal; on a pipe or log file, a plain line every ~5% of the run.
+    `enabled`: this process prints (rank 0); `bar`: the bar too (train.progress) - the run's other
+    lines (banner, validation losses, checkpoints) print either way."""
 
-    def __init__(self, total: int, start: int, enabled: bool, stream=None):
-        self.total, self.start, self.enabled = total, start, enabled
+    def __init__(self, total: int, start: int, enabled: bool, stream=None, bar: bool = True):
+        self.total, self.start, self.enabled, self.bar = total, start, enabled, bar
         self.stream = stream or sys.stderr
         self.t0 = time.perf_counter()
         self.tty = self.stream.isatty()
         self.every = max(1, (total - start) // 20)
 
     def update(self, step: int, loss: float, tokens_per_s: float, extra: str = "") -> None:
-        if not self.enabled:
+        if not (self.enabled and self.bar):
             return
         done = step - self.start
         elapsed = time.perf_counter() - self.t0
@@ -195,9 +197,9 @@ class Progress:
 
     def message(self, text: str) -> None:
         if self.enabled:
-            self.stream.write(("\r" + " " * 100 + "\r" if self.tty else "") + text + "\n")
+            self.stream.write(("\r" + " " * 100 + "\r" if self.tty and self.bar else "") + text + "\n")
             self.stream.flush()
 
     def close(self) -> None:
-        if self.enabled and self.tty:
+        if self.enabled and self.bar and self.tty:
             self.stream.write("\n")

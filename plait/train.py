@@ -212,7 +212,7 @@ def _train(cfg: Config, dims, stop: StopRequest) -> dict:
     fpt = flops_per_token(cfg.model, t.seq_len)
     peak = peak_flops(device, dtype)
     end = t.steps if not t.max_steps_this_run else min(t.steps, start + t.max_steps_this_run)
-    bar = Progress(end, start, enabled=is_main and t.progress)
+    bar = Progress(end, start, enabled=is_main, bar=t.progress)
     if is_main:
         bar.message(f"plait: {cfg.model.preset} model, {param_count(cfg.model) / 1e6:.2f}M parameters, "
                     f"{device.type} {str(dtype).replace('torch.', '')}{describe_layout(cfg, world)}, "

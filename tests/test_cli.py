@@ -23,6 +23,9 @@ def test_train_generate_export(corpus, tmp_path, capsys):
     assert main(["train", *_micro_args(corpus, tmp_path / "r")]) == 0
     err = capsys.readouterr().err
     assert "--- sample ---" in err and "final val loss" in err
+    # --train.progress false hides the bar, not the run's other lines (it hid them all)
+    assert "plait: custom model" in err and "step 4: val loss" in err and "saved checkpoint" in err
+    assert "[####" not in err
     assert main(["generate", "--checkpoint", str(tmp_path / "r"), "--prompt", "def ", "--max-new-tokens", "8"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("def ") and len(out) > 4
