@@ -65,6 +65,8 @@ def write_atomic(path: Path, text: str) -> None:
 
 def check_writable(folder: Path, field: str) -> None:
     """Fail before training, not at the first save an hour in."""
+    if folder.exists() and not folder.is_dir():
+        raise bad_value(field, str(folder), "is a file, not a folder; choose a folder for the run")
     try:
         folder.mkdir(parents=True, exist_ok=True)
         probe = folder / f".write-probe-{os.getpid()}"

@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     mod = modules[args.command]
     try:
-        _near_miss(parser.subparsers[mod.NAME], mod.NAME, extra)
+        _near_miss(parser.subparsers[mod.NAME], mod.NAME, extra, getattr(mod, "FLAG_HINTS", {}))
         if extra and not getattr(mod, "TAKES_OVERRIDES", False):
             raise UserError(f"unrecognized arguments for `plait {mod.NAME}`: {' '.join(extra)} "
                             f"(see plait {mod.NAME} --help)")
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def _near_miss(sub: argparse.ArgumentParser, name: str, extra: list[str]) -> None:
+def _near_miss(sub: argparse.ArgumentParser, name: str, extra: list[str], hints: dict[str, str]) -> None:
     """Refuse an unknown flag that is a prefix of, or close to, one of the command's own (`plan
     --gpus 8` for --gpus-per-node; abbreviations are off) naming the flag meant; dotted overrides
     (`--train.steps`) and anything else go on to the command."""
@@ -72,6 +72,8 @@ def _near_miss(sub: argparse.ArgumentParser, name: str, extra: list[str]) -> Non
         flag = arg.split("=", 1)[0]
         if not flag.startswith("--") or "." in flag or flag in own:
             continue
+        if flag in hints:  # a flag users reach for that means something else here
+            raise UserError(f"unknown flag {flag!r} for `plait {name}`: {hints[flag]} (see plait {name} --help)")
         near = [o for o in own if o.startswith(flag)] or difflib.get_close_matches(flag, own, n=2, cutoff=0.8)
         if near:
             raise UserError(f"unknown flag {flag!r} for `plait {name}`: did you mean {' or '.join(near)}? "

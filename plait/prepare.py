@@ -335,6 +335,9 @@ def prepare(inputs: list[str], out: str | Path, tokenizer, val_fraction: float =
               f"({meta['files_skipped']} skipped), {n['train']:,} train / {n['val']:,} val tokens, "
               f"{np.dtype(dtype).name}; {meta['_seconds']:.1f} s, {sum(n.values()) / meta['_seconds']:,.0f} "
               f"tokens/s on {max(1, workers)} worker(s)", file=sys.stderr)
+        if meta["_tail"]:
+            print(f"validation: the last {n['val']:,} tokens of the stream, cutting through a document: too few "
+                  "documents to hold whole ones out by name", file=sys.stderr)
         if not n["val"]:
             print("no validation split (--val-fraction 0): `plait train` and `plait eval` need one; prepare "
                   "with --val-fraction above 0 to train on this folder", file=sys.stderr)
@@ -370,7 +373,8 @@ def _write_shards(tmp: Path, sources, tokenizer, dtype, val_fraction, text_field
     n_val = sum(s["tokens"] for s in shards["val"])
     if n_train + n_val == 0:
         raise bad_value("--input", " ".join(inputs), "contains no readable UTF-8 text; the corpus is empty")
-    if val_fraction > 0 and (n_val == 0 or n_train == 0):
+    tail = val_fraction > 0 and (n_val == 0 or n_train == 0)
+    if tail:
         # too few documents to hold any out by name (or one text file: one document): split the token
         # stream itself (tail = validation). With val_fraction 0 the user asked for no validation data.
         _split_tail(tmp, shards, dtype, val_fraction)
@@ -381,7 +385,7 @@ def _write_shards(tmp: Path, sources, tokenizer, dtype, val_fraction, text_field
             "documents": {"count": n_docs, "end": "newline" if eos is None else "eos", "eos_id": eos},
             "files_used": counts["files"], "files_skipped": counts["skipped"]}
     (tmp / META).write_text(json.dumps(meta, indent=1))  # no timings in it: same inputs, same bytes
-    return {**meta, "_seconds": max(time.perf_counter() - t0, 1e-9)}
+    return {**meta, "_seconds": max(time.perf_counter() - t0, 1e-9), "_tail": tail}
 
 
 def _split_tail(folder: Path, shards: dict, dtype, fraction: float) -> None:

@@ -23,11 +23,10 @@ def validate_model(m) -> None:
     for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
         _positive(f"model.{name}", getattr(m, name))
     if m.dim % m.n_heads:
-        raise bad_value("model.n_heads", m.n_heads,
-                        f"must divide model.dim = {m.dim} (e.g. {_divisor_near(m.dim, m.n_heads)})")
+        raise bad_value("model.n_heads", m.n_heads, f"must divide model.dim = {m.dim} ({_heads_near(m)})")
     if m.head_dim % 2:
         raise bad_value("model.n_heads", m.n_heads,
-                        f"gives an odd head size {m.head_dim}; RoPE needs an even head size")
+                        f"gives an odd head size {m.head_dim}; RoPE needs an even head size ({_heads_near(m)})")
     if m.n_heads % m.n_kv_heads:
         raise bad_value("model.n_kv_heads", m.n_kv_heads,
                         f"must divide model.n_heads = {m.n_heads} (e.g. {_divisor_near(m.n_heads, m.n_kv_heads)})")
@@ -35,6 +34,17 @@ def validate_model(m) -> None:
     _positive("model.norm_eps", m.norm_eps)
     _positive("model.init_std", m.init_std)
     _positive("model.rope_scaling", m.rope_scaling, allow_zero=True)
+
+
+def _heads_near(m) -> str:
+    """A head count near model.n_heads that passes every check after this one (it divides dim into
+    even head sizes, and model.n_kv_heads divides it), or with the KV head count it then needs."""
+    even = [d for d in range(1, m.dim // 2 + 1) if m.dim % d == 0 and (m.dim // d) % 2 == 0]
+    if not even:
+        return f"no head count splits an odd model.dim = {m.dim} into even head sizes: make it even"
+    fits = [d for d in even if d % m.n_kv_heads == 0]
+    best = min(fits or even, key=lambda d: (abs(d - m.n_heads), d))
+    return f"e.g. {best}" if fits else f"e.g. {best} with model.n_kv_heads {_divisor_near(best, m.n_kv_heads)}"
 
 
 def _divisor_near(n: int, k: int) -> int:

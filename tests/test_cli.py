@@ -51,6 +51,7 @@ def _unwritable(tmp_path):
     ("missing-data", "data.path = "),
     ("empty-corpus", "--input = "),
     ("unwritable", "train.out = "),
+    ("out-is-a-file", "is a file, not a folder; choose a folder for the run"),
     ("no-checkpoint", "--checkpoint = "),
     ("existing-run", "already holds 1 checkpoint(s); pass --resume"),
     ("bad-config-file", "--config = "),
@@ -69,7 +70,9 @@ def test_bad_input_exits_2_with_one_line(case, needle, corpus, tmp_path, capsys)
         "existing-run": ["train", *base],
         "bad-config-file": ["train", "--config", str(tmp_path / "missing.toml")],
         "config-is-a-folder": ["train", "--config", str(tmp_path)],
+        "out-is-a-file": ["train", *base, "--out", str(tmp_path / "a-file")],
     }[case]
+    (tmp_path / "a-file").write_text("not a run folder\n")
     if case == "existing-run":
         assert main(argv) == 0
         capsys.readouterr()
@@ -158,14 +161,15 @@ def test_sp_flag_takes_a_value_like_its_field():
         assert cfg.parallel.sp == want, argv
 
 
-@pytest.mark.parametrize("argv,meant", [(["plan", "--model", "8b", "--gpus", "8"], "--gpus-per-node"),
+@pytest.mark.parametrize("argv,meant", [(["plan", "--model", "8b", "--gpus", "8"], "--nodes N --gpus-per-node G"),
                                         (["train", "--step", "3"], "--steps"),
                                         (["plan", "--model", "8b", "--gpus-per-nod", "8"], "--gpus-per-node")])
 def test_an_abbreviated_or_misspelt_flag_is_refused_naming_the_flag(capsys, argv, meant):
     # argparse took `plan --gpus 8` as --gpus-per-node 8: 8 GPUs a node, not 8 GPUs, and nothing said so
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and f"did you mean {meant}?" in err[0], err
+    # --gpus is no near miss of --gpus-per-node (a node's count, not the cluster's): plan says what is
+    assert len(err) == 1 and (f"did you mean {meant}?" in err[0] or f"a cluster is {meant}" in err[0]), err
 
 
 def test_a_dotted_override_is_not_taken_for_an_abbreviation():

@@ -92,3 +92,27 @@ def test_a_field_without_its_section_is_named(arg, field):
     # `--profile-steps 2:3` said only that overrides look like --section.key VALUE, not which one it meant
     with pytest.raises(UserError, match=f"did you mean {field}\\?"):
         parse_overrides([arg, "2:3"])
+
+
+@pytest.mark.parametrize("dim", [64, 66, 72, 100, 96, 130])
+@pytest.mark.parametrize("heads, kv", [(3, 1), (5, 1), (8, 4), (12, 4), (7, 2)])
+def test_a_suggested_head_count_passes_the_checks_after_it(dim, heads, kv):
+    """The head count an error suggests (with the KV head count it needs, where it names one) makes
+    a valid model: `--model.dim 100` once suggested 10 heads, which the next check refused for 4
+    KV heads."""
+    import re
+
+    from plait.validate import validate_model
+
+    m = build_config({"model": {"dim": dim, "n_heads": heads, "n_kv_heads": kv}}).model
+    try:
+        validate_model(m)
+        return
+    except UserError as e:
+        msg = str(e)
+    if not msg.startswith("model.n_heads"):
+        return
+    found = re.search(r"e\.g\. (\d+)(?: with model\.n_kv_heads (\d+))?\)", msg)
+    assert found, msg
+    m.n_heads, m.n_kv_heads = int(found[1]), int(found[2] or kv)
+    validate_model(m)

@@ -270,3 +270,14 @@ def test_a_shard_cut_short_is_refused_in_one_line(tmp_path, cut):
     with pytest.raises(UserError, match=rf"data.path = .*: has a damaged meta.json or shard \({re.escape(name)} holds "
                        rf"[\d,]+ {cut} where meta.json records [\d,]+\); prepare it again"):
         TokenData(out)
+
+
+def test_prepare_says_when_validation_is_the_streams_tail(tmp_path, capsys):
+    """Whole documents are held out where a hash picks some; where it picks none the split cuts the
+    stream's tail, through a document, and the command says so (it said nothing)."""
+    (tmp_path / "one.txt").write_text("".join(f"line {i} of the only file\n" for i in range(200)))
+    assert main(["data", "prepare", "--input", str(tmp_path / "one.txt"), "--out", str(tmp_path / "a")]) == 0
+    assert "validation: the last 50 tokens of the stream, cutting through a document" in capsys.readouterr().err  # 1%
+    src = _jsonl(tmp_path / "c" / "a.jsonl", DOCS)
+    assert main(["data", "prepare", "--input", str(src), "--out", str(tmp_path / "b"), "--val-fraction", "0.2"]) == 0
+    assert "validation: the last" not in capsys.readouterr().err

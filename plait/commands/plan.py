@@ -11,6 +11,7 @@ NAME = "plan"
 HELP = ("Predict memory per GPU, traffic per mesh dim, step time and MFU of a parallel layout, or "
         "search for the fastest layout that fits")
 TAKES_OVERRIDES = True  # --link.<kind>-gbps / --gpu.<field> hardware overrides
+FLAG_HINTS = {"--gpus": "a cluster is --nodes N --gpus-per-node G (64 GPUs: --nodes 8 --gpus-per-node 8)"}
 
 
 def add_arguments(p) -> None:
