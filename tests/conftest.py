@@ -87,7 +87,9 @@ DEFAULT_JOB = pytest.StashKey()
 
 def _background() -> None:
     """In the job's process before it starts: the lowest priority, and (Linux) killed with the session's
-    process, whatever ends it. Its own session keeps signals the tests send to groups away from it."""
+    process, whatever ends it. Its own process group keeps signals the tests send to groups away from
+    it; it stays in pytest's session, since Linux's autogroup scheduler shares the CPU between sessions
+    as equals whatever their nice values (a session of its own took half the cores from the tests)."""
     os.nice(19)
     try:
         import ctypes
@@ -112,7 +114,7 @@ def pytest_collection_modifyitems(session, config, items):
     err = open(root / "stderr.txt", "w")
     proc = subprocess.Popen([sys.executable, "-m", "plait.cli", "train", "--out", str(root / "run"),
                              "--train.progress", "false"], stdout=err, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_background)
+                            stdin=subprocess.DEVNULL, process_group=0, preexec_fn=_background)
     err.close()
     config.stash[DEFAULT_JOB] = (proc, root)
     from fault_runs import BACKGROUND
