@@ -129,7 +129,10 @@ def read_documents(source: Source, text_field: str = "text") -> Iterator[tuple[s
                     continue
                 row_no += 1
                 try:
-                    row = json.loads(line)
+                    row = json.loads(line.decode("utf-8"))
+                except UnicodeDecodeError as e:
+                    raise bad_value("--input", f"{p}:{line_no}", f"is not UTF-8 (byte {line[e.start]:#04x} at "
+                                    f"column {e.start + 1}); re-encode the file as UTF-8") from None
                 except ValueError:
                     raise bad_value("--input", f"{p}:{line_no}", "is not a JSON object; fix or remove that line") from None
                 if not isinstance(row, dict):  # a list or a number has no fields to name
@@ -282,6 +285,7 @@ def _chunks(sources: list[Source], text_field: str, val_fraction: float, counts:
             covered += size
             if text is None:
                 counts["skipped"] += 1
+                counts["skipped_paths"].append(str(source.path))
                 continue
             if not text.strip():
                 continue
@@ -335,6 +339,10 @@ def prepare(inputs: list[str], out: str | Path, tokenizer, val_fraction: float =
               f"({meta['files_skipped']} skipped), {n['train']:,} train / {n['val']:,} val tokens, "
               f"{np.dtype(dtype).name}; {meta['_seconds']:.1f} s, {sum(n.values()) / meta['_seconds']:,.0f} "
               f"tokens/s on {max(1, workers)} worker(s)", file=sys.stderr)
+        if meta["_skipped"]:
+            names = ", ".join(meta["_skipped"][:5]) + (f" and {len(meta['_skipped']) - 5} more"
+                                                       if len(meta["_skipped"]) > 5 else "")
+            print(f"skipped {len(meta['_skipped'])} file(s) that are not UTF-8 text: {names}", file=sys.stderr)
         if meta["_tail"]:
             print(f"validation: the last {n['val']:,} tokens of the stream, cutting through a document: too few "
                   "documents to hold whole ones out by name", file=sys.stderr)
@@ -347,7 +355,7 @@ def prepare(inputs: list[str], out: str | Path, tokenizer, val_fraction: float =
 def _write_shards(tmp: Path, sources, tokenizer, dtype, val_fraction, text_field, workers, quiet, inputs) -> dict:
     t0 = time.perf_counter()
     writers = {s: _ShardWriter(tmp, s, dtype) for s in ("train", "val")}
-    counts = {"skipped": 0, "files": 0}
+    counts = {"skipped": 0, "files": 0, "skipped_paths": []}
     bar = _Bar(sum(s.size for s in sources), enabled=not quiet)
     pending: collections.deque = collections.deque()  # (is_val, bytes) of chunks handed to the encoder
 
@@ -385,7 +393,7 @@ def _write_shards(tmp: Path, sources, tokenizer, dtype, val_fraction, text_field
             "documents": {"count": n_docs, "end": "newline" if eos is None else "eos", "eos_id": eos},
             "files_used": counts["files"], "files_skipped": counts["skipped"]}
     (tmp / META).write_text(json.dumps(meta, indent=1))  # no timings in it: same inputs, same bytes
-    return {**meta, "_seconds": max(time.perf_counter() - t0, 1e-9), "_tail": tail}
+    return {**meta, "_seconds": max(time.perf_counter() - t0, 1e-9), "_tail": tail, "_skipped": counts["skipped_paths"]}
 
 
 def _split_tail(folder: Path, shards: dict, dtype, fraction: float) -> None:

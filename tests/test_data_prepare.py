@@ -208,6 +208,8 @@ def test_progress_bar_and_summary(tmp_path, capsys):
     ("object", [], "--text-field = 'text': holds an object, not text"),
     # a JSON line that is not an object once blamed --text-field for a row with no fields at all
     ("array", [], r"a.jsonl:2': is not a JSON object; fix or remove that line"),
+    # a Latin-1 line was "not a JSON object" too
+    ("latin1", [], r"a.jsonl:2': is not UTF-8 \(byte 0xe9 at column 14\); re-encode the file as UTF-8"),
     ("jsonl", ["--workers", "0"], "--workers = 0: must be 1 or more"),
     ("nothing", [], "holds no text files"),
 ])
@@ -224,6 +226,8 @@ def test_prepare_errors_are_one_line(tmp_path, capsys, setup, args, needle):
         (src / "a.jsonl").write_text('{"text": {"body": "x"}}\n')
     elif setup == "array":
         (src / "a.jsonl").write_text('{"text": "fine"}\n["not", "a", "row"]\n')
+    elif setup == "latin1":
+        (src / "a.jsonl").write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
     elif setup == "nothing":
         (src / "image.png").write_bytes(b"\x89PNG")
     assert main(["data", "prepare", "--input", str(src), "--out", str(tmp_path / "d"), *args]) == 2
@@ -281,3 +285,12 @@ def test_prepare_says_when_validation_is_the_streams_tail(tmp_path, capsys):
     src = _jsonl(tmp_path / "c" / "a.jsonl", DOCS)
     assert main(["data", "prepare", "--input", str(src), "--out", str(tmp_path / "b"), "--val-fraction", "0.2"]) == 0
     assert "validation: the last" not in capsys.readouterr().err
+
+
+def test_prepare_names_the_files_it_skips(tmp_path, capsys):
+    """A text file with one byte that is not UTF-8 is left out whole; the summary named no file."""
+    (tmp_path / "good.txt").write_text("fine text\n" * 20)
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9 au lait\n")
+    assert main(["data", "prepare", "--input", str(tmp_path / "good.txt"), str(tmp_path / "latin1.txt"),
+                 "--out", str(tmp_path / "d")]) == 0
+    assert f"skipped 1 file(s) that are not UTF-8 text: {tmp_path / 'latin1.txt'}" in capsys.readouterr().err

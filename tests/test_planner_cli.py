@@ -242,3 +242,22 @@ def test_every_time_s_key_is_documented(capsys):
     listed = re.search(r"`time_s` \(([a-z0-9_, ]+):", " ".join(docs.read_text().split())).group(1)
     assert keys == {k.strip() for k in listed.split(",")}
     assert "`host` is" in docs.read_text()
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_explain_bytes_per_param_is_the_tables(zero, capsys):
+    """--explain's state bytes per parameter is what the memory table holds: under ZeRO-3 the fp32
+    shard is the master (14 B / N_d, not the paper's 16 B / N_d)."""
+    import json
+    import re
+
+    args = ["plan", "--model", "8b", "--gpu", "h100", "--nodes", "1", "--gpus-per-node", "8", "--global-batch", "64",
+            "--micro-batch", "1", "--seq", "4096", "--dp", "8", "--zero", str(zero)]
+    assert main([*args, "--explain"]) == 0
+    per_param = float(re.search(r"-> ([\d.]+) B/param x ([\d.e+]+) params", capsys.readouterr().out)[1])
+    assert main([*args, "--json"]) == 0
+    mem = json.loads(capsys.readouterr().out)["prediction"]["memory_bytes"]
+    state = mem["parameters"] + mem["master_weights"] + mem["optimizer_states"]
+    # gradients: ZeRO-3 holds a unit's full gradient besides the shard at its peak; the state's own is N g / N_d
+    grads = 2 * 8.03e9 / (8 if zero >= 2 else 1)
+    assert (state + grads) / 8.03e9 == pytest.approx(per_param, rel=2e-3)

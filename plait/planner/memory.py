@@ -99,8 +99,8 @@ def state_bytes(n_params: float, zero: int, n_shard: int, prec: Precision,
                       optimizer=n_params * o / (n if zero >= 1 else 1))
 
 
-def bytes_per_param(zero: int, n_shard: int, prec: Precision) -> float:
-    return state_bytes(1.0, zero, n_shard, prec).total
+def bytes_per_param(zero: int, n_shard: int, prec: Precision, shard_is_master: bool = False) -> float:
+    return state_bytes(1.0, zero, n_shard, prec, shard_is_master).total
 
 
 def max_params_that_fit(capacity_bytes: float, zero: int, n_shard: int, prec: Precision) -> float:

@@ -391,7 +391,7 @@ def _explain(d, lay, c, prec, gb, m, sc, mem_rank, sched_name, makespan, bubble,
         ("micro-batches", f"M = B / (dp x b) = {gb} / ({lay.dp} x {b}) = {m}"),
         ("state bytes/param", f"{prec.name}: param {prec.param_bytes:g} + grad {prec.grad_bytes:g} + K {prec.k:g} "
                               f"(master {prec.master_bytes:g} + moments {prec.optim_bytes:g}); ZeRO-{lay.zero} over "
-                              f"N_d = {lay.shard_group} -> {memory.bytes_per_param(lay.zero, lay.shard_group, prec):.4g}"
+                              f"N_d = {lay.shard_group} -> {memory.bytes_per_param(lay.zero, lay.shard_group, prec, True):.4g}"
                               f" B/param x {sc.rank_params[mem_rank]:.4g} params on pipeline rank {mem_rank}"),
         ("activations", f"{d.arch} per layer (s = {d.seq // cp}, b = {b}, t = {tp}, sp = {lay.seq_parallel}, "
                         f"recompute = {lay.recompute}) = {per_layer / 2**20:.1f} MiB x {held:.3g} layers' worth: "
