@@ -62,9 +62,11 @@ def preflight(cfg: Config, model_given: dict | None = None) -> Config:
         if not cfg.data.path and not cfg.data.mix:
             cfg.data.path = str(default_corpus_dir(cfg.data.cache_dir, cfg.data.val_fraction))
         data = open_data(cfg.data)
+        # the tokenizer before the vocabulary: data of another tokenizer with a larger vocabulary
+        # was told to raise model.vocab_size, which the weights' shape then refused
+        _check_tokenizer(data, folder if folder is not None else t.init_from)
         data.check(cfg.model.vocab_size, t.seq_len)
         _absolute_data(cfg)
-        _check_tokenizer(data, folder if folder is not None else t.init_from)
         if t.init_from and folder is None and _first_process():  # said once everything passed
             m = cfg.model
             warn(f"starting from the weights in {t.init_from}: {m.n_layers} layers, dim {m.dim}, {m.n_heads} heads "

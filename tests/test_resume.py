@@ -272,3 +272,11 @@ def test_data_of_another_tokenizer_is_refused_on_resume_and_init_from(corpus, tm
     fresh[fresh.index("--out") + 1] = str(tmp_path / "new")
     assert main(fresh + ["--train.init_from", str(run)]) == 2
     assert "was prepared with another tokenizer than the weights in" in _error_line(capfd)
+    # the other way: byte-level weights (256 ids) on the BPE data (300) were told to set
+    # --model.vocab_size 300, which their shape then refused
+    byte_run = tmp_path / "bytes"
+    assert main(_first_run(corpus, byte_run, steps=2)) == 0
+    capfd.readouterr()
+    onto = [a if a != str(corpus) else str(bpe) for a in _first_run(corpus, tmp_path / "onto", steps=2)]
+    assert main(onto + ["--train.init_from", str(byte_run)]) == 2
+    assert f"data.path = '{bpe}': was prepared with another tokenizer than the weights in" in _error_line(capfd)
