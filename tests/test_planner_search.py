@@ -75,7 +75,13 @@ def test_nothing_fits():
     big = ModelDims.from_config(ModelConfig(**PRESETS["405b"]))
     res = search(big, cluster("h100", 1, 1), 8, space=Space(micro_batch=(1,), recompute=("full",)))
     assert res.ranked == [] and res.rejected["does not fit in memory"] >= 1
-    assert explain_ranking(res)[0].startswith("no layout fits")
+    why = explain_ranking(res)
+    assert why[0].startswith(f"no layout fits: of {res.considered} considered, {res.considered} rejected: does not fit")
+    # what the nearest needs (it printed an empty table and "does not fit in memory: 1")
+    assert why[1].startswith("the fastest of them, tp1 pp1 dp1") and "GiB per GPU of 80: more GPUs" in why[1]
+    from plait.planner.report import ranking_text
+
+    assert ranking_text(res).splitlines() == why
 
 
 def test_bench_layouts_reads_back_every_name_the_search_prints():

@@ -146,6 +146,8 @@ def ranking_text(res: SearchResult, explain: bool = True) -> str:
     # milliseconds where the steps are short: a small model's ranked steps all printed as 0.000 s
     ms = bool(res.ranked) and max(p.step_time_s for p in res.ranked) < 0.1
     unit, scale = ("step ms", 1e3) if ms else ("step s", 1.0)
+    if not res.ranked:  # no table header over nothing
+        return "\n".join(explain_ranking(res))
     lines = [f"{'#':>3}  {'layout':<52}{unit:>9}{'MFU':>8}{'bubble':>8}{'mem GiB':>9}{'free':>7}"]
     for i, p in enumerate(res.ranked, start=1):
         lines.append(f"{i:>3}  {p.layout.describe():<52}{p.step_time_s * scale:>9.3f}{p.mfu:>8.1%}{p.bubble:>8.1%}"

@@ -172,7 +172,13 @@ def explain_ranking(res: SearchResult, n: int = 5) -> list[str]:
     """Why the winners win: each one's time budget, and for each runner-up the parts that cost it
     the most relative to the winner."""
     if not res.ranked:
-        return ["no layout fits: " + ", ".join(f"{k}: {v}" for k, v in res.rejected.items())]
+        lines = [f"no layout fits: of {res.considered} considered, "
+                 + ", ".join(f"{v} rejected: {k}" for k, v in res.rejected.items())]
+        if res.example_oom is not None:
+            o = res.example_oom
+            lines.append(f"the fastest of them, {o.layout.describe()}, needs {o.memory_total_bytes / GIB:.1f} GiB per "
+                         f"GPU of {o.capacity_bytes / GIB:.0f}: more GPUs (--nodes, --gpus-per-node) or a larger card")
+        return lines
     best = res.ranked[0]
     lines = [f"#1 {best.layout.describe()}: {seconds(best.step_time_s)}/step, MFU {best.mfu:.1%}; time = "
              f"{_share(best)}; {best.headroom_bytes / GIB:.1f} GiB free of {best.capacity_bytes / GIB:.0f}"]
