@@ -261,3 +261,17 @@ def test_explain_bytes_per_param_is_the_tables(zero, capsys):
     # gradients: ZeRO-3 holds a unit's full gradient besides the shard at its peak; the state's own is N g / N_d
     grads = 2 * 8.03e9 / (8 if zero >= 2 else 1)
     assert (state + grads) / 8.03e9 == pytest.approx(per_param, rel=2e-3)
+
+
+@pytest.mark.parametrize("kind, needle", [
+    ("nvlink", "--link.intra = 'nvlink': names a family of links; choose its kind: nvlink2, nvlink3, nvlink4, nvlink5"),
+    ("nvlink9", "--link.intra = 'nvlink9': unknown link; choose one of nvlink2"),
+])
+def test_a_link_swapped_in_is_named_by_its_kind(kind, needle, capsys):
+    """`--link.nvlink-gbps` takes a family; `--link.intra` needs a kind, and says which (it said unknown link)."""
+    assert main(["plan", "--model", "8b", "--gpu", "h100", "--nodes", "2", "--dp", "16", "--zero", "3",
+                 "--link.intra", kind]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
+    assert main(["plan", "--model", "8b", "--gpu", "h100", "--nodes", "2", "--dp", "16", "--zero", "3",
+                 "--link.intra", "nvlink3"]) == 0

@@ -125,10 +125,13 @@ def gpu(name: str) -> GPU:
     return GPUS[key]
 
 
-def link(name: str) -> Link:
+def link(name: str, field: str = "link") -> Link:
     key = name.lower().replace("_", "-")
+    family = [k for k in LINKS if k.startswith(key)]
+    if key not in LINKS and family:  # `nvlink` names a bandwidth override's link, not a kind to swap in
+        raise bad_value(field, name, f"names a family of links; choose its kind: {', '.join(family)}")
     if key not in LINKS:
-        raise bad_value("link", name, f"unknown link; choose one of {', '.join(LINKS)}")
+        raise bad_value(field, name, f"unknown link; choose one of {', '.join(LINKS)}")
     return LINKS[key]
 
 
@@ -244,7 +247,7 @@ def apply_overrides(c: Cluster, overrides: dict[str, str]) -> Cluster:
 
 def _override_link(c: Cluster, name: str, value) -> Cluster:
     if name in ("intra", "inter"):
-        return dataclasses.replace(c, **{name: link(str(value))})
+        return dataclasses.replace(c, **{name: link(str(value), f"--link.{name}")})
     for suffix, attr in (("-gbps", "gbps"), ("-latency-us", "latency_us")):
         if name.endswith(suffix):
             which = name[: -len(suffix)]
