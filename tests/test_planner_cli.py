@@ -275,3 +275,12 @@ def test_a_link_swapped_in_is_named_by_its_kind(kind, needle, capsys):
     assert len(err) == 1 and needle in err[0], err
     assert main(["plan", "--model", "8b", "--gpu", "h100", "--nodes", "2", "--dp", "16", "--zero", "3",
                  "--link.intra", "nvlink3"]) == 0
+
+
+def test_plans_dp_counting_the_replicas_is_said_where_it_differs_from_trains(capsys):
+    """train --dp 4 --parallel.dp_replicate 2 is 8 GPUs; plan --dp 4 --dp-replicate 2 is 4. The
+    refusal says so rather than only "use --dp 8"."""
+    assert main(["plan", "--model", "8b", "--gpu", "h100", "--nodes", "1", "--dp", "4", "--dp-replicate", "2",
+                 "--zero", "3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "use --dp 8 or leave --dp out (plan's --dp counts every data-parallel rank" in err[0], err

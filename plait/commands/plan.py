@@ -38,8 +38,11 @@ def add_arguments(p) -> None:
                         "mixed-fp32-reduce = mixed with gradients reduced in fp32 (FSDP2's reduce_dtype)")
     lay = p.add_argument_group("layout (giving any of --tp --pp --dp --cp predicts that layout; dp defaults "
                                "to what the others leave; without them, or with --search, plan searches)")
+    helps = {"dp": "every data-parallel rank: dp_shard x dp_replicate (train's --dp is parallel.dp_shard: "
+                   "train --dp 4 --parallel.dp_replicate 2 is plan --dp 8 --dp-replicate 2)",
+             "dp-replicate": "HSDP: replicas of the ZeRO shard group; divides --dp"}
     for flag in ("tp", "pp", "dp", "cp", "dp-replicate", "v"):
-        lay.add_argument(f"--{flag}", type=int)
+        lay.add_argument(f"--{flag}", type=int, help=helps.get(flag))
     lay.add_argument("--zero", type=int, choices=(0, 1, 2, 3))
     lay.add_argument("--zero3-cast-once", action="store_true",
                      help="ZeRO-3 keeps each unit's 16-bit chunk from its first gather of a step to the update "

@@ -98,6 +98,8 @@ def make_layout(c: Cluster, tp=None, pp=None, dp=None, cp=None, dp_replicate=Non
         # the flag given is what is off (the degrees' product is checked later without knowing which)
         fix = (f"use --dp {c.n_gpus // (tp * pp * cp)} or leave --dp out" if c.n_gpus % (tp * pp * cp) == 0
                else f"tp x pp x cp = {tp * pp * cp} does not divide them either")
+        if _given(dp_replicate) > 1:  # train's --dp is the shard group; plan's counts the replicas too
+            fix += f" (plan's --dp counts every data-parallel rank, dp_shard x dp_replicate {_given(dp_replicate)})"
         raise bad_value("--dp", dp, f"tp {tp} x pp {pp} x dp {dp} x cp {cp} = {tp * pp * dp * cp} GPUs, but the "
                         f"cluster has --nodes {c.nodes} x --gpus-per-node {c.gpus_per_node} = {c.n_gpus}: {fix}")
     rep = _given(dp_replicate)
