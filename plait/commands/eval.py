@@ -28,7 +28,7 @@ def add_arguments(p) -> None:
     p.add_argument("--batch-size", type=int, default=0, help="sequences per batch (default: the run's train.micro_batch)")
     p.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (default: the run's train.seq_len; an HF folder's: "
                    "256, or its max_position_embeddings if shorter)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
 
 
 def run(args, extra) -> int:

@@ -32,7 +32,7 @@ def add_arguments(p) -> None:
     p.add_argument("--sp", nargs="?", const="on", metavar="on|off|auto",  # the values of parallel.sp; a bare --sp is on
                    help="sequence parallelism (parallel.sp; --sp alone = on; default auto: on whenever tp > 1)")
     p.add_argument("--pp", help="pipeline stages")
-    p.add_argument("--schedule", help="pipeline schedule")
+    p.add_argument("--schedule", help="pipeline schedule: gpipe, 1f1b, interleaved, zb (ZB-H1) or zbv")
     p.add_argument("--microbatches", help="pipeline micro-batches")
     p.add_argument("--cp", help="context-parallel degree")
     p.add_argument("--help-config", action="store_true", help="list every config field with its meaning and exit")
