@@ -175,3 +175,12 @@ def test_an_abbreviated_or_misspelt_flag_is_refused_naming_the_flag(capsys, argv
 def test_a_dotted_override_is_not_taken_for_an_abbreviation():
     # the refusal above leaves `--section.key` overrides alone (one plan: it is the same for every flag)
     assert main(["plan", "--model", "8b", "--gpus-per-node", "8", "--link.nvlink-gbps", "370"]) == 0
+
+
+def test_train_help_lists_every_schedule(capsys):
+    from plait.parallel.schedules import SCHEDULES
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert all(name in text.rsplit("--schedule SCHEDULE", 1)[1][:100] for name in SCHEDULES), text
