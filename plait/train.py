@@ -339,8 +339,9 @@ def describe_layout(cfg: Config, world: int) -> str:
     return f", {world} ranks: {dp_s}{cp_s}{tp_s}{pp_s}, zero {p.zero}"
 
 
-def model_from_checkpoint(path: str, device: str = "cpu") -> tuple[Transformer, object, Config]:
-    """Load a checkpoint (folder or run folder, any layout) for inference: model, tokenizer, config."""
+def model_from_checkpoint(path: str, device: str = "cpu") -> tuple[Transformer, object, Config, Path]:
+    """Load a checkpoint (folder or run folder, any layout) for inference: model, tokenizer, config,
+    and the folder read (a run folder's newest valid checkpoint: what a command reports it used)."""
     from plait import hf
     from plait.tokenizer import ByteTokenizer, HFTokenizer, from_spec
 
@@ -350,7 +351,7 @@ def model_from_checkpoint(path: str, device: str = "cpu") -> tuple[Transformer, 
         model = build_model(cfg.model, 0, device)
         model.load_state_dict(hf.load_hf_weights(path, cfg.model, field="--checkpoint"), strict=False)
         tok_file = Path(path) / "tokenizer.json"
-        return model, HFTokenizer(tok_file) if tok_file.is_file() else ByteTokenizer(), cfg
+        return model, HFTokenizer(tok_file) if tok_file.is_file() else ByteTokenizer(), cfg, Path(path)
     folder = ckpt.resolve_for_reading(path)
     state = json.loads((folder / "train_state.json").read_text())
     cfg = config_from_dict(state["config"])
@@ -360,4 +361,4 @@ def model_from_checkpoint(path: str, device: str = "cpu") -> tuple[Transformer, 
     missing = [k for k in missing if not (k == "output.weight" and model.cfg.tie_embeddings)]
     if missing:
         raise bad_value("--checkpoint", str(folder), f"lacks weights {missing[:3]}; it is not a plait checkpoint")
-    return model, from_spec(state["tokenizer"], folder), cfg
+    return model, from_spec(state["tokenizer"], folder), cfg, folder

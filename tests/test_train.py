@@ -70,6 +70,19 @@ def test_resume_skips_a_damaged_newest_checkpoint(corpus, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "step_00000006 skipped" in err and "resumed from" in err and "step 4" in err
     assert len(summary["losses"]) == 4  # steps 5..8
+    # eval, export and generate on the run folder skip it too: said once, naming the step they used
+    from plait.cli import main
+
+    last = tmp_path / "r" / "checkpoints" / "step_00000008"  # the resumed run's last
+    newest.parent.rename(tmp_path / "r" / "checkpoints" / "step_00000010")  # the damaged one newest again
+    for argv, used in ((["eval", "--checkpoint", str(tmp_path / "r"), "--batches", "1"], f"{last} on "),
+                       (["hf", "export", "--checkpoint", str(tmp_path / "r"), "--out", str(tmp_path / "hf")],
+                        f"exported {last} -> "),
+                       (["generate", "--checkpoint", str(tmp_path / "r"), "--max-new-tokens", "2"], "")):
+        assert main(argv) == 0
+        out = capsys.readouterr()
+        err = out.err + out.out
+        assert err.count("step_00000010 skipped") == 1 and used in err, (argv[0], err)
 
 
 def test_lr_schedule():

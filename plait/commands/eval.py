@@ -42,7 +42,7 @@ def run(args, extra) -> int:
     data = TokenData(path, field="--data")  # before the model: a wrong folder costs no loading
     r = evaluate(args.checkpoint, data, batches=args.batches, batch_size=args.batch_size,
                  seq_len=args.seq_len, device=args.device)
-    print(f"{args.checkpoint} on {path} (validation): loss {r['loss']:.4f}, perplexity {r['perplexity']:.3f} "
+    print(f"{r['checkpoint']} on {path} (validation): loss {r['loss']:.4f}, perplexity {r['perplexity']:.3f} "
           f"over {r['tokens']:,} tokens ({r['batches']} batch{'es' if r['batches'] != 1 else ''} x {r['batch_size']} "
           f"x {r['seq_len']})")
     return 0
@@ -109,7 +109,7 @@ def evaluate(checkpoint: str, data, *, batches: int = 0, batch_size: int = 0, se
     from plait.commands.generate import _device
 
     device = _device(device)  # a name torch does not know (mps, foo) is one line too, not a traceback
-    model, tokenizer, cfg = model_from_checkpoint(checkpoint, device)
+    model, tokenizer, cfg, folder = model_from_checkpoint(checkpoint, device)
     if data.vocab_size > cfg.model.vocab_size:
         raise bad_value("--data", str(data.path), f"has vocabulary {data.vocab_size}, larger than the model's "
                         f"{cfg.model.vocab_size}; use data prepared with the model's tokenizer")
@@ -145,5 +145,5 @@ def evaluate(checkpoint: str, data, *, batches: int = 0, batch_size: int = 0, se
             losses.append(model(x.to(device), y.to(device),
                                 docs=None if docs is None else docs.to(device)).float().item())
     loss = sum(losses) / len(losses)
-    return {"loss": loss, "perplexity": math.exp(loss), "tokens": batches * batch_size * seq_len,
-            "batches": batches, "batch_size": batch_size, "seq_len": seq_len}
+    return {"checkpoint": str(folder), "loss": loss, "perplexity": math.exp(loss),
+            "tokens": batches * batch_size * seq_len, "batches": batches, "batch_size": batch_size, "seq_len": seq_len}

@@ -23,15 +23,14 @@ def run(args, extra) -> int:
 
     import torch
 
-    from plait import checkpoint as ckpt
     from plait.hf import check_new_folder, save_hf
     from plait.train import model_from_checkpoint
 
     check_new_folder(args.out)  # before the load, which takes minutes for a large model
-    model, tokenizer, cfg = model_from_checkpoint(args.checkpoint)
+    model, tokenizer, cfg, folder = model_from_checkpoint(args.checkpoint)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     out = save_hf(dict(model.named_parameters()), cfg.model, args.out, dtype)
     if getattr(tokenizer, "path", None):
         tokenizer.save_to(out)
-    print(f"exported {ckpt.resolve_for_reading(args.checkpoint)} -> {out}", file=sys.stderr)
+    print(f"exported {folder} -> {out}", file=sys.stderr)  # resolved once: its warnings said once
     return 0
