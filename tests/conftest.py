@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 import plait.launch
 from plait.config import build_config
@@ -22,9 +23,12 @@ os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 # Workers of this session trace and compile often (the activation measurements of tensor and context
 # parallelism, every compiled run): the fork server imports the compiler once for all of them, where
 # each worker took ~1.1 s of CPU importing it on its first trace. Launches from a fresh interpreter
-# (the subprocess tests, a user's `plait train`) keep plait's own preload.
-plait.launch.PRELOAD += ["torch._inductor.compile_fx", "torch._dynamo.repro.after_dynamo", "functorch.compile",
-                         "sympy.tensor.tensor"]
+# (the subprocess tests, a user's `plait train`) keep plait's own preload. Not where CUDA is: there
+# the server importing the compiler asked CUDA for its devices, and every worker it forked then failed
+# "Cannot re-initialize CUDA in forked subprocess" on its first compile (dynamo saves the CUDA RNG).
+if not torch.cuda.is_available():
+    plait.launch.PRELOAD += ["torch._inductor.compile_fx", "torch._dynamo.repro.after_dynamo", "functorch.compile",
+                             "sympy.tensor.tensor"]
 
 MICRO_MODEL = {"preset": "custom", "vocab_size": 256, "dim": 64, "n_layers": 2, "n_heads": 4,
                "n_kv_heads": 2, "ffn_dim": 128, "max_seq_len": 64}
