@@ -281,6 +281,15 @@ def test_schedule_command(capsys):
 
 
 
+
+def test_schedule_command_orders_zbv_by_the_costs_it_times(capsys):
+    """ZB-V's order is list-scheduled over the stages' F/B/W costs: the command builds it with the
+    --f/--b/--w it then simulates (it built it for equal costs: 29.41% here, not 11.11%)."""
+    assert main(["schedule", "--pp", "4", "--microbatches", "8", "--schedule", "zbv", "--b", "1.5", "--w", "0.5"]) == 0
+    costs = ((0.5, 0.75, 0.25),) * 8  # per stage: a rank's two chunks share its --f, --b, --w
+    want = simulate(build_schedule("zbv", 4, 8, 2, costs), unit_durations(0.5, 0.75, 0.25)).bubble_fraction
+    assert f"bubble {want:.2%}" in capsys.readouterr().out and want < 0.12
+
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved"])
 def test_schedule_command_refuses_w_where_backward_is_not_split(name, capsys):
     # only zb and zbv time a separate W: elsewhere --w was silently ignored
