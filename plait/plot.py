@@ -20,6 +20,8 @@ PANELS = [("loss", "loss", 1.0), ("val_loss", "val loss", 1.0), ("lr", "learning
 def metrics_file(run: str) -> Path:
     """A run folder's metrics.jsonl, or the file itself."""
     p = Path(run).expanduser()
+    if not p.exists():
+        raise bad_value("RUN", run, "does not exist; give a run folder (the --out of `plait train`) or its metrics.jsonl")
     f = p / "metrics.jsonl" if p.is_dir() else p
     if not f.is_file():
         raise bad_value("RUN", run, "has no metrics.jsonl; give a run folder (the --out of `plait train`) or the file")

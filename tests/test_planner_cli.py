@@ -133,6 +133,11 @@ def test_v100_plans_at_its_fp16_rate(capsys):
     # every time divides by these: 0 was a ZeroDivisionError traceback
     (["--tp", "8", "--gpu.tflops", "0"], "--gpu.tflops = '0': must be a positive number"),
     (["--tp", "8", "--gpu.hbm-gbps", "0"], "--gpu.hbm-gbps = '0': must be a positive number"),
+    # a GPU of 0 GiB was accepted ("total 25.82 of 0.00 -> does not fit"); a link said "zero or
+    # more" of -5 and "positive" of 0
+    (["--tp", "8", "--gpu.hbm-gib", "0"], "--gpu.hbm-gib = '0': must be a positive number"),
+    (["--tp", "8", "--link.nvlink-gbps", "-5"], "--link.nvlink-gbps = '-5': must be a positive number"),
+    (["--tp", "8", "--link.nvlink-gbps", "0"], "--link.nvlink-gbps = '0': must be a positive number"),
     # named by the flag given (it was blamed on --gpu.matmul-efficiency)
     (["--tp", "8", "--gpu.efficiency", "2"], "--gpu.efficiency = '2': must be in (0, 1]"),
     (["--tp", "8", "--gpu.hbm-efficiency", "0"], "--gpu.hbm-efficiency = '0': must be in (0, 1]"),

@@ -74,7 +74,8 @@ def _has_colour(img, rgb) -> bool:
 
 
 @pytest.mark.parametrize("case, needle", [
-    ("missing", "RUN = '{p}/nope': has no metrics.jsonl"),
+    ("missing", "RUN = '{p}/nope': does not exist"),  # it said "has no metrics.jsonl"
+    ("bare", "RUN = '{p}/bare': has no metrics.jsonl"),
     ("empty", "holds no metrics entries yet"),
     ("killed", "RUN = '{p}/killed/metrics.jsonl': holds no metrics entries yet"),  # its first entry cut short
     # once "holds no metrics entries yet", as if a run would log into it
@@ -86,7 +87,7 @@ def _has_colour(img, rgb) -> bool:
 ])
 def test_plot_errors_are_one_line(tmp_path, capsys, case, needle):
     pytest.importorskip("matplotlib")
-    args = {"missing": [str(tmp_path / "nope")], "empty": [str(tmp_path / "empty")],
+    args = {"missing": [str(tmp_path / "nope")], "empty": [str(tmp_path / "empty")], "bare": [str(tmp_path / "bare")],
             "suffix": [str(_run(tmp_path / "r", 5)), "--out", str(tmp_path / "x.nope")],
             "tokens": [str(tmp_path / "old"), "--x", "tokens"], "killed": [str(tmp_path / "killed")],
             "toml": [str(tmp_path / "some.toml")], "json": [str(tmp_path / "some.json")]}[case]
@@ -96,6 +97,7 @@ def test_plot_errors_are_one_line(tmp_path, capsys, case, needle):
     (tmp_path / "some.json").write_text('{\n  "step": 1\n}\n')
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "metrics.jsonl").write_text("")
+    (tmp_path / "bare").mkdir()
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
     assert main(["plot", *args, *([] if "--out" in args else ["--out", str(tmp_path / "c.png")])]) == 2

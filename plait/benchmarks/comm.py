@@ -32,7 +32,8 @@ def add_arguments(p) -> None:
     p.add_argument("--nproc", type=int, default=0, help="processes to start (default: all GPUs, or 2 on CPU; "
                    "ignored under torchrun/srun)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, from {','.join(OPS)}")
+    p.add_argument("--ops", default=None, help=f"comma-separated, from {','.join(OPS)} (default: all of them; "
+                   "send_recv only where --impl has torch)")
     p.add_argument("--impl", default="torch,ring,ring-auto",
                    help="comma-separated: torch, ring (one piece per chunk), ring-K (K pieces per chunk, "
                         "pipelined), ring-auto (pieces of about --piece-bytes)")
@@ -92,16 +93,20 @@ def run(args) -> int:
     nproc = args.nproc or (torch.cuda.device_count() if device == "cuda" else 2)
     if launched is not None:
         nproc = launched.world_size
-    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
-    for o in ops:
-        if o not in OPS:
-            raise bad_value("--ops", o, f"choose from {', '.join(OPS)}")
     impls = [i.strip() for i in args.impl.split(",") if i.strip()]
     for i in impls:
         if not re.fullmatch(r"torch|ring|ring-auto|ring-[1-9]\d*", i):  # ring-0: no pieces at all
             raise bad_value("--impl", i, "choose torch, ring, ring-auto or ring-K (K pieces per chunk)")
+    if args.ops is None:  # all that the implementations asked for measure (plait's rings have no send_recv)
+        ops = [o for o in OPS if o != "send_recv" or "torch" in impls]
+    else:
+        ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    for o in ops:
+        if o not in OPS:
+            raise bad_value("--ops", o, f"choose from {', '.join(OPS)}")
     if "send_recv" in ops and "torch" not in impls:
-        raise bad_value("--impl", args.impl, "send_recv is measured with torch's point-to-point only: add torch")
+        raise bad_value("--impl", args.impl, "send_recv is measured with torch's point-to-point only: add torch "
+                        "to --impl or leave send_recv out of --ops")
     opts = dict(device=device, ops=ops, impls=impls, min_bytes=min_bytes, max_bytes=max_bytes,
                 factor=args.factor, dtype=args.dtype or ("bf16" if device == "cuda" else "fp32"),
                 iters=args.iters, warmup=args.warmup, piece_bytes=piece_bytes,

@@ -198,11 +198,15 @@ _CLUSTER_KEYS = {"efficiency": "matmul_efficiency", "matmul-efficiency": "matmul
                  "hbm-efficiency": "hbm_efficiency", "reserved-gib": "reserved_gib"}
 
 
-def _number(key: str, value) -> float:
+def _number(key: str, value, positive: bool = False) -> float:
+    """`value` as a number; `positive`: a rate or a capacity, which 0 does not make sense for (every
+    time divides by a peak or a bandwidth; a GPU of 0 GiB fits nothing)."""
     try:
         x = float(value)
     except (TypeError, ValueError):
         raise bad_value(f"--{key}", value, "expected a number") from None
+    if positive and not x > 0:  # one message for -5 and 0 (was "zero or more", then "positive")
+        raise bad_value(f"--{key}", value, "must be a positive number")
     if x < 0 or x != x:
         raise bad_value(f"--{key}", value, "must be zero or more")
     return x
@@ -224,10 +228,7 @@ def apply_overrides(c: Cluster, overrides: dict[str, str]) -> Cluster:
             if name not in _GPU_KEYS and name not in _CLUSTER_KEYS:
                 raise UserError(f"unknown override --{key}: gpu overrides are "
                                 f"{', '.join('gpu.' + k for k in [*_GPU_KEYS, *_CLUSTER_KEYS])}")
-            x = _number(key, value)
-            # every time divides by the peak and the bandwidth: 0 was a ZeroDivisionError traceback
-            if name in ("tflops", "hbm-gbps") and x == 0:
-                raise bad_value(f"--{key}", value, "must be a positive number")
+            x = _number(key, value, positive=name in ("tflops", "hbm-gbps", "hbm-gib"))
             # checked here, by the flag given: Cluster would name gpu.matmul-efficiency for gpu.efficiency
             if name in ("efficiency", "matmul-efficiency", "hbm-efficiency") and not 0 < x <= 1:
                 raise bad_value(f"--{key}", value, "must be in (0, 1]")
@@ -251,9 +252,7 @@ def _override_link(c: Cluster, name: str, value) -> Cluster:
     for suffix, attr in (("-gbps", "gbps"), ("-latency-us", "latency_us")):
         if name.endswith(suffix):
             which = name[: -len(suffix)]
-            x = _number(f"link.{name}", value)
-            if attr == "gbps" and x == 0:
-                raise bad_value(f"--link.{name}", value, "a link needs a positive bandwidth")
+            x = _number(f"link.{name}", value, positive=attr == "gbps")
             hit = False
             for slot in ("intra", "inter"):
                 current: Link = getattr(c, slot)
