@@ -125,8 +125,15 @@ def draw(spans, pp: int, v: int, path: str | Path, title: str, unit: str = "s") 
         ax.text(a - start + (b - a) / 2, rank, label, ha="center", va="center", fontsize=6, color="white")
     ax.set_yticks(range(pp), [f"rank {r}" for r in range(pp)])
     ax.invert_yaxis()
+    from matplotlib.patches import Patch
+
+    names = {"F": "forward", "B": "backward", "W": "weight gradient"}
+    kinds = [k for k in names if any(s[3] == k for s in spans)]
+    # above the rows, right of the title (below, it ran into the time axis' label)
+    ax.legend(handles=[Patch(color=COLOURS[k], label=f"{k}: {names[k]}") for k in kinds], loc="lower right",
+              bbox_to_anchor=(1.0, 1.0), ncol=len(kinds), fontsize=7, frameon=False, borderaxespad=0.2)
     ax.set_xlabel(f"time ({unit})")
-    ax.set_title(title, fontsize=9)
+    ax.set_title(title, fontsize=9, loc="left")
     fig.tight_layout()
     path = Path(path)
     if path.is_dir():

@@ -78,7 +78,8 @@ def test_schedule_png(tmp_path, capsys):
 
 @pytest.mark.parametrize("extra, needle", [
     (["--nproc", "2", "--pp", "2", "--model.n_layers", "1"],  # the fix too, not only what is wrong
-     "parallel.pp = 2: pp x v = 2 stages exceed the 1 layers (a stage needs one): use pp x v <= 1, or a model"),
+     "parallel.pp = 2: pp x v = 2 stages exceed the 1 layers (more stages than layers leave whole ranks "
+     "without a layer): use pp x v <= 1, or a model"),
     (["--nproc", "2", "--pp", "2", "--schedule", "fifo"], "parallel.schedule = 'fifo': choose one of gpipe, 1f1b"),
     (["--nproc", "2", "--pp", "2", "--schedule", "interleaved", "--parallel.v", "2", "--microbatches", "3"],
      "parallel.microbatches = 3: the interleaved schedule runs micro-batches in groups of pp = 2"),

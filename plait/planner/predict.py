@@ -244,6 +244,17 @@ def _tp_ends(d: ModelDims, lay: Layout, prec: Precision, m: int) -> tuple[Collec
     return ends
 
 
+_TP_BACKWARD = {  # the backward's collective for each forward one: the same bytes, the transposed op
+    "all_gather": ("reduce_scatter", "SP backward: reduce-scatter of QKV's and w1/w3's input gradients"),
+    "reduce_scatter": ("all_gather", "SP backward: all-gather of wo's and w2's output gradients"),
+    "all_reduce": ("all_reduce", "backward: all-reduce of QKV's and w1/w3's input gradients")}
+
+
+def _tp_backward(x: Collective) -> Collective:
+    op, what = _TP_BACKWARD[x.op]
+    return Collective(op, x.size_bytes, x.n, x.count, what)
+
+
 def _traffic(d: ModelDims, lay: Layout, prec: Precision, sc: StageCosts, m: int) -> dict[str, DimTraffic]:
     """Per mesh dim, per step, what rank 0 of the pipeline sends (a middle stage for PP)."""
     out: dict[str, DimTraffic] = {}
@@ -253,7 +264,7 @@ def _traffic(d: ModelDims, lay: Layout, prec: Precision, sc: StageCosts, m: int)
         replay = sc.tp_replay if lay.recompute == "full" else ()  # what a recomputed forward runs again
         out["tp"] = DimTraffic("tp", lay.tp, *sc.links["tp"], tuple(
             Collective(x.op, x.size_bytes, lay.tp, x.count * nl * m, x.what)
-            for x in sc.tp_forward + sc.tp_forward + replay) + _tp_ends(d, lay, prec, m))
+            for x in sc.tp_forward + tuple(map(_tp_backward, sc.tp_forward)) + replay) + _tp_ends(d, lay, prec, m))
     if lay.cp > 1 and lay.cp_impl == "ulysses":  # plait/parallel/ulysses.py: forward and backward
         from plait.planner.stage_costs import ulysses_all_to_alls
 
@@ -277,7 +288,8 @@ def _traffic(d: ModelDims, lay: Layout, prec: Precision, sc: StageCosts, m: int)
     if lay.zero == 0 and lay.grad_group > 1:
         rows = _rows(d, lay, m, prec)
         dense_out, extra = (rows[0], (rows[1],)) if rows is not None else (0.0, ())
-        out["dp"] = DimTraffic("dp", lay.grad_group, *sc.links["grad"], (
+        # with cp the group is the mesh's flattened dp x cp (plait.parallel.dims): named so, keyed "dp"
+        out["dp"] = DimTraffic("dp_cp" if lay.cp > 1 else "dp", lay.grad_group, *sc.links["grad"], (
             Collective("all_reduce", (psi - dense_out) * g, lay.grad_group, 1, "gradient all-reduce"),) + extra)
     if lay.zero >= 1 and shard > 1:
         if lay.zero == 3 and lay.pp > 1:
@@ -301,7 +313,7 @@ def _traffic(d: ModelDims, lay: Layout, prec: Precision, sc: StageCosts, m: int)
         else:
             colls = (Collective("reduce_scatter", psi * g, shard, m if lay.zero == 2 else 1, "gradient reduce-scatter"),
                      Collective("all_gather", psi * p, shard, 1, "updated-parameter all-gather"))
-        out["dp_shard"] = DimTraffic("dp_shard", shard, *sc.links["shard"], colls)
+        out["dp_shard"] = DimTraffic("dp_shard_cp" if lay.cp > 1 else "dp_shard", shard, *sc.links["shard"], colls)
     if lay.zero >= 1 and lay.dp_replicate > 1:
         out["dp_replicate"] = DimTraffic("dp_replicate", lay.dp_replicate, *sc.links["replicate"], (
             Collective("all_reduce", psi / shard * g, lay.dp_replicate, 1, "all-reduce of the gradient shard"),))
@@ -422,8 +434,8 @@ def _explain(d, lay, c, prec, gb, m, sc, mem_rank, sched_name, makespan, bubble,
         ("MFU", f"{model_flops:.4g} FLOP / ({step:.4g} s x {c.n_gpus} GPUs x {c.peak_flops:.4g} FLOP/s) "
                 f"= {mfu:.2%}"),
     ]
-    for name, t in traffic.items():
-        ex.append((f"traffic {name}", "; ".join(
+    for t in traffic.values():
+        ex.append((f"traffic {t.dim}", "; ".join(
             f"{x.count:g} x {x.op}({x.size_bytes / 2**20:.1f} MiB over {x.n}) = {x.bytes_per_device / 1e9:.3f} GB"
             for x in t.collectives) + f" per device on {t.link.name} ({t.link.bytes_per_s / 1e9:g} GB/s): "
             f"{t.time_s * 1e3:.2f} ms if nothing overlapped"))

@@ -117,8 +117,8 @@ def breakdown_text(p: Prediction, explain: bool = False) -> str:
               "traffic per step, per device"]
     if not p.traffic:
         lines.append("  (none: a single GPU)")
-    for name, t in p.traffic.items():
-        lines.append(f"  {name:<13} group {t.n:<4} {t.link.name} ({t.link.bytes_per_s / 1e9:g} GB/s"
+    for t in p.traffic.values():
+        lines.append(f"  {t.dim:<13} group {t.n:<4} {t.link.name} ({t.link.bytes_per_s / 1e9:g} GB/s"
                      f"{', crosses nodes' if t.crosses_nodes else ''}): {_bytes(t.bytes_per_device)} in "
                      f"{t.count:g} collectives, {t.time_s:.3f} s if nothing overlapped")
     t = p.step_time_s
@@ -148,9 +148,11 @@ def ranking_text(res: SearchResult, explain: bool = True) -> str:
     unit, scale = ("step ms", 1e3) if ms else ("step s", 1.0)
     if not res.ranked:  # no table header over nothing
         return "\n".join(explain_ranking(res))
-    lines = [f"{'#':>3}  {'layout':<52}{unit:>9}{'MFU':>8}{'bubble':>8}{'mem GiB':>9}{'free':>7}"]
+    # as wide as the longest name (a CP, pipeline and split layout's passed 52 and shifted its row)
+    w = max(52, *(len(p.layout.describe()) + 1 for p in res.ranked))
+    lines = [f"{'#':>3}  {'layout':<{w}}{unit:>9}{'MFU':>8}{'bubble':>8}{'mem GiB':>9}{'free':>7}"]
     for i, p in enumerate(res.ranked, start=1):
-        lines.append(f"{i:>3}  {p.layout.describe():<52}{p.step_time_s * scale:>9.3f}{p.mfu:>8.1%}{p.bubble:>8.1%}"
+        lines.append(f"{i:>3}  {p.layout.describe():<{w}}{p.step_time_s * scale:>9.3f}{p.mfu:>8.1%}{p.bubble:>8.1%}"
                      f"{p.memory_total_bytes / GIB:>9.1f}{p.headroom_bytes / GIB:>7.1f}")
     if explain or not res.ranked:
         lines += ["", "why:"] + [f"  {x}" for x in explain_ranking(res)]
