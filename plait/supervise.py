@@ -113,3 +113,30 @@ def restart_note(out: Path, start: int) -> dict | None:
           file=sys.stderr, flush=True)
     return {"count": count, "by": who, "cause": f"restarted by {who} (its log names the failure)",
             "from_step": start, "steps_lost": lost, "detected_at": time.time()}
+
+
+END_FILE = "end_step.json"
+"""Where a run that stops after `train.max_steps_this_run` steps records the step it stops at, so
+that a restart of the same invocation (plait's own, torchrun's or SLURM's) stops there too."""
+
+
+def restarted(env=None) -> bool:
+    """Whether this worker belongs to a restart of the invocation (not to its first attempt)."""
+    env = os.environ if env is None else env
+    return int(env.get("PLAIT_ATTEMPT") or 0) > 0 or outer_restart(env) is not None
+
+
+def planned_end(out: Path, end: int, is_main: bool) -> int:
+    """The step this invocation stops at. `end`: the attempt's own (its start + max_steps_this_run).
+    A restart resumes from an older checkpoint than its first attempt started at plus the steps it
+    made, and counting max_steps_this_run from there again ran past the stop the first attempt
+    planned (a job sized to its allocation then overran it): a restart keeps the first attempt's."""
+    path = Path(out) / END_FILE
+    if restarted():
+        try:
+            return int(json.loads(path.read_text())["end"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return end  # the first attempt ended before it wrote one: it had made no step
+    if is_main:
+        ckpt.write_atomic(path, json.dumps({"end": end}) + "\n")
+    return end

@@ -212,6 +212,8 @@ def _train(cfg: Config, dims, stop: StopRequest) -> dict:
     fpt = flops_per_token(cfg.model, t.seq_len)
     peak = peak_flops(device, dtype)
     end = t.steps if not t.max_steps_this_run else min(t.steps, start + t.max_steps_this_run)
+    if t.max_steps_this_run:  # a restart stops where the invocation's first attempt planned to
+        end = supervise.planned_end(out, end, is_main)
     bar = Progress(end, start, enabled=is_main, bar=t.progress)
     if is_main:
         bar.message(f"plait: {cfg.model.preset} model, {param_count(cfg.model) / 1e6:.2f}M parameters, "
