@@ -88,12 +88,13 @@ class SpawnError(RuntimeError):
 # ---- inside a worker ---------------------------------------------------------------------------------
 
 
-def init_distributed(parallel, device_type: str = "cpu", env=None):
+def init_distributed(parallel, device_type: str = "cpu", env=None, agree: dict | None = None):
     """Join the process group and build the mesh; returns the `ParallelDims` with `.mesh` and `.device`.
 
     Reads the launcher's environment (plait's spawn, torchrun or srun). A process nobody launched
     runs as a world of one, so a single-device run takes the same code path. Every collective on
-    every mesh dim then fails after `parallel.timeout_s` instead of hanging.
+    every mesh dim then fails after `parallel.timeout_s` instead of hanging. `agree`: {name: value}
+    every rank must hold alike (`same_everywhere`), checked before the mesh is built.
     """
     from datetime import timedelta
 
@@ -145,9 +146,27 @@ def init_distributed(parallel, device_type: str = "cpu", env=None):
         kwargs.update(init_method="env://")  # under torchelastic this joins the agent's store
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timedelta(seconds=parallel.timeout_s), **kwargs)
+    if agree is not None and le.world_size > 1:
+        same_everywhere(agree, le.rank)
     dims.build_mesh(device_type, parallel.timeout_s)
     dims.device = device
     return dims
+
+
+def same_everywhere(values: dict, rank: int) -> None:
+    """Every rank's `values` against rank 0's, in one all-gather: a field that differs raises the same
+    one-line UserError on every rank. Nodes started by hand (torchrun, srun) with different
+    commands otherwise trained different layouts until a collective met its counterpart in
+    another shape or never met it: a hang of parallel.timeout_s, then a failed collective."""
+    import torch.distributed as dist
+
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, values)
+    for r, theirs in enumerate(everyone):
+        diff = next((k for k in values if theirs.get(k) != everyone[0].get(k)), None)
+        if diff is not None:
+            raise UserError(f"rank {r} was started with {diff} = {theirs.get(diff)!r}, rank 0 with "
+                            f"{everyone[0].get(diff)!r}: start every node with the same command")
 
 
 def shutdown() -> None:

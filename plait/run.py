@@ -64,6 +64,18 @@ def launch_training(cfg: Config, note: str | None = None, model_given: dict | No
 def _worker(cfg: Config, device_type: str) -> dict:
     from plait.launch import init_distributed
 
-    dims = init_distributed(cfg.parallel, device_type)
+    dims = init_distributed(cfg.parallel, device_type, agree=_must_agree(cfg))
     with snapshot_on_oom(cfg.train.out, dims.rank):
         return train(cfg, dims)
+
+
+# What may differ between the nodes of one run: paths (a shared disk mounted elsewhere), the
+# processes a node starts, how it binds its CPUs and what it prints.
+NODE_LOCAL = {"train.out", "train.init_from", "data.path", "data.mix", "parallel.nproc", "parallel.bind_cpus",
+              "train.progress", "train.tensorboard", "train.wandb"}
+
+
+def _must_agree(cfg: Config) -> dict:
+    """The config fields every rank must hold alike, flattened to "section.field"."""
+    return {f"{sec}.{k}": v for sec, fields in cfg.to_dict().items() for k, v in fields.items()
+            if f"{sec}.{k}" not in NODE_LOCAL}

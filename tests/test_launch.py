@@ -103,6 +103,24 @@ def test_a_user_error_in_a_worker_stays_one_line():
         launch.spawn(_user_mistake, (), 2)
 
 
+def _started_differently():
+    """Two "nodes" started with different commands: rank 1 asks for ZeRO-3 where rank 0 asked for 1."""
+    rank = int(os.environ["RANK"])
+    launch.init_distributed(ParallelConfig(nproc=2, timeout_s=20), "cpu",
+                            agree={"train.seq_len": 64, "parallel.zero": 3 if rank == 1 else 1})
+
+
+def test_ranks_started_with_different_configs_stop_at_once_naming_the_field():
+    # it trained until a collective met another shape or never met it: parallel.timeout_s, then a
+    # failed collective deep in a traceback
+    t0 = time.time()
+    with pytest.raises(UserError) as e:
+        launch.spawn(_started_differently, (), 2, timeout_s=60)
+    assert time.time() - t0 < 30
+    assert str(e.value).endswith("rank 1 was started with parallel.zero = 3, rank 0 with 1: start every node "
+                                 "with the same command")
+
+
 def _missing_peer():
     """Rank 1 never joins rank 0's all-reduce on the tp sub-group (ranks 2 and 3 finish normally)."""
     dims = launch.init_distributed(ParallelConfig(nproc=4, tp=2, timeout_s=2), "cpu")
