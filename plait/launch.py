@@ -145,7 +145,13 @@ def init_distributed(parallel, device_type: str = "cpu", env=None, agree: dict |
     else:
         kwargs.update(init_method="env://")  # under torchelastic this joins the agent's store
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timedelta(seconds=parallel.timeout_s), **kwargs)
+        try:
+            dist.init_process_group(backend, timeout=timedelta(seconds=parallel.timeout_s), **kwargs)
+        except RuntimeError as e:  # torch's DistNetworkError: rank 0 could not open the rendezvous port
+            if "address already in use" not in str(e).lower():
+                raise
+            raise UserError(f"MASTER_PORT = {le.master_port}: already in use on {le.master_addr} (another run on "
+                            f"this node?): export MASTER_PORT with a free port") from None
     if agree is not None and le.world_size > 1:
         same_everywhere(agree, le.rank)
     dims.build_mesh(device_type, parallel.timeout_s)

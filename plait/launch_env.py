@@ -60,7 +60,8 @@ def detect_launch(env=None) -> LaunchEnv | None:
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "")
         addr = env.get("MASTER_ADDR") or first_host(nodelist) or "127.0.0.1"
         port = (_number(env, "MASTER_PORT") if env.get("MASTER_PORT")
-                else slurm_port(env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID") or "0"))
+                else slurm_port(env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID") or "0",
+                                env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID") or "0"))
         per_node_var = "SLURM_STEP_TASKS_PER_NODE" if env.get("SLURM_STEP_TASKS_PER_NODE") else "SLURM_TASKS_PER_NODE"
         per_node = env.get(per_node_var) or str(world)
         local_world = tasks_on_node(per_node, _number(env, "SLURM_NODEID", 0))
@@ -125,10 +126,12 @@ def first_host(nodelist: str) -> str:
     return re.sub(r"\[([^\]]*)\]", lambda m: re.split(r"[-,]", m.group(1))[0], first)
 
 
-def slurm_port(job_id: str) -> int:
-    """A port every task of a job computes alike, below Linux's ephemeral range (32768+)."""
-    digits = re.sub(r"\D", "", str(job_id)) or "0"
-    return 15000 + int(digits) % 15000
+def slurm_port(job_id: str, step_id: str = "0") -> int:
+    """A port every task of a job step computes alike, below Linux's ephemeral range (32768+). The
+    step moves it: two `srun` steps of one allocation running at once (a sweep) took the same port,
+    and the second failed to bind it."""
+    job, step = (int(re.sub(r"\D", "", str(x)) or "0") for x in (job_id, step_id))
+    return 15000 + (job + 7919 * step) % 15000  # 7919, a prime: consecutive steps land far apart
 
 
 def tasks_on_node(tasks_per_node: str, node_id: int) -> int:

@@ -46,6 +46,28 @@ def test_srun_environment():
     assert detect_launch(dict(SRUN, SLURM_PROCID="0", SLURM_LOCALID="0")).master_port == le.master_port
     mine = detect_launch(dict(SRUN, MASTER_ADDR="10.0.0.1", MASTER_PORT="29500"))
     assert (mine.master_addr, mine.master_port) == ("10.0.0.1", 29500)
+    # two steps of one allocation at once (a sweep of srun calls) took one port: the second failed to bind
+    ports = {detect_launch(dict(SRUN, SLURM_STEP_ID=str(s))).master_port for s in range(8)}
+    assert len(ports) == 8 and all(15000 <= p < 30000 for p in ports) and le.master_port == 15000 + 123456 % 15000
+
+
+def test_a_rendezvous_port_in_use_is_one_line(monkeypatch):
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as held:  # another run's rendezvous on this node
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        for k, v in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+            monkeypatch.setenv(k, v)
+        try:
+            with pytest.raises(UserError, match=rf"^MASTER_PORT = {port}: already in use on 127.0.0.1 .*free port$"):
+                launch.init_distributed(ParallelConfig(timeout_s=5), "cpu")
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
 
 def test_batch_script_without_srun_is_not_a_launch():
