@@ -28,11 +28,17 @@ def launch_training(cfg: Config, note: str | None = None, model_given: dict | No
     (`train.init_from` keeps them or refuses them)."""
     from plait.launch import detect_launch, run
     from plait.run_folder import RunFolder, discard
-    from plait.supervise import resume_after_outer_restart, run_workers
+    from plait.supervise import resume_after_outer_restart, run_workers, stopped_before
     from plait.preflight import NothingToTrain
 
     le = detect_launch()
     holder = le is None or le.rank == 0
+    if cfg.train.out and (stop := stopped_before(cfg.train.out)):  # torchrun restarted workers that stopped
+        if holder:
+            print(f"plait: torchrun restarted the workers after they stopped on {stop['signal']} at step "
+                  f"{stop['step']} (saved): not training on; continue with `plait train --out "
+                  f"{cfg.train.out} --resume`", file=sys.stderr)
+        return None
     # preflight makes the run folder; a start refused after it (no GPU, no disk space) removes it again
     created = not cfg.train.out or not Path(cfg.train.out).expanduser().exists()
     try:

@@ -140,3 +140,29 @@ def planned_end(out: Path, end: int, is_main: bool) -> int:
     if is_main:
         ckpt.write_atomic(path, json.dumps({"end": end}) + "\n")
     return end
+
+
+STOP_FILE = "stopped.json"
+"""Where rank 0 records a stop on SIGUSR1 (the signal and the step saved). torchrun counts the
+workers' exit (143) as a failure and restarts them: without it the restart resumed and trained on,
+right before the scheduler that sent the notice ended the job."""
+
+
+def record_stop(out: Path, signame: str, step: int) -> None:
+    ckpt.write_atomic(Path(out) / STOP_FILE, json.dumps({"signal": signame, "step": step}) + "\n")
+
+
+def stopped_before(out: str | Path, env=None) -> dict | None:
+    """Under a torchrun restart, the stop its previous attempt made on purpose ({"signal", "step"});
+    else None. A first start forgets an older stop (a new invocation continues the run); a SLURM
+    requeue is a new allocation, meant to continue."""
+    path = Path(out).expanduser() / STOP_FILE
+    who = outer_restart(env)
+    if who is None or who[0] != "torchrun":
+        if who is None and not int((os.environ if env is None else env).get("PLAIT_ATTEMPT") or 0):
+            path.unlink(missing_ok=True)
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None

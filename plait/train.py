@@ -276,6 +276,7 @@ def _train(cfg: Config, dims, stop: StopRequest) -> dict:
         if stopping:
             if is_main:
                 _warn(f"{stopping}: stopped after step {done}" + (", its checkpoint saved" if saving else ""))
+                supervise.record_stop(out, stopping, done)  # a torchrun restart of these workers ends there
             end = done
             break
     prof.close()

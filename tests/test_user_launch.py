@@ -107,3 +107,17 @@ def test_torchrun_max_restarts_with_a_store_per_attempt_is_accepted():
     check_launched(1, le, dict(TORCHRUN, TORCHELASTIC_MAX_RESTARTS="3", TORCHELASTIC_USE_AGENT_STORE="False"))
     check_launched(2, le, TORCHRUN)
     check_launched(4, None, {})  # not launched: plait starts the processes itself
+
+
+def test_a_torchrun_restart_after_a_stop_on_sigusr1_does_not_train_on(corpus, tmp_path, monkeypatch, capsys):
+    """torchrun counts the workers' exit after SIGUSR1 (143) as a failure and restarts them: they
+    resumed and trained on, right before the scheduler that sent the notice ended the job."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "stopped.json").write_text('{"signal": "SIGUSR1", "step": 45}\n')
+    _torchrun_env(monkeypatch, TORCHELASTIC_RESTART_COUNT="1", TORCHELASTIC_USE_AGENT_STORE="False")
+    assert cli.main(cli_train(corpus, out, {}, extra=["--resume"])) == 0
+    assert capsys.readouterr().err.strip() == (
+        f"plait: torchrun restarted the workers after they stopped on SIGUSR1 at step 45 (saved): not training "
+        f"on; continue with `plait train --out {out} --resume`")
+    assert sorted(p.name for p in out.iterdir()) == ["stopped.json"]
