@@ -96,24 +96,47 @@ def run_folder_of(path: Path) -> Path | None:
     return p.parent if p.name == "checkpoints" else None
 
 
+_VERDICTS: dict[Path, str | None] = {}
+"""What `verify` found of each folder it hashed in this process: `prune` counts a checkpoint as kept
+only if intact, and hashing every kept one again at each save would cost minutes on a large model."""
+
+
 def verify(folder: Path) -> str | None:
     """None if the checkpoint is intact, else a short reason it is not."""
+    reason = _verify(folder, hash_files=True)
+    _VERDICTS[Path(folder).resolve()] = reason
+    return reason
+
+
+def _verify(folder: Path, hash_files: bool) -> str | None:
     manifest = folder / MANIFEST
     if not manifest.is_file():
         return "manifest.json missing (save did not finish)"
     try:
         entries = json.loads(manifest.read_text())["files"]
-    except (ValueError, KeyError):
+    except (ValueError, KeyError, TypeError):
         return "manifest.json unreadable"
+    # a hand-edited manifest ({"files": {}}, an entry without its size) passed, or raised a KeyError
+    if not isinstance(entries, dict) or not entries or not all(
+            isinstance(i, dict) and isinstance(i.get("bytes"), int) and isinstance(i.get("sha256"), str)
+            for i in entries.values()):
+        return "manifest.json lists no files, or files without their size and checksum"
     for name, info in entries.items():
         f = folder / name
         if not f.is_file():
             return f"{name} missing"
         if f.stat().st_size != info["bytes"]:
             return f"{name} is {f.stat().st_size} bytes, manifest says {info['bytes']} (truncated?)"
-        if sha256_file(f) != info["sha256"]:
+        if hash_files and sha256_file(f) != info["sha256"]:
             return f"{name} checksum mismatch (file altered or corrupted)"
     return None
+
+
+def _intact(folder: Path) -> bool:
+    """Whether `prune` may count `folder` as a kept checkpoint: intact as far as this process knows
+    (hashed by `verify`: a resume skipped it as damaged), else its manifest and sizes check out."""
+    known = _VERDICTS.get(Path(folder).resolve(), "unknown")
+    return known is None if known != "unknown" else _verify(folder, hash_files=False) is None
 
 
 def latest_valid(root: Path, log=print) -> Path | None:
@@ -196,12 +219,14 @@ def commit(root: Path, tmp: Path, step: int, files: dict, info: dict, keep_last:
 
 def prune(root: Path, keep_last: int) -> None:
     """Delete the oldest checkpoints beyond keep_last, counting only intact ones as kept, and the
-    saves set aside (`commit`) of steps older than any it keeps."""
+    saves set aside (`commit`) of steps older than any it keeps. A damaged checkpoint newer than
+    them stays (it was reported) but is not counted: it counted, and a resume past a damaged step 20
+    with keep_last 1 deleted the step it resumed from and the one it had just saved."""
     kept, oldest = 0, None
     for step, folder in list_checkpoints(root):
         if kept >= keep_last:
             shutil.rmtree(folder, ignore_errors=True)
-        elif (folder / MANIFEST).is_file():
+        elif _intact(folder):
             kept, oldest = kept + 1, step
     if kept >= keep_last and oldest is not None:
         for folder in root.glob(f"step_*{_ASIDE}*"):

@@ -35,6 +35,32 @@ def test_truncated_and_altered_are_detected_and_skipped(tmp_path):
     assert len(msgs) == 2 and all("\n" not in m and "skipped" in m for m in msgs)
 
 
+def test_a_damaged_newer_checkpoint_does_not_count_as_kept(tmp_path):
+    """Resuming past a damaged step 30 with keep_last 1 and saving step 25: step 25 is kept (the
+    damaged one counted as the one kept, and the step resumed from and the new save were deleted)."""
+    saver = Saver(tmp_path, keep_last=5)
+    for step in (10, 20, 30):
+        _save(saver, step)
+    f30 = tmp_path / "step_00000030" / "model.pt"
+    f30.write_bytes(b"y" * 1000)  # altered, same size: only its checksum tells
+    assert latest_valid(tmp_path, log=lambda m: None) == tmp_path / "step_00000020"  # the resume
+    Saver(tmp_path, keep_last=1).save(25, lambda d: (d / "model.pt").write_bytes(b"z" * 1000), {"format": 1})
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [30, 25]  # the damaged one stays, reported
+    assert latest_valid(tmp_path, log=lambda m: None) == tmp_path / "step_00000025"
+
+
+def test_a_hand_edited_manifest_is_damage_not_a_traceback(tmp_path):
+    saver = Saver(tmp_path, keep_last=5)
+    _save(saver, 10)
+    folder = tmp_path / "step_00000010"
+    good = json.loads((folder / "manifest.json").read_text())
+    for files in ({}, [], {"model.pt": {"sha256": "0" * 64}}, None):  # none listed, a list, no size, null
+        (folder / "manifest.json").write_text(json.dumps(dict(good, files=files)))
+        assert verify(folder) is not None
+    (folder / "manifest.json").write_text("[]")
+    assert verify(folder) == "manifest.json unreadable"
+
+
 def test_unfinished_save_is_not_a_checkpoint(tmp_path):
     (tmp_path / ".tmp-step_00000040").mkdir()
     (tmp_path / "step_00000050").mkdir()  # no manifest: a crash between mkdir and manifest
