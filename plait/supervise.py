@@ -159,8 +159,11 @@ def stopped_before(out: str | Path, env=None) -> dict | None:
     path = Path(out).expanduser() / STOP_FILE
     who = outer_restart(env)
     if who is None or who[0] != "torchrun":
-        if who is None and not int((os.environ if env is None else env).get("PLAIT_ATTEMPT") or 0):
-            path.unlink(missing_ok=True)
+        if who is None and not int((os.environ if env is None else env).get("PLAIT_ATTEMPT") or 0) and path.exists():
+            try:
+                path.unlink()
+            except OSError:  # a read-only folder: preflight says so in its own line
+                pass
         return None
     try:
         return json.loads(path.read_text())
