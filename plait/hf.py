@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from plait.config import ModelConfig
-from plait.errors import bad_value
+from plait.errors import UserError, bad_value
 
 _LAYER_MAP = {  # HF suffix under model.layers.{i}. -> plait suffix under layers.{i}.
     "self_attn.q_proj.weight": "attn.wq.weight",
@@ -50,6 +50,38 @@ def plait_to_hf_name(name: str) -> str:
     _, i, *rest = name.split(".")
     inverse = {v: k for k, v in _LAYER_MAP.items()}
     return f"model.layers.{i}.{inverse['.'.join(rest)]}"
+
+
+BYTE_LEVEL = "plait_tokenizer"
+"""config.json's key (value "bytes") that `plait hf export` writes for a byte-level model, which has
+no tokenizer.json: a folder without one is then byte-level by its own say, not by a guess."""
+
+
+def mark_byte_level(out: Path) -> None:
+    path = Path(out) / "config.json"
+    path.write_text(json.dumps(dict(json.loads(path.read_text()), **{BYTE_LEVEL: "bytes"}), indent=1))
+
+
+def tokenizer_of(path: str | Path, vocab_size: int):
+    """The tokenizer of an HF folder: its tokenizer.json, or bytes where plait's export said so (or
+    the vocabulary is bytes' 256); None when the folder does not say (it was taken for bytes, and
+    `generate` decoded a 32k model's ids as garbage, silently)."""
+    from plait.tokenizer import ByteTokenizer, HFTokenizer
+
+    p = Path(path)
+    if (p / "tokenizer.json").is_file():
+        return HFTokenizer(p / "tokenizer.json")
+    if json.loads((p / "config.json").read_text()).get(BYTE_LEVEL) == "bytes" or vocab_size == 256:
+        return ByteTokenizer()
+    return None
+
+
+def no_tokenizer(path: str | Path, vocab_size: int, field: str = "--checkpoint") -> UserError:
+    """What a command that needs text says of an HF folder `tokenizer_of` found no tokenizer in."""
+    p = Path(path)
+    has = " (its sentencepiece tokenizer.model plait does not read)" if (p / "tokenizer.model").is_file() else ""
+    return bad_value(field, str(path), f"has no tokenizer.json{has}, and its vocabulary of {vocab_size} is not "
+                     "bytes': add the model's tokenizer.json (transformers' AutoTokenizer.save_pretrained writes one)")
 
 
 def is_hf_dir(path: str | Path) -> bool:

@@ -346,15 +346,14 @@ def model_from_checkpoint(path: str, device: str = "cpu") -> tuple[Transformer, 
     """Load a checkpoint (folder or run folder, any layout) for inference: model, tokenizer, config,
     and the folder read (a run folder's newest valid checkpoint: what a command reports it used)."""
     from plait import hf
-    from plait.tokenizer import ByteTokenizer, HFTokenizer, from_spec
+    from plait.tokenizer import from_spec
 
     if hf.is_hf_dir(path):
         cfg = Config()
         cfg.model = hf.config_from_hf(path, field="--checkpoint")
         model = build_model(cfg.model, 0, device)
         model.load_state_dict(hf.load_hf_weights(path, cfg.model, field="--checkpoint"), strict=False)
-        tok_file = Path(path) / "tokenizer.json"
-        return model, HFTokenizer(tok_file) if tok_file.is_file() else ByteTokenizer(), cfg, Path(path)
+        return model, hf.tokenizer_of(path, cfg.model.vocab_size), cfg, Path(path)
     folder = ckpt.resolve_for_reading(path)
     state = json.loads((folder / "train_state.json").read_text())
     cfg = config_from_dict(state["config"])

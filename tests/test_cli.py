@@ -1,5 +1,6 @@
 """The command line: the default job's pieces, generate, export, and one-line errors (exit 2)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -34,6 +35,7 @@ def test_train_generate_export(corpus, tmp_path, capsys):
     capsys.readouterr()
     assert main(["hf", "export", "--checkpoint", str(tmp_path / "r"), "--out", str(tmp_path / "hf")]) == 0
     assert (tmp_path / "hf" / "model.safetensors").is_file()
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["plait_tokenizer"] == "bytes"
     assert main(["generate", "--checkpoint", str(tmp_path / "hf"), "--max-new-tokens", "4"]) == 0
 
 

@@ -97,3 +97,21 @@ def test_an_out_that_cannot_be_the_export_folder_is_one_line(tmp_path, capsys):
         assert main(["hf", "export", "--checkpoint", str(tmp_path / "nope"), "--out", str(tmp_path / out)]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and f"--out = '{tmp_path / out}': {needle}" in err, err
+
+
+def test_an_hf_folder_that_does_not_say_its_tokenizer_is_not_read_as_bytes(tmp_path, capsys):
+    """Without tokenizer.json a folder was taken for bytes whatever its vocabulary: `generate` printed
+    a 300-token model's ids as garbage. plait's own byte-level export says it is bytes."""
+    from plait.cli import main
+    from plait.config import ModelConfig
+    from plait.hf import mark_byte_level
+
+    cfg = ModelConfig(preset="custom", vocab_size=300, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48)
+    save_hf(dict(build_model(cfg, seed=1).named_parameters()), cfg, tmp_path / "m")
+    (tmp_path / "m" / "tokenizer.model").write_bytes(b"sentencepiece")
+    assert main(["generate", "--checkpoint", str(tmp_path / "m"), "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "has no tokenizer.json (its sentencepiece tokenizer.model plait does not " \
+                                   "read), and its vocabulary of 300 is not bytes'" in err, err
+    mark_byte_level(tmp_path / "m")  # what `plait hf export` writes for a byte-level run
+    assert main(["generate", "--checkpoint", str(tmp_path / "m"), "--max-new-tokens", "2"]) == 0

@@ -97,11 +97,9 @@ def evaluate(checkpoint: str, data, *, batches: int = 0, batch_size: int = 0, se
     tokens. Read-only: the checkpoint is loaded for inference only.
     """
     import math
-    from pathlib import Path
 
     import torch
 
-    from plait import hf
     from plait.errors import bad_value
     from plait.tokenizer import same_tokenizer
     from plait.train import model_from_checkpoint
@@ -113,9 +111,8 @@ def evaluate(checkpoint: str, data, *, batches: int = 0, batch_size: int = 0, se
     if data.vocab_size > cfg.model.vocab_size:
         raise bad_value("--data", str(data.path), f"has vocabulary {data.vocab_size}, larger than the model's "
                         f"{cfg.model.vocab_size}; use data prepared with the model's tokenizer")
-    # an HF folder without tokenizer.json does not say which tokenizer it had: trust the vocab check
-    known = not hf.is_hf_dir(checkpoint) or (Path(checkpoint) / "tokenizer.json").is_file()
-    if known and not same_tokenizer(tokenizer, data):
+    # an HF folder that does not say which tokenizer it had (tokenizer None): trust the vocab check
+    if tokenizer is not None and not same_tokenizer(tokenizer, data):
         raise bad_value("--data", str(data.path), "was prepared with another tokenizer than the checkpoint's; "
                         "prepare it with the model's tokenizer.json")
     t = cfg.train

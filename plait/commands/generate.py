@@ -29,7 +29,11 @@ def run(args, extra) -> int:
     from plait.train import model_from_checkpoint
 
     device = _device(args.device)
-    model, tokenizer, _, _ = model_from_checkpoint(args.checkpoint, device)
+    model, tokenizer, cfg, _ = model_from_checkpoint(args.checkpoint, device)
+    if tokenizer is None:  # an HF folder that does not say how its ids read as text
+        from plait.hf import no_tokenizer
+
+        raise no_tokenizer(args.checkpoint, cfg.model.vocab_size)
     prompt = [int(i) for i in tokenizer.encode(args.prompt)] or [document_start(tokenizer)]
     ids = sample(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
     print(args.prompt + tokenizer.decode(ids))

@@ -23,7 +23,8 @@ def run(args, extra) -> int:
 
     import torch
 
-    from plait.hf import check_new_folder, save_hf
+    from plait.hf import check_new_folder, mark_byte_level, save_hf
+    from plait.tokenizer import ByteTokenizer
     from plait.train import model_from_checkpoint
 
     check_new_folder(args.out)  # before the load, which takes minutes for a large model
@@ -32,5 +33,7 @@ def run(args, extra) -> int:
     out = save_hf(dict(model.named_parameters()), cfg.model, args.out, dtype)
     if getattr(tokenizer, "path", None):
         tokenizer.save_to(out)
+    elif isinstance(tokenizer, ByteTokenizer):  # no tokenizer.json exists for bytes: the folder says so
+        mark_byte_level(out)
     print(f"exported {folder} -> {out}", file=sys.stderr)  # resolved once: its warnings said once
     return 0
