@@ -19,6 +19,7 @@ a 257th byte id.
 from __future__ import annotations
 
 import collections
+import errno
 import hashlib
 import json
 import os
@@ -69,8 +70,24 @@ def _file_kind(path: Path) -> str | None:
     return "text" if path.suffix in TEXT_SUFFIXES else None
 
 
-def collect_sources(inputs: list[str]) -> list[Source]:
-    """Every source the inputs name, in a fixed order (folders are walked in sorted path order)."""
+def collect_sources(inputs: list[str], repeated: list[str] | None = None) -> list[Source]:
+    """Every source the inputs name, in a fixed order (folders are walked in sorted path order), each
+    file once: `--input txt txt` doubled the corpus, and the tail held out for validation was then
+    also in the train split. The files named again are appended to `repeated`."""
+    sources = _named_sources(inputs)
+    seen, once = set(), []
+    for s in sources:
+        key = s.path.resolve()
+        if key in seen:
+            if repeated is not None:
+                repeated.append(str(s.path))
+            continue
+        seen.add(key)
+        once.append(s)
+    return once
+
+
+def _named_sources(inputs: list[str]) -> list[Source]:
     sources: list[Source] = []
     for item in inputs:
         p = Path(item).expanduser()
@@ -315,7 +332,11 @@ def prepare(inputs: list[str], out: str | Path, tokenizer, val_fraction: float =
         raise bad_value("--out", str(out), "already holds prepared data; choose another folder or delete it")
     if out.exists() and any(out.iterdir()):
         raise bad_value("--out", str(out), "exists and is not empty; choose a new folder")
-    sources = collect_sources(inputs)
+    repeated: list[str] = []
+    sources = collect_sources(inputs, repeated)
+    if repeated and not quiet:
+        names = ", ".join(repeated[:5]) + (f" and {len(repeated) - 5} more" if len(repeated) > 5 else "")
+        print(f"read once: {len(repeated)} file(s) the inputs name more than once: {names}", file=sys.stderr)
     if not sources:
         raise bad_value("--input", " ".join(inputs), "holds no text files; give files or folders of text, "
                         ".jsonl or .parquet files, or a datasets folder")
@@ -329,6 +350,14 @@ def prepare(inputs: list[str], out: str | Path, tokenizer, val_fraction: float =
         raise bad_value("--out", str(out), f"cannot write there ({e.strerror}); choose a writable folder") from None
     try:
         meta = _write_shards(tmp, sources, tokenizer, dtype, val_fraction, text_field, workers, quiet, inputs)
+    except OSError as e:  # a full disk was a traceback from the shard writer
+        shutil.rmtree(tmp, ignore_errors=True)
+        writing = e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG) or (
+            e.filename and str(Path(e.filename).resolve()).startswith(str(tmp.resolve())))
+        if writing:
+            raise bad_value("--out", str(out), f"could not be written ({e.strerror}); nothing was kept: free "
+                            "space there or choose another folder") from None
+        raise bad_value("--input", str(e.filename or " ".join(inputs)), f"could not be read ({e.strerror})") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -294,3 +294,35 @@ def test_prepare_names_the_files_it_skips(tmp_path, capsys):
     assert main(["data", "prepare", "--input", str(tmp_path / "good.txt"), str(tmp_path / "latin1.txt"),
                  "--out", str(tmp_path / "d")]) == 0
     assert f"skipped 1 file(s) that are not UTF-8 text: {tmp_path / 'latin1.txt'}" in capsys.readouterr().err
+
+
+def test_a_file_named_twice_is_read_once(tmp_path, capsys):
+    """`--input txt txt` (or a folder and a file in it) doubled the corpus: the tail held out for
+    validation was then in the train split too."""
+    src = tmp_path / "txt"
+    src.mkdir()
+    (src / "a.txt").write_text("alpha " * 50)
+    (src / "b.txt").write_text("beta " * 50)
+    assert main(["data", "prepare", "--input", str(src), str(src / "a.txt"), str(src), "--out",
+                 str(tmp_path / "o")]) == 0
+    err = capsys.readouterr().err
+    assert f"read once: 3 file(s) the inputs name more than once: {src / 'a.txt'}" in err, err
+    meta = json.loads((tmp_path / "o" / "meta.json").read_text())
+    assert meta["files_used"] == 2 and meta["documents"]["count"] == 2
+
+
+def test_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatch):
+    import errno
+
+    def full(self, ids, starts):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(data_mod._ShardWriter, "write", full)
+    src = tmp_path / "txt"
+    src.mkdir()
+    (src / "a.txt").write_text("alpha " * 50)
+    assert main(["data", "prepare", "--input", str(src), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--out = '{tmp_path / 'o'}': could not be written (No space left on device)" \
+        in err, err
+    assert not [p for p in tmp_path.iterdir() if p.name not in ("txt",)]  # no partial folder left
