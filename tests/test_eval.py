@@ -137,3 +137,19 @@ def test_eval_reproduces_a_document_masked_runs_validation_loss(tmp_path):
     train(preflight(cfg))
     state = json.loads(next((out / "checkpoints").glob("step_*/train_state.json")).read_text())
     assert evaluate(str(out), TokenData(data))["loss"] == pytest.approx(state["val_loss"], rel=1e-6)
+
+
+def test_a_damaged_newer_checkpoint_is_skipped_and_said_once(run, corpus, tmp_path, capsys):
+    """eval resolved the checkpoint twice: each skipped one was said twice and hashed twice."""
+    import shutil
+
+    r = tmp_path / "run"
+    shutil.copytree(run, r)
+    newest = sorted((r / "checkpoints").glob("step_*"))[-1]
+    bad = newest.with_name("step_00000099")
+    shutil.copytree(newest, bad)
+    f = bad / "model.pt"
+    f.write_bytes(bytes(len(f.read_bytes())))  # altered, same size
+    assert main(["eval", "--checkpoint", str(r), "--data", str(corpus)]) == 0
+    err = capsys.readouterr().err
+    assert err.count("skipped") == 1 and "step_00000099 skipped: model.pt checksum mismatch" in err, err

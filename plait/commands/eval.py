@@ -76,17 +76,16 @@ def run_data(checkpoint: str) -> str:
     return data["path"]
 
 
-def _global_batch(checkpoint: str, t) -> int:
-    """Sequences per optimizer step of the run (an HF folder records none: one micro-batch)."""
+def _global_batch(folder, t) -> int:
+    """Sequences per optimizer step of the run whose checkpoint `folder` was read (resolved and
+    verified once: resolving it again hashed the checkpoint twice and said each skipped one twice);
+    an HF folder records none: one micro-batch."""
     import json
 
-    from plait import checkpoint as ckpt
-    from plait import hf
-
-    if hf.is_hf_dir(checkpoint):
+    state = folder / "train_state.json"
+    if not state.is_file():
         return t.micro_batch
-    state = json.loads((ckpt.resolve_for_reading(checkpoint) / "train_state.json").read_text())
-    return int(state.get("global_batch") or t.micro_batch * t.grad_accum)
+    return int(json.loads(state.read_text()).get("global_batch") or t.micro_batch * t.grad_accum)
 
 
 def evaluate(checkpoint: str, data, *, batches: int = 0, batch_size: int = 0, seq_len: int = 0,
@@ -117,7 +116,7 @@ def evaluate(checkpoint: str, data, *, batches: int = 0, batch_size: int = 0, se
                         "prepare it with the model's tokenizer.json")
     t = cfg.train
     if not batches:  # the run's validation set: eval_batches of its global batch, a micro-batch at a time
-        batches = max(1, -(-t.eval_batches * _global_batch(checkpoint, t) // (batch_size or t.micro_batch)))
+        batches = max(1, -(-t.eval_batches * _global_batch(folder, t) // (batch_size or t.micro_batch)))
     # an HF folder records no training length: the trainer's default one may exceed its
     # max_position_embeddings (a plait run's train.seq_len never exceeds its max_seq_len)
     batch_size, seq_len = batch_size or t.micro_batch, seq_len or min(t.seq_len, cfg.model.max_seq_len)
