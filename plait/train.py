@@ -265,7 +265,9 @@ def _train(cfg: Config, dims, stop: StopRequest) -> dict:
         if saving:
             with ckpts.timed(done, record):
                 folder = save_checkpoint(saver, done, cfg, engine, tokenizer, device, val_loss, par.data_size)
-            bar.message(f"saved checkpoint {folder}" + (" (writing in the background)" if ckpts.is_async else ""))
+            # an asynchronous save is not saved yet: a rank that died while writing lost it
+            bar.message(f"checkpoint {folder}: taken, writing in the background" if ckpts.is_async
+                        else f"saved checkpoint {folder}")
         log.log(record)
         bar.update(done, loss_val, record["tokens_per_s"])
         if health.stop:  # the weights are still those of the last good step: keep them, then stop

@@ -110,7 +110,10 @@ def test_a_failed_async_write_ends_in_one_line_and_keeps_earlier_checkpoints(cor
     with bounded(90):
         code = main(train_args(corpus, run, 6, nproc=2, zero=3,
                                extra=["--checkpoint.every", "2", "--checkpoint.async", "true"]))
-    line = _one_error_line(capfd.readouterr().err)
+    err = capfd.readouterr().err
+    line = _one_error_line(err)
+    # not "saved": the write of step 4 was still to fail (it said "saved checkpoint ... (writing in the background)")
+    assert f"checkpoint {step_dir(run, 4)}: taken, writing in the background" in err and "saved checkpoint" not in err
     assert code == 2 and line.startswith("plait train: error: rank 1: cannot write checkpoint step_00000004 in "
                                          f"{run / 'checkpoints'}: No space left on device"), line
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000002"]
