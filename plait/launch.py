@@ -279,7 +279,7 @@ def spawn(entry, args=(), nproc: int = 2, *, device_type: str = "cpu", timeout_s
                                                           _ParentFd(1), _ParentFd(2))
                 return [out[r] for r in range(nproc)]
             except ChildFailedError as e:
-                raise _failure(e, workdir) from None
+                raise _failure(e, workdir, nproc) from None
             except Exception as e:  # the free port was taken between probing and binding it
                 if attempt == 2 or "address already in use" not in str(e).lower():
                     raise
@@ -321,7 +321,9 @@ def _worker(entry, args, env, timeout_s, workdir, stdout_fd=None, stderr_fd=None
     if timeout_s:
         threading.Thread(target=_watchdog, args=(done, timeout_s, rank, workdir), daemon=True).start()
     try:
-        return entry(*args)
+        out = entry(*args)
+        open(os.path.join(workdir, f"rank{rank}.done"), "w").close()  # not a suspect if a peer fails after
+        return out
     except BaseException as e:
         kind = "UserError" if isinstance(e, UserError) else type(e).__name__  # subclasses too: one line, exit 2
         _write_report(workdir, rank, f"{kind}: {e}", traceback.format_exc())
@@ -380,7 +382,7 @@ def _write_report(workdir: str, rank: int, message: str, tb: str) -> None:
 _PEER_LOSS = re.compile(r"connection (closed|reset)|broken pipe|peer|DistNetworkError|recv.*0 bytes", re.I)
 
 
-def _failure(e, workdir: str) -> Exception:
+def _failure(e, workdir: str, nproc: int = 0) -> Exception:
     reports = {}
     for name in os.listdir(workdir):  # every rank that raised, also those stopped before the agent saw it
         if re.fullmatch(r"rank\d+\.json", name):
@@ -396,6 +398,12 @@ def _failure(e, workdir: str) -> Exception:
     # the same error on several ranks (a bad config, say) is reported for the lowest of them
     root = min(r for r in reports if reports[r]["message"] == reports[root]["message"])
     msg = reports[root]["message"].strip().splitlines()[0] if reports[root]["message"].strip() else "failed"
+    done = {r for r in range(nproc) if os.path.exists(os.path.join(workdir, f"rank{r}.done"))}
+    silent = sorted(r for r in range(nproc) if r != root and r not in done and not (reports.get(r) or {}).get("traceback"))
+    if "did not complete within parallel.timeout_s" in msg and silent:
+        # the rank that timed out is the one that waited: the one it waited for raised nothing, and
+        # was still running when the agent stopped it (a hang named only the healthy rank)
+        msg += f"; rank(s) {', '.join(map(str, silent))} raised no error and were still running: look there first"
     if msg.startswith("UserError: "):
         return UserError(f"rank {root}: {msg[len('UserError: '):]}")
     return SpawnError(root, msg, {r: rep["traceback"] for r, rep in reports.items()},

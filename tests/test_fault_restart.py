@@ -108,6 +108,8 @@ def test_a_rank_hanging_in_a_collective_is_detected_within_the_timeout_and_resta
     (hang,) = fault_log(tmp_path / "faults.jsonl")
     _, note = _restart(run)
     assert "CollectiveError" in note["cause"] and f"parallel.timeout_s = {timeout} s" in note["cause"], note
+    # rank 0 timed out waiting; the hung rank is the one that raised nothing (it named rank 0 only)
+    assert "rank(s) 1 raised no error and were still running: look there first" in note["cause"], note
     latency = note["detected_at"] - hang["time"]
     assert timeout <= latency < timeout + 5, latency  # the collective's timeout, not a harness bound
     assert note["from_step"] == 2 and sorted(losses(run)) == list(range(1, 7))

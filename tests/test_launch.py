@@ -160,6 +160,7 @@ def test_a_stuck_collective_times_out_naming_op_dim_and_rank():
     msg = str(e.value)
     assert msg.startswith("rank 0 failed: CollectiveError: all_reduce on mesh dim 'tp'")
     assert "did not complete within parallel.timeout_s = 2 s" in msg and "on rank 0" in msg
+    assert "rank(s) 1 raised no error and were still running" in msg  # the absent peer, named
     assert "CollectiveError" in e.value.traceback
 
 
