@@ -18,7 +18,8 @@ from plait.data import open_data
 from plait.prepare import default_corpus_dir
 from plait.errors import UserError, bad_value
 from plait.metrics import check_wandb
-from plait.resume import SHAPE_FIELDS, check_model_shape, global_batch_note, global_batch_of, saved_global_batch
+from plait.resume import (SHAPE_FIELDS, check_model_shape, global_batch_note, global_batch_of, model_changes,
+                          saved_global_batch)
 from plait.validate import data_parallel_size, validate_config
 
 
@@ -145,6 +146,8 @@ def _check_resume(cfg: Config, out: Path, model_given: dict | None = None) -> Pa
         raise bad_value("checkpoint.resume", resume, f"every checkpoint in {out / 'checkpoints'} is damaged; "
                         "move them away to start fresh")
     check_model_shape(cfg.model, folder, model_given)
+    if (changed := model_changes(cfg.model, folder, model_given)) and _first_process():
+        warn(f"the run's config changes {', '.join(changed)} from what {folder.name} was trained with")
     step = int(json.loads((folder / "train_state.json").read_text())["step"])
     if cfg.train.steps < step:
         raise bad_value("train.steps", cfg.train.steps, f"but the run in {out} is already at step {step}; give "

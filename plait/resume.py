@@ -16,6 +16,7 @@ builds is refused before any worker starts, and a change of the global batch is 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tomllib
 from pathlib import Path
@@ -106,10 +107,23 @@ def check_model_shape(model: ModelConfig, folder: Path, given: dict | None = Non
                                 f"checkpoint {folder} holds a {saved.preset!r} model with {name} = {old!r}; resume "
                                 "without --preset (the run's saved config already has its shape), or train into "
                                 "a new --out")
+            how = ("resume without the --model options that change it (the run's saved config already has "
+                   "its shape)" if name in given else "the run's config.toml says so: restore it")
             raise bad_value(f"model.{name}", new, f"but the checkpoint {folder} holds a {saved.preset!r} model with "
-                            f"{name} = {old!r}; resume without the --model options that change it (the run's "
-                            "saved config already has its shape), or train into a new --out")
+                            f"{name} = {old!r}; {how}, or train into a new --out")
     return saved
+
+
+def model_changes(model: ModelConfig, folder: Path, given: dict | None = None) -> list[str]:
+    """The model fields other than its shape (RoPE, norm epsilon, ...) that differ from what the
+    checkpoint trained with and that no flag given now sets: an edited config.toml, which resumed
+    in silence although the same weights then compute another function."""
+    saved = config_from_dict(json.loads((folder / "train_state.json").read_text())["config"]).model
+    given = given or {}
+    return [f"model.{f.name} = {getattr(model, f.name)!r} (trained with {getattr(saved, f.name)!r})"
+            for f in dataclasses.fields(ModelConfig)
+            if f.name not in (*SHAPE_FIELDS, "preset") and f.name not in given
+            and getattr(model, f.name) != getattr(saved, f.name)]
 
 
 def saved_global_batch(folder: Path) -> tuple[int, str] | None:

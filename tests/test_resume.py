@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 
 from conftest import MICRO_MODEL
@@ -68,6 +69,25 @@ def test_a_checkpoint_of_another_shape_is_refused_before_anything_runs(corpus, t
         assert time.perf_counter() - t0 < 5
         assert (run / "config.toml").read_bytes() == saved  # the run's config is left as it was
         assert [r["step"] for r in _rows(run)] == [1, 2]
+
+
+def test_an_edited_config_toml_is_named_on_resume(corpus, tmp_path, capfd):
+    """A shape edited in config.toml is refused naming the file (it said to drop --model options no
+    one gave); another model field edited there resumed in silence: the same weights then compute
+    another function. It is said, in one line."""
+    run = tmp_path / "r"
+    assert main(_first_run(corpus, run, steps=2)) == 0
+    capfd.readouterr()
+    text = (run / "config.toml").read_text()
+    (run / "config.toml").write_text(text.replace("n_layers = 2", "n_layers = 3"))
+    assert main(["train", "--out", str(run), "--resume", "--steps", "4"]) == 2
+    line = _error_line(capfd)
+    assert "model.n_layers = 3: but the checkpoint" in line and "the run's config.toml says so: restore it" in line
+    (run / "config.toml").write_text(re.sub(r"rope_theta = .*", "rope_theta = 50000.0", text))
+    assert main(["train", "--out", str(run), "--resume", "--steps", "3"]) == 0
+    err = capfd.readouterr().err
+    assert "plait: the run's config changes model.rope_theta = 50000.0 (trained with 10000.0) from what " \
+           "step_00000002 was trained with" in err, err
 
 
 def test_resume_without_a_checkpoint_refuses_and_auto_starts_fresh(corpus, tmp_path, capfd):
