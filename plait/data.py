@@ -155,8 +155,8 @@ class TokenData(_Batches):
             longest = max((len(s) for s in split.shards), default=0)
             if longest < seq_len + 1:
                 raise bad_value("train.seq_len", seq_len,
-                                f"is longer than the {name} split ({longest} tokens in its largest shard); "
-                                f"use a shorter sequence or more data")
+                                f"is longer than the {name} split of {self.path} ({longest} tokens in its largest "
+                                f"shard); use a shorter sequence or more data")
 
     def _valid(self, split: str, seq_len: int) -> np.ndarray:
         """Window starts per shard: a window of seq_len+1 tokens never crosses a shard's end."""

@@ -142,3 +142,12 @@ def test_folders_must_share_the_tokenizer(folders, tmp_path):
     with pytest.raises(UserError, match="data.mix = .*meta.json missing"):
         MixedData(f"{folders['a']}:1,{tmp_path / 'nowhere'}:1")
     assert tokenizers  # the library trained the tokenizer above
+
+
+def test_a_folder_too_short_for_the_sequence_is_named(folders):
+    """Which of the mix's folders is too short (the line blamed train.seq_len without naming it)."""
+    mix = MixedData(f"{folders['a']}:1,{folders['b']}:1")
+    with pytest.raises(UserError) as e:
+        mix.check(256, 100_000)
+    assert str(e.value).startswith("train.seq_len = 100000: is longer than the train split of ") and \
+        str(folders["a"]) in str(e.value)
