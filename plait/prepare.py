@@ -125,7 +125,8 @@ def _text_field_error(field: str, where: str, fields) -> UserError:
 
 
 def read_documents(source: Source, text_field: str = "text") -> Iterator[tuple[str | None, str, float]]:
-    """(text, hold-out key, bytes of input it stands for) per document; text None = unreadable.
+    """(text, hold-out key, bytes of input it stands for) per document; text None = an unreadable
+    text file (a record whose text is null is an empty document).
 
     Keys name the document (a text file by its name and folder; a record by its file's name
     without suffix, its folder and its row number), so the same document is held out wherever the
@@ -160,7 +161,8 @@ def read_documents(source: Source, text_field: str = "text") -> Iterator[tuple[s
                 if text is not None and not isinstance(text, str):
                     raise bad_value("--text-field", text_field, f"holds {_json_kind(text)}, not text, in "
                                     f"{p} line {line_no}; name a text field")
-                yield text, f"{p.stem}:{p.parent.name}:{row_no}", len(line)
+                # a null text is an empty row (it was counted as a skipped non-UTF-8 file, once per row)
+                yield text or "", f"{p.stem}:{p.parent.name}:{row_no}", len(line)
     elif source.kind == "parquet":
         try:
             import pyarrow.parquet as pq
@@ -176,7 +178,7 @@ def read_documents(source: Source, text_field: str = "text") -> Iterator[tuple[s
                 row += 1
                 if text is not None and not isinstance(text, str):
                     raise bad_value("--text-field", text_field, f"is not a text column in {p}; name a text column")
-                yield text, f"{p.stem}:{p.parent.name}:{row}", per_row
+                yield text or "", f"{p.stem}:{p.parent.name}:{row}", per_row
     elif source.kind == "hf":
         yield from _read_hf_dataset(source, text_field)
     else:
@@ -205,7 +207,7 @@ def _read_hf_dataset(source: Source, text_field: str):
             row += 1
             if text is not None and not isinstance(text, str):
                 raise bad_value("--text-field", text_field, f"is not a text column in {p}; name a text column")
-            yield text, f"{p.name}:{p.parent.name}:{row}", per_row
+            yield text or "", f"{p.name}:{p.parent.name}:{row}", per_row
 
 
 def iter_texts(inputs: list[str], text_field: str = "text") -> Iterator[str]:

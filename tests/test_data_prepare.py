@@ -326,3 +326,12 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatc
     assert err.count("\n") == 1 and f"--out = '{tmp_path / 'o'}': could not be written (No space left on device)" \
         in err, err
     assert not [p for p in tmp_path.iterdir() if p.name not in ("txt",)]  # no partial folder left
+
+
+def test_null_texts_are_empty_rows_not_unreadable_files(tmp_path, capsys):
+    """A JSONL row whose text is null was counted as a skipped non-UTF-8 file, once per row."""
+    path = _jsonl(tmp_path / "in" / "rows.jsonl", DOCS[:20], extra_rows=['{"text": null}'] * 3)
+    assert main(["data", "prepare", "--input", str(path), "--out", str(tmp_path / "o")]) == 0
+    err = capsys.readouterr().err
+    assert "not UTF-8" not in err and "from 1 file(s) (0 skipped)" in err, err
+    assert json.loads((tmp_path / "o" / "meta.json").read_text())["documents"]["count"] == 20
