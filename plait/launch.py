@@ -147,11 +147,17 @@ def init_distributed(parallel, device_type: str = "cpu", env=None, agree: dict |
     if not dist.is_initialized():
         try:
             dist.init_process_group(backend, timeout=timedelta(seconds=parallel.timeout_s), **kwargs)
-        except RuntimeError as e:  # torch's DistNetworkError: rank 0 could not open the rendezvous port
-            if "address already in use" not in str(e).lower():
-                raise
-            raise UserError(f"MASTER_PORT = {le.master_port}: already in use on {le.master_addr} (another run on "
-                            f"this node?): export MASTER_PORT with a free port") from None
+        except RuntimeError as e:  # torch's DistNetworkError / DistStoreError, as a traceback per rank
+            text = str(e).lower()
+            if "address already in use" in text:  # rank 0 could not open the rendezvous port
+                raise UserError(f"MASTER_PORT = {le.master_port}: already in use on {le.master_addr} (another run "
+                                f"on this node?): export MASTER_PORT with a free port") from None
+            if "timeout" in text or "timed out" in text:  # the world it was told of never gathered
+                raise UserError(f"the rendezvous at {le.master_addr}:{le.master_port} waited parallel.timeout_s = "
+                                f"{parallel.timeout_s:g} s for {le.world_size} ranks as rank {le.rank}, and they did "
+                                "not all come: every process must be given the same world size (WORLD_SIZE, "
+                                "SLURM_STEP_NUM_TASKS) and reach rank 0's host") from None
+            raise
     if agree is not None and le.world_size > 1:
         same_everywhere(agree, le.rank)
     dims.build_mesh(device_type, parallel.timeout_s)

@@ -51,6 +51,22 @@ def test_srun_environment():
     assert len(ports) == 8 and all(15000 <= p < 30000 for p in ports) and le.master_port == 15000 + 123456 % 15000
 
 
+def test_a_rendezvous_that_never_gathers_is_one_line(monkeypatch):
+    """Rank 1 of 2 whose rank 0 never comes (a task given another world size, a host it cannot
+    reach): one line naming the rendezvous and what to check, not torch's store traceback."""
+    import torch.distributed as dist
+
+    for k, v in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(launch.free_port())}.items():
+        monkeypatch.setenv(k, v)
+    try:
+        with pytest.raises(UserError, match=r"^the rendezvous at 127.0.0.1:\d+ waited parallel.timeout_s = 2 s for "
+                                            r"2 ranks as rank 1, and they did not all come: .*same world size"):
+            launch.init_distributed(ParallelConfig(timeout_s=2), "cpu")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def test_a_rendezvous_port_in_use_is_one_line(monkeypatch):
     import socket
 
