@@ -66,15 +66,29 @@ def quantize(x: torch.Tensor, fmt: torch.dtype, dim: int | None, pow2: bool = Fa
     return scaled(x, scale, fmt), scale.reciprocal()
 
 
+def _cpu_takes_row_scales() -> bool:
+    """Whether this torch's CPU _scaled_mm takes rows' scales: torch 2.11's takes one scale an
+    operand and fails an internal assert on more (2.13's takes them)."""
+    q = torch.zeros(16, 16).to(E4M3)
+    try:
+        torch._scaled_mm(q, q.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.float32)
+    except RuntimeError:
+        return False
+    return True
+
+
+_CPU_ROW_SCALES = _cpu_takes_row_scales()
+
+
 def fp8_gemm(a: torch.Tensor, b: torch.Tensor, fa: torch.dtype, fb: torch.dtype, rowwise: bool,
              out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
     """a (M, K) @ b (K, N) with both operands quantized along K (rowwise) or whole (tensorwise)."""
     qa, sa = quantize(a, fa, -1 if rowwise else None, rowwise)  # sa (M, 1) or ()
     qb, sb = quantize(b, fb, 0 if rowwise else None, rowwise)  # sb (1, N) or ()
-    if rowwise and a.device.type == "cpu":
-        # torch 2.11's CPU _scaled_mm takes one scale an operand and fails an internal assert on
-        # rows' scales: the same product, dequantized in fp32, on every torch
-        return torch.mm(qa.float(), qb.float()).mul_(sa).mul_(sb).to(out_dtype)
+    if rowwise and a.device.type == "cpu" and not _CPU_ROW_SCALES:
+        # the same product, dequantized in fp32 (out of place: selective recomputation caches the
+        # matmul's output and refuses one mutated after)
+        return (torch.mm(qa.float(), qb.float()) * sa * sb).to(out_dtype)
     qa = qa.contiguous()  # _scaled_mm: left operand row-major,
     qb = qb.t().contiguous().t()  # right operand column-major (no copy when b is a transposed weight)
     return torch._scaled_mm(qa, qb, scale_a=sa, scale_b=sb, out_dtype=out_dtype, use_fast_accum=fast_accum)

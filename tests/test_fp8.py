@@ -79,6 +79,18 @@ def test_gemm_applies_the_inverse_scales(rowwise):
     assert _rel_err(got, a @ b) < 0.06
 
 
+def test_rowwise_on_a_cpu_without_rows_scales_dequantizes_to_the_same_product(monkeypatch):
+    """torch 2.11's CPU _scaled_mm fails an internal assert on rows' scales: there the product is
+    taken dequantized in fp32, equal to the kernel's (tested here on a torch whose kernel takes them)."""
+    import plait.fp8 as fp8
+
+    a, w = torch.randn(48, 64), torch.randn(32, 64) * 0.1
+    kernel = fp8_gemm(a, w.t(), E4M3, E4M3, True, torch.float32, fast_accum=False)
+    monkeypatch.setattr(fp8, "_CPU_ROW_SCALES", False)
+    torch.testing.assert_close(fp8_gemm(a, w.t(), E4M3, E4M3, True, torch.float32, fast_accum=False), kernel,
+                               rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_fp8_linear_forward_and_gradients_track_fp32(recipe):
     torch.manual_seed(0)
