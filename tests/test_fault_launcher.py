@@ -131,10 +131,11 @@ def test_sigusr1_saves_the_step_every_rank_is_at_and_stops(corpus, tmp_path, to)
     assert ckpt.verify(step_dir(run, stopped)) is None and not with_marker(marker)
     # what a torchrun restart of these workers reads, so as not to train on (tests/test_user_launch.py)
     assert json.loads((run / "stopped.json").read_text()) == {"signal": "SIGUSR1", "step": stopped}
-    with bounded(90):
-        assert main(train_args(corpus, run, stopped + 2, nproc=2, zero=3, extra=["--resume"])) == 0
-    assert sorted(losses(run)) == list(range(1, stopped + 3))
-    assert not (run / "stopped.json").exists()  # a new invocation continues the run
+    if to == "launcher":  # the stop is the same either way: one resume proves it continues
+        with bounded(90):
+            assert main(train_args(corpus, run, stopped + 2, nproc=2, zero=3, extra=["--resume"])) == 0
+        assert sorted(losses(run)) == list(range(1, stopped + 3))
+        assert not (run / "stopped.json").exists()  # a new invocation continues the run
 
 
 def test_ctrl_c_ends_workers_blocked_inside_a_collective_within_seconds(tmp_path):

@@ -81,30 +81,19 @@ def test_kill9_during_an_async_checkpoint_write_uses_the_previous_one(corpus, tm
     assert_no_workers_left()
 
 
-def test_a_restart_stops_where_its_first_attempt_planned(corpus, tmp_path, monkeypatch):
-    """max_steps_this_run counts from where the invocation started, not from each restart: the run
-    planned to stop at step 5 stops there after resuming from step 2 (it ran to step 7)."""
-    monkeypatch.setenv("PLAIT_FAULTS", "kill@rank=1,step=4")
-    run = tmp_path / "run"
-    with bounded(120):
-        assert main(train_args(corpus, run, 10, nproc=2, zero=1, extra=[
-            "--checkpoint.every", "2", "--train.max_restarts", "1", "--train.max_steps_this_run", "5"])) == 0
-    _, note = _restart(run)
-    assert note["from_step"] == 2 and sorted(losses(run)) == [1, 2, 3, 4, 5]
-    assert max(int(p.name[5:]) for p in (run / "checkpoints").glob("step_*")) == 5
-    assert_no_workers_left()
-
-
 def test_a_rank_hanging_in_a_collective_is_detected_within_the_timeout_and_restarted(corpus, tmp_path,
                                                                                       monkeypatch):
-    # rank 1 sleeps inside step 4's backward while rank 0 waits in the reduce-scatter
+    """Rank 1 sleeps inside step 4's backward while rank 0 waits in the reduce-scatter. The run was
+    to stop after 5 steps (max_steps_this_run): the restart, from step 2, stops there too (it
+    counted 5 more from the checkpoint it resumed from, and ran to step 7)."""
     monkeypatch.setenv("PLAIT_FAULTS", "hang@rank=1,step=4,s=600")
     monkeypatch.setenv("PLAIT_FAULTS_LOG", str(tmp_path / "faults.jsonl"))
     run = tmp_path / "run"
     timeout = 3
     with bounded(120):
-        assert main(train_args(corpus, run, 6, nproc=2, zero=3, extra=[
-            "--checkpoint.every", "2", "--train.max_restarts", "1", "--parallel.timeout_s", timeout])) == 0
+        assert main(train_args(corpus, run, 10, nproc=2, zero=3, extra=[
+            "--checkpoint.every", "2", "--train.max_restarts", "1", "--parallel.timeout_s", timeout,
+            "--train.max_steps_this_run", "5"])) == 0
     (hang,) = fault_log(tmp_path / "faults.jsonl")
     _, note = _restart(run)
     assert "CollectiveError" in note["cause"] and f"parallel.timeout_s = {timeout} s" in note["cause"], note
@@ -112,7 +101,8 @@ def test_a_rank_hanging_in_a_collective_is_detected_within_the_timeout_and_resta
     assert "rank(s) 1 raised no error and were still running: look there first" in note["cause"], note
     latency = note["detected_at"] - hang["time"]
     assert timeout <= latency < timeout + 5, latency  # the collective's timeout, not a harness bound
-    assert note["from_step"] == 2 and sorted(losses(run)) == list(range(1, 7))
+    assert note["from_step"] == 2 and sorted(losses(run)) == list(range(1, 6))
+    assert max(int(p.name[5:]) for p in (run / "checkpoints").glob("step_*")) == 5
     assert_no_workers_left()
 
 

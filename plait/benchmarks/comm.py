@@ -28,6 +28,14 @@ HELP = "collective bandwidth (time, algbw, busbw) of torch.distributed vs plait'
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 
 
+def chosen_ops(given: str | None, impls: list[str]) -> list[str]:
+    """The ops --ops names; by default all that the implementations measure (plait's rings have no
+    send_recv: `--impl ring` alone was refused for a send_recv the user never asked for)."""
+    if given is None:
+        return [o for o in OPS if o != "send_recv" or "torch" in impls]
+    return [o.strip() for o in given.split(",") if o.strip()]
+
+
 def add_arguments(p) -> None:
     p.add_argument("--nproc", type=int, default=0, help="processes to start (default: all GPUs, or 2 on CPU; "
                    "ignored under torchrun/srun)")
@@ -97,10 +105,7 @@ def run(args) -> int:
     for i in impls:
         if not re.fullmatch(r"torch|ring|ring-auto|ring-[1-9]\d*", i):  # ring-0: no pieces at all
             raise bad_value("--impl", i, "choose torch, ring, ring-auto or ring-K (K pieces per chunk)")
-    if args.ops is None:  # all that the implementations asked for measure (plait's rings have no send_recv)
-        ops = [o for o in OPS if o != "send_recv" or "torch" in impls]
-    else:
-        ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    ops = chosen_ops(args.ops, impls)
     for o in ops:
         if o not in OPS:
             raise bad_value("--ops", o, f"choose from {', '.join(OPS)}")
