@@ -213,6 +213,7 @@ def commit(root: Path, tmp: Path, step: int, files: dict, info: dict, keep_last:
               "checkpoint.keep_last moves past its step)", file=sys.stderr)
     os.replace(tmp, final)
     _fsync_dir(root)
+    _VERDICTS[final.resolve()] = None  # just written and hashed; a damaged save of this step went aside
     prune(root, keep_last)
     return final
 

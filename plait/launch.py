@@ -159,13 +159,13 @@ def init_distributed(parallel, device_type: str = "cpu", env=None, agree: dict |
                                 "SLURM_STEP_NUM_TASKS) and reach rank 0's host") from None
             raise
     if agree is not None and le.world_size > 1:
-        same_everywhere(agree, le.rank)
+        same_everywhere(agree)
     dims.build_mesh(device_type, parallel.timeout_s)
     dims.device = device
     return dims
 
 
-def same_everywhere(values: dict, rank: int) -> None:
+def same_everywhere(values: dict) -> None:
     """Every rank's `values` against rank 0's, in one all-gather: a field that differs raises the same
     one-line UserError on every rank. Nodes started by hand (torchrun, srun) with different
     commands otherwise trained different layouts until a collective met its counterpart in

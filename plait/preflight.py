@@ -145,8 +145,8 @@ def _check_resume(cfg: Config, out: Path, model_given: dict | None = None) -> Pa
     if folder is None:
         raise bad_value("checkpoint.resume", resume, f"every checkpoint in {out / 'checkpoints'} is damaged; "
                         "move them away to start fresh")
-    check_model_shape(cfg.model, folder, model_given)
-    if (changed := model_changes(cfg.model, folder, model_given)) and _first_process():
+    saved = check_model_shape(cfg.model, folder, model_given)
+    if (changed := model_changes(cfg.model, saved, model_given)) and _first_process():
         warn(f"the run's config changes {', '.join(changed)} from what {folder.name} was trained with")
     step = int(json.loads((folder / "train_state.json").read_text())["step"])
     if cfg.train.steps < step:

@@ -114,11 +114,11 @@ def check_model_shape(model: ModelConfig, folder: Path, given: dict | None = Non
     return saved
 
 
-def model_changes(model: ModelConfig, folder: Path, given: dict | None = None) -> list[str]:
-    """The model fields other than its shape (RoPE, norm epsilon, ...) that differ from what the
-    checkpoint trained with and that no flag given now sets: an edited config.toml, which resumed
-    in silence although the same weights then compute another function."""
-    saved = config_from_dict(json.loads((folder / "train_state.json").read_text())["config"]).model
+def model_changes(model: ModelConfig, saved: ModelConfig, given: dict | None = None) -> list[str]:
+    """The model fields other than its shape (RoPE, norm epsilon, ...) that differ from `saved` (what
+    the checkpoint trained with: `check_model_shape` returns it) and that no flag given now sets: an
+    edited config.toml, which resumed in silence although the same weights then compute another
+    function."""
     given = given or {}
     return [f"model.{f.name} = {getattr(model, f.name)!r} (trained with {getattr(saved, f.name)!r})"
             for f in dataclasses.fields(ModelConfig)

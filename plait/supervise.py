@@ -157,15 +157,14 @@ def stopped_before(out: str | Path, env=None) -> dict | None:
     else None. A first start forgets an older stop (a new invocation continues the run); a SLURM
     requeue is a new allocation, meant to continue."""
     path = Path(out).expanduser() / STOP_FILE
-    who = outer_restart(env)
-    if who is None or who[0] != "torchrun":
-        if who is None and not int((os.environ if env is None else env).get("PLAIT_ATTEMPT") or 0) and path.exists():
-            try:
-                path.unlink()
-            except OSError:  # a read-only folder: preflight says so in its own line
-                pass
-        return None
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+    if (outer_restart(env) or ("",))[0] == "torchrun":
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+    if not restarted(env) and path.exists():
+        try:
+            path.unlink()
+        except OSError:  # a read-only folder: preflight says so in its own line
+            pass
+    return None

@@ -47,6 +47,9 @@ def test_a_damaged_newer_checkpoint_does_not_count_as_kept(tmp_path):
     Saver(tmp_path, keep_last=1).save(25, lambda d: (d / "model.pt").write_bytes(b"z" * 1000), {"format": 1})
     assert [s for s, _ in list_checkpoints(tmp_path)] == [30, 25]  # the damaged one stays, reported
     assert latest_valid(tmp_path, log=lambda m: None) == tmp_path / "step_00000025"
+    # training reaches step 30 again: the new save is the one kept, the damaged one set aside
+    Saver(tmp_path, keep_last=1).save(30, lambda d: (d / "model.pt").write_bytes(b"w" * 1000), {"format": 1})
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [30] and verify(tmp_path / "step_00000030") is None
 
 
 def test_a_hand_edited_manifest_is_damage_not_a_traceback(tmp_path):

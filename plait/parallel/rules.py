@@ -109,9 +109,9 @@ def check_split(*, heads: int, kv_heads: int, ffn: int, layers: int, seq: int, t
     if ffn % tp:
         raise bad_value(field("tp"), tp, f"must divide the MLP width {ffn}; choose one of {_divisors(ffn, heads)}")
     if pp * v > layers:
-        raise bad_value(field("pp"), pp, f"pp x v = {pp * v} stages exceed the {layers} layers (more stages than layers leave whole ranks "
-                        f"without a layer): "
-                        f"use pp x v <= {layers}, or a model with more layers")
+        raise bad_value(field("pp"), pp, f"pp x v = {pp * v} stages exceed the {layers} layers (more stages than "
+                        f"layers leave whole ranks without a layer): use pp x v <= {layers}, or a model with more "
+                        "layers")
     if cp > 1 and seq % (2 * cp):
         raise bad_value(field("cp"), cp, f"the causal load balance splits each sequence into 2 x cp chunks: "
                         f"the sequence length {seq} must be a multiple of {2 * cp}")
