@@ -126,7 +126,11 @@ def init_distributed(parallel, device_type: str = "cpu", env=None, agree: dict |
         count = torch.cuda.device_count()
         if count == 0:
             raise bad_value("train.device", "cuda", "no GPU is visible to this process; use --train.device cpu")
-        # srun may hand each task one visible GPU (local rank 3 sees only device 0), hence the modulo
+        # srun may hand each task one visible GPU (local rank 3 sees only device 0), hence the modulo;
+        # torchrun and plait's own launcher hand every process all of the node's GPUs, so more processes
+        # than GPUs there put two on one GPU, which NCCL refuses (a traceback per rank before this)
+        if le.launcher in ("torchrun", "plait") and le.local_world_size > count:
+            raise _shared_gpu(le.local_world_size, count)
         device = torch.device("cuda", le.local_rank % count)
         torch.cuda.set_device(device)
         if getattr(parallel, "bind_cpus", "auto") == "auto" and le.local_world_size > 1:
@@ -157,12 +161,20 @@ def init_distributed(parallel, device_type: str = "cpu", env=None, agree: dict |
                                 f"{parallel.timeout_s:g} s for {le.world_size} ranks as rank {le.rank}, and they did "
                                 "not all come: every process must be given the same world size (WORLD_SIZE, "
                                 "SLURM_STEP_NUM_TASKS) and reach rank 0's host") from None
+            if "duplicate gpu" in text:  # NCCL: two processes on one GPU (srun's binding, set by hand)
+                raise _shared_gpu(le.local_world_size, torch.cuda.device_count()) from None
             raise
     if agree is not None and le.world_size > 1:
         same_everywhere(agree)
     dims.build_mesh(device_type, parallel.timeout_s)
     dims.device = device
     return dims
+
+
+def _shared_gpu(procs: int, gpus: int) -> UserError:
+    return UserError(f"{procs} processes on this node share {gpus} visible GPU(s), and NCCL needs one GPU a "
+                     f"process: start at most {gpus} a node (--nproc, --nproc_per_node, srun --ntasks-per-node "
+                     "with --gpus-per-task 1), or run on the CPU (train: --train.device cpu; bench comm: --device cpu)")
 
 
 def same_everywhere(values: dict) -> None:

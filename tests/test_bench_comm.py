@@ -10,8 +10,8 @@ from plait.cli import main
 
 def test_bench_comm_writes_nccl_tests_style_results(tmp_path):
     path = tmp_path / "comm.json"
-    assert main(["bench", "comm", "--nproc", "2", "--min-bytes", "1K", "--max-bytes", "2K", "--impl", "torch,ring,ring-2",
-                 "--json", str(path)]) == 0
+    assert main(["bench", "comm", "--device", "cpu", "--nproc", "2", "--min-bytes", "1K", "--max-bytes", "2K",
+                 "--impl", "torch,ring,ring-2", "--json", str(path)]) == 0
     res = json.loads(path.read_text())
     assert "busbw per nccl-tests" in res["title"] and res["nproc"] == 2 and res["device_type"] == "cpu"
     assert res["torch"] == torch.__version__ and res["date"]

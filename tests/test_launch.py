@@ -67,6 +67,22 @@ def test_a_rendezvous_that_never_gathers_is_one_line(monkeypatch):
             dist.destroy_process_group()
 
 
+def test_more_processes_than_gpus_is_one_line(monkeypatch):
+    """torchrun --nproc_per_node 2 on a one-GPU machine: both processes took GPU 0 and NCCL failed
+    each with a traceback (seen on an H200). Refused before any GPU is touched; srun, which may hand
+    each task one GPU of its own, is left to NCCL, whose refusal says the same."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "29400", "TORCHELASTIC_RUN_ID": "x"}
+    with pytest.raises(UserError, match=r"^2 processes on this node share 1 visible GPU\(s\), and NCCL needs one "
+                                        r"GPU a process: start at most 1 a node .* --train.device cpu; "
+                                        r"bench comm: --device cpu\)$"):
+        launch.init_distributed(ParallelConfig(), "cuda", env=env)
+    assert not torch.distributed.is_initialized()
+
+
 def test_a_rendezvous_port_in_use_is_one_line(monkeypatch):
     import socket
 
@@ -241,8 +257,9 @@ def _free_port_between(lo, hi):
 
 
 def _bench_cmd(path):
-    return [sys.executable, "-m", "plait.cli", "bench", "comm", "--min-bytes", "1K", "--max-bytes", "1K",
-            "--ops", "all_reduce", "--impl", "torch,ring", "--json", str(path)]
+    # on the CPU also where a GPU is visible: two processes would share a one-GPU machine's GPU
+    return [sys.executable, "-m", "plait.cli", "bench", "comm", "--device", "cpu", "--min-bytes", "1K", "--max-bytes",
+            "1K", "--ops", "all_reduce", "--impl", "torch,ring", "--json", str(path)]
 
 
 def test_the_same_command_runs_under_torchrun(tmp_path):

@@ -3,12 +3,14 @@
 import json
 
 import pytest
+import torch
 
 from plait.cli import main
 
 SHAPE = ["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--ffn", "96", "--vocab", "256",
          "--seq", "32", "--gpu", "h100", "--nodes", "1", "--gpus-per-node", "2", "--dp", "2",
-         "--micro-batch", "2", "--global-batch", "4", "--validate", "--validate-steps", "3", "--json"]
+         "--micro-batch", "2", "--global-batch", "4", "--validate", "--validate-steps", "3", "--validate-device", "cpu",
+         "--json"]
 
 
 def control(n: int) -> float:
@@ -105,3 +107,11 @@ def test_peak_memory_is_compared_without_the_reserved_allowance():
     rows = {r[0]: r for r in compare(p, measured)}
     assert p.memory_bytes["reserved"] > 0
     assert rows["peak memory (bytes)"][1] == p.memory_total_bytes - p.memory_bytes["reserved"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks for a GPU where there is none")
+def test_validate_on_a_gpu_where_there_is_none_is_one_line(capsys):
+    argv = [a if a != "cpu" else "cuda" for a in SHAPE]
+    assert main(["plan", *argv]) == 2
+    assert capsys.readouterr().err.strip() == ("plait plan: error: --validate-device = 'cuda': no GPU is visible; "
+                                               "use --validate-device cpu")

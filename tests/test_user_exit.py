@@ -35,7 +35,8 @@ def test_ctrl_c_after_a_run_finished_is_quiet(corpus, tmp_path):
     args = [sys.executable, "-m", "plait.cli", "train", "--nproc", "2", "--dp", "2", "--out", str(tmp_path / "r"),
             "--data.path", str(corpus), "--train.steps", "2", "--train.micro_batch", "2", "--train.seq_len", "32",
             "--train.eval_every", "0", "--train.eval_batches", "1", "--train.sample_tokens", "0",
-            "--train.progress", "false", "--train.tensorboard", "false", "--train.compile", "off"]
+            "--train.progress", "false", "--train.tensorboard", "false", "--train.compile", "off",
+            "--train.device", "cpu"]
     for k, v in MICRO_MODEL.items():
         args += [f"--model.{k}", str(v)]
     proc = subprocess.Popen(args, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,

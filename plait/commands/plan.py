@@ -75,6 +75,8 @@ def add_arguments(p) -> None:
     o.add_argument("--validate", action="store_true",
                    help="run the layout here for a few steps and print predicted vs measured (data-parallel layouts)")
     o.add_argument("--validate-steps", type=int, default=6, help="steps of the --validate run")
+    o.add_argument("--validate-device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where the --validate run trains (auto: the GPUs if there are any)")
     o.add_argument("--check", metavar="DIR",
                    help="instead: predict every plait run recorded in DIR (bench/results) and print predicted vs "
                         "measured step time and peak memory with the errors (with --hardware: for runs on its GPU)")
@@ -266,7 +268,9 @@ def _validate(args, d, c, knobs, head) -> int:
         raise bad_value("--validate-steps", args.validate_steps, "must be at least 1")
     if not any(getattr(args, k) is not None for k in ("tp", "pp", "dp", "cp")):
         raise UserError("--validate needs a layout to run: give --dp (and --zero, --micro-batch)")
-    cuda = torch.cuda.is_available()
+    cuda = torch.cuda.is_available() if args.validate_device == "auto" else args.validate_device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise bad_value("--validate-device", "cuda", "no GPU is visible; use --validate-device cpu")
     # the run compiles as `train.compile = auto` does: on a GPU, not on a CPU
     knobs = dict(knobs, compile=knobs["compile"] and cuda)
     lay = inputs.make_layout(c, tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp,
@@ -276,7 +280,7 @@ def _validate(args, d, c, knobs, head) -> int:
     from plait.launch import SpawnError, Stopped
 
     try:
-        measured = v.measure(args.model, d, lay, args.global_batch, args.validate_steps)
+        measured = v.measure(args.model, d, lay, args.global_batch, args.validate_steps, cuda)
     except Stopped as e:  # SIGTERM (a `timeout`, a scheduler): the workers were ended; was the launcher's traceback
         print(f"plait {NAME}: --validate run stopped by {e.signame}; nothing was measured", file=sys.stderr)
         return 143

@@ -42,8 +42,9 @@ def _random_tokens(folder: Path, vocab: int, n_tokens: int, seed: int = 0) -> Pa
     return folder
 
 
-def measure(preset: str | None, d, lay, global_batch: int, steps: int) -> dict:
-    """Train the layout for `steps` steps; returns what rank 0 measured."""
+def measure(preset: str | None, d, lay, global_batch: int, steps: int, cuda: bool | None = None) -> dict:
+    """Train the layout for `steps` steps (on the GPUs where `cuda`, by default where there are any);
+    returns what rank 0 measured."""
     import torch
 
     from plait.config import build_config
@@ -60,9 +61,10 @@ def measure(preset: str | None, d, lay, global_batch: int, steps: int) -> dict:
         raise bad_value("--global-batch", global_batch,
                         f"must be a multiple of micro-batch x dp = {per_step} to be run as given")
     model, seq = _model_section(preset, d), d.seq
-    cuda = torch.cuda.is_available()
+    cuda = torch.cuda.is_available() if cuda is None else cuda
     if cuda and torch.cuda.device_count() < lay.n_gpus:
-        raise UserError(f"the layout needs {lay.n_gpus} GPUs to validate; this machine has {torch.cuda.device_count()}")
+        raise UserError(f"the layout needs {lay.n_gpus} GPUs to validate; this machine has "
+                        f"{torch.cuda.device_count()}: fewer GPUs in the layout, or --validate-device cpu")
     if not cuda:
         _check_host_room(d)
     with tempfile.TemporaryDirectory(prefix="plait-validate-") as tmp:
@@ -75,7 +77,7 @@ def measure(preset: str | None, d, lay, global_batch: int, steps: int) -> dict:
             "train": {"steps": steps, "micro_batch": lay.micro_batch, "grad_accum": global_batch // per_step,
                       "seq_len": seq, "eval_every": 0, "eval_batches": 1, "sample_tokens": 0, "progress": False,
                       "tensorboard": False, "out": str(Path(tmp) / "run"), "warmup_steps": 0,
-                      "recompute": lay.recompute, "fp8": lay.fp8},
+                      "recompute": lay.recompute, "fp8": lay.fp8, "device": "cuda" if cuda else "cpu"},
             "checkpoint": {"at_end": False},
             "parallel": {"nproc": lay.n_gpus, "dp_shard": lay.dp_shard, "dp_replicate": lay.dp_replicate,
                          "zero": lay.zero, "tp": lay.tp, "sp": "on" if lay.seq_parallel else "off", "cp": lay.cp,
