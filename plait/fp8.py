@@ -80,15 +80,27 @@ def _cpu_takes_row_scales() -> bool:
 _CPU_ROW_SCALES = _cpu_takes_row_scales()
 
 
+@torch.library.custom_op("plait::rowwise_mm_cpu", mutates_args=())
+def rowwise_mm_cpu(qa: torch.Tensor, qb: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
+                   out_dtype: torch.dtype) -> torch.Tensor:
+    """A rowwise-scaled FP8 product where the CPU's _scaled_mm takes no rows' scales: dequantized in
+    fp32, out of place. One op, as _scaled_mm is, so that selective recomputation keeps its 16-bit
+    output (plait/parallel/recompute.py counts it as a matmul), not the fp32 product inside."""
+    return (torch.mm(qa.float(), qb.float()) * sa * sb).to(out_dtype)
+
+
+@rowwise_mm_cpu.register_fake
+def _(qa, qb, sa, sb, out_dtype):
+    return qa.new_empty((qa.shape[0], qb.shape[1]), dtype=out_dtype)
+
+
 def fp8_gemm(a: torch.Tensor, b: torch.Tensor, fa: torch.dtype, fb: torch.dtype, rowwise: bool,
              out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
     """a (M, K) @ b (K, N) with both operands quantized along K (rowwise) or whole (tensorwise)."""
     qa, sa = quantize(a, fa, -1 if rowwise else None, rowwise)  # sa (M, 1) or ()
     qb, sb = quantize(b, fb, 0 if rowwise else None, rowwise)  # sb (1, N) or ()
     if rowwise and a.device.type == "cpu" and not _CPU_ROW_SCALES:
-        # the same product, dequantized in fp32 (out of place: selective recomputation caches the
-        # matmul's output and refuses one mutated after)
-        return (torch.mm(qa.float(), qb.float()) * sa * sb).to(out_dtype)
+        return rowwise_mm_cpu(qa, qb, sa, sb, out_dtype)
     qa = qa.contiguous()  # _scaled_mm: left operand row-major,
     qb = qb.t().contiguous().t()  # right operand column-major (no copy when b is a transposed weight)
     return torch._scaled_mm(qa, qb, scale_a=sa, scale_b=sb, out_dtype=out_dtype, use_fast_accum=fast_accum)

@@ -29,8 +29,9 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 _aten = torch.ops.aten
-# the FP8 linears' forward GEMM (plait/fp8.py) counts as the matmul it replaces; its quantization
-# passes around it are recomputed like any element-wise op
+# the FP8 linears' forward GEMM (plait/fp8.py; on a CPU without rows' scales its fp32 stand-in)
+# counts as the matmul it replaces; its quantization passes around it are recomputed like any
+# element-wise op
 MATMULS = {_aten.mm.default, _aten.addmm.default, _aten._scaled_mm.default}
 # attention kernels (whichever SDPA picks) and the collectives that enter a tensor-parallel region
 KEPT = {getattr(_aten, n).default for n in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
@@ -68,12 +69,15 @@ class _BranchPolicy:
     its recomputation, afresh for every call of the branch."""
 
     def __init__(self, matmuls: int, keep_exit: bool):
+        import plait.fp8  # registers plait::rowwise_mm_cpu
+
+        self.matmul_ops = MATMULS | {torch.ops.plait.rowwise_mm_cpu.default}
         entering, leaving = _collectives()
         self.matmuls, self.kept = matmuls, KEPT | _context() | entering | (leaving if keep_exit else set())
         self.count = {False: 0, True: 0}
 
     def __call__(self, ctx, op, *args, **kwargs):
-        if op in MATMULS:
+        if op in self.matmul_ops:
             i = self.count[ctx.is_recompute] % self.matmuls
             self.count[ctx.is_recompute] += 1
             return CheckpointPolicy.MUST_SAVE if i < self.matmuls - 1 else CheckpointPolicy.PREFER_RECOMPUTE
@@ -83,9 +87,19 @@ class _BranchPolicy:
 def _recomputed(forward, context_fn, *args, **kwargs):
     if not torch.is_grad_enabled():  # evaluation / generation: nothing is saved anyway
         return forward(*args, **kwargs)
-    if context_fn is None:
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
     return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+
+def _recompute_everything(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _everything():
+    """Full recomputation as a policy rather than a plain checkpoint: torch 2.11's compiler left the
+    ops inside an autograd.Function (the FP8 linears', plait/fp8.py) untagged inside a plain
+    checkpoint, and its partitioner then saved their matmul outputs - a compiled FP8 block kept
+    8x the input it should (tests/test_activations.py); a policy tags every op it dispatches."""
+    return create_selective_checkpoint_contexts(_recompute_everything)
 
 
 def _selective(matmuls: int, keep_exit: bool):
@@ -103,7 +117,7 @@ def apply_recompute(model, mode: str) -> None:
         raise ValueError(f"unknown recompute mode {mode!r}")
     for block in model.layers.values():
         if mode == "full":
-            block.forward = functools.partial(_recomputed, block.forward, None)
+            block.forward = functools.partial(_recomputed, block.forward, _everything)
         else:  # Q, K, V, output projection; gate, up, down
             block.attend = functools.partial(_recomputed, block.attend, _selective(4, keep_exit=True))
             block.feed = functools.partial(_recomputed, block.feed, _selective(3, keep_exit=False))
