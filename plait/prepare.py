@@ -135,7 +135,7 @@ def read_documents(source: Source, text_field: str = "text") -> Iterator[tuple[s
     p = source.path
     if source.kind == "text":
         try:
-            text = p.read_text(encoding="utf-8")
+            text = p.read_text(encoding="utf-8-sig")  # a leading byte-order mark is no text
         except (UnicodeDecodeError, OSError):
             text = None
         yield text, f"0:{p.name}:{p.parent.name}", source.size  # the key format of plait's first release
@@ -147,7 +147,8 @@ def read_documents(source: Source, text_field: str = "text") -> Iterator[tuple[s
                     continue
                 row_no += 1
                 try:
-                    row = json.loads(line.decode("utf-8"))
+                    # a byte-order mark before the first record (Notepad's UTF-8) is no text
+                    row = json.loads(line.decode("utf-8-sig" if line_no == 1 else "utf-8"))
                 except UnicodeDecodeError as e:
                     raise bad_value("--input", f"{p}:{line_no}", f"is not UTF-8 (byte {line[e.start]:#04x} at "
                                     f"column {e.start + 1}); re-encode the file as UTF-8") from None
@@ -342,6 +343,9 @@ def prepare(inputs: list[str], out: str | Path, tokenizer, val_fraction: float =
     if not sources:
         raise bad_value("--input", " ".join(inputs), "holds no text files; give files or folders of text, "
                         ".jsonl or .parquet files, or a datasets folder")
+    if text_field != "text" and all(s.kind == "text" for s in sources):  # it was read nowhere
+        raise bad_value("--text-field", text_field, "names a field of JSONL, Parquet or datasets rows, and every "
+                        "input is a text file (one document each): drop --text-field")
     dtype = np.uint16 if tokenizer.vocab_size <= 65536 else np.uint32
     try:
         out.parent.mkdir(parents=True, exist_ok=True)

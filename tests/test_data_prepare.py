@@ -335,3 +335,27 @@ def test_null_texts_are_empty_rows_not_unreadable_files(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "not UTF-8" not in err and "from 1 file(s) (0 skipped)" in err, err
     assert json.loads((tmp_path / "o" / "meta.json").read_text())["documents"]["count"] == 20
+
+
+def test_a_byte_order_mark_is_not_text(tmp_path):
+    """Files saved as UTF-8 with a byte-order mark (Windows Notepad's default): a JSONL file's first
+    record was refused as "not a JSON object", and a text file's mark became three tokens."""
+    plain, marked = tmp_path / "plain", tmp_path / "marked"
+    for folder, bom in ((plain, b""), (marked, b"\xef\xbb\xbf")):
+        folder.mkdir()
+        (folder / "a.txt").write_bytes(bom + "\n".join(DOCS[:30]).encode())
+        (folder / "b.jsonl").write_bytes(bom + _jsonl(tmp_path / f"{folder.name}.jsonl", DOCS[30:]).read_bytes())
+    for folder in (plain, marked):
+        prepare([str(folder / "a.txt"), str(folder / "b.jsonl")], folder / "out", ByteTokenizer(), quiet=True)
+    assert _files(marked / "out") == _files(plain / "out")
+
+
+def test_a_text_field_for_text_files_is_one_line(tmp_path, capsys):
+    """--text-field with nothing but text files was ignored without a word."""
+    (tmp_path / "a.txt").write_text("\n".join(DOCS))
+    assert main(["data", "prepare", "--input", str(tmp_path / "a.txt"), "--text-field", "body",
+                 "--out", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "plait data: error: --text-field = 'body': names a field of JSONL, Parquet or datasets rows, and every "
+        "input is a text file (one document each): drop --text-field")
+    assert not (tmp_path / "o").exists()

@@ -8,7 +8,8 @@ HELP = "sample text from a trained checkpoint"
 
 def add_arguments(p) -> None:
     p.add_argument("--checkpoint", required=True, help="a step_XXXXXXXX folder, a run folder (newest valid checkpoint) or a HuggingFace model folder")
-    p.add_argument("--prompt", default="def ", help="text to continue (empty: start a new document)")
+    p.add_argument("--prompt", default="def ", help="text to continue (empty: start a new document); of a prompt longer than the "
+                   "model's context (model.max_seq_len) only the last tokens that fit are read")
     p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate after the prompt")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="sample only among the k most likely tokens (0 = all)")
