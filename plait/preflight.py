@@ -68,6 +68,10 @@ def preflight(cfg: Config, model_given: dict | None = None) -> Config:
         _check_tokenizer(data, folder if folder is not None else t.init_from)
         data.check(cfg.model.vocab_size, t.seq_len)
         _absolute_data(cfg)
+        p = cfg.parallel
+        if p.pp > 1 and t.grad_accum == 1 and _first_process():  # legal, and idle (pp-1)/pp of the step
+            warn(f"a pipeline of {p.pp} stages runs 1 micro-batch a step: each rank idles while the others run "
+                 f"it ({(p.pp - 1) / p.pp:.0%} of the step); --microbatches M (M >= {p.pp}) splits the batch into M")
         if t.init_from and folder is None and _first_process():  # said once everything passed
             m = cfg.model
             warn(f"starting from the weights in {t.init_from}: {m.n_layers} layers, dim {m.dim}, {m.n_heads} heads "
@@ -155,6 +159,13 @@ def _check_resume(cfg: Config, out: Path, model_given: dict | None = None) -> Pa
     if cfg.train.steps == step:
         raise NothingToTrain(f"{out} is already at step {step} of {cfg.train.steps}: nothing to train; "
                              "raise --steps to train it further")
+    if cfg.train.profile_steps and _first_process():  # not an error: a restart resumes past its window too
+        from plait.profile import parse_steps
+
+        first, last = parse_steps(cfg.train.profile_steps, cfg.train.steps)
+        if last <= step:
+            warn(f"train.profile_steps = {cfg.train.profile_steps!r} lies before step {step + 1}, where this run "
+                 f"resumes: nothing is recorded; profile steps within {step + 1}:{cfg.train.steps}")
     dp = data_parallel_size(cfg)
     note = global_batch_note(saved_global_batch(folder), global_batch_of(cfg.train.micro_batch, cfg.train.grad_accum, dp),
                              cfg.train.micro_batch, dp, cfg.parallel.microbatches)

@@ -106,7 +106,7 @@ def validate_pipeline(cfg: Config) -> None:
     """Schedule, micro-batches and stage split of a pipelined run (`parallel.microbatches` is
     train.grad_accum's name there: the micro-batches every pipeline runs per step)."""
     from plait.parallel.schedules import check_args, check_no_pipeline
-    from plait.parallel.stages import resolve_counts
+    from plait.parallel.stages import check_ranks_hold_parameters, resolve_counts
 
     p, t, m = cfg.parallel, cfg.train, cfg.model
     if p.pp == 1:
@@ -126,6 +126,8 @@ def validate_pipeline(cfg: Config) -> None:
         t.grad_accum = p.microbatches
     p.schedule = check_args(p.schedule, p.pp, t.grad_accum, p.v, field=rules.run_field)
     counts = resolve_counts(p.stage_layers, m, t.seq_len, p.pp * p.v, p.schedule)
+    if counts is not None:
+        check_ranks_hold_parameters(counts, p.pp, p.v, p.schedule, p.stage_layers)
     if counts is None and m.n_layers % (p.pp * p.v) and p.v > 1:
         raise bad_value("parallel.v", p.v, f"pp x v = {p.pp * p.v} stages do not divide the {m.n_layers} layers "
                         "evenly; give --parallel.stage_layers balance (split by cost) or a count per stage, or another v")

@@ -41,6 +41,10 @@ def test_resume_across_pipeline_layouts(corpus, tmp_path, capfd):
     assert 0 < report["replayed_bubble"] < 1
     # host seconds issuing each rank's actions over their device seconds: one clock on a CPU
     assert report["host_share"] == [pytest.approx(1.0, abs=0.02)] * 2
+    # each pipeline index written once, by the main rank's pipeline (ranks 0 and 2 of pp 2 x dp 2):
+    # the other replica's ranks wrote the same files while rank 0 read them
+    written = {p.name: json.loads(p.read_text())["global_rank"] for p in (run / "profile").glob("pipeline-rank*")}
+    assert written == {"pipeline-rank0.json": 0, "pipeline-rank1.json": 2}
     split = report["split"]
     assert len(split["stage_ms"]) == 2 and min(split["stage_ms"]) > 0 and split["stage_layers"].count(",") == 1
     solo = tmp_path / "solo"
@@ -78,7 +82,7 @@ def test_schedule_png(tmp_path, capsys):
 
 @pytest.mark.parametrize("extra, needle", [
     (["--nproc", "2", "--pp", "2", "--model.n_layers", "1"],  # the fix too, not only what is wrong
-     "parallel.pp = 2: pp x v = 2 stages exceed the 1 layers (more stages than layers leave whole ranks "
+     "parallel.pp = 2: pp x v = 2 stages exceed the model's 1 layer(s) (more stages than layers leave whole ranks "
      "without a layer): use pp x v <= 1, or a model"),
     (["--nproc", "2", "--pp", "2", "--schedule", "fifo"], "parallel.schedule = 'fifo': choose one of gpipe, 1f1b"),
     (["--nproc", "2", "--pp", "2", "--schedule", "interleaved", "--parallel.v", "2", "--microbatches", "3"],
@@ -94,6 +98,11 @@ def test_schedule_png(tmp_path, capsys):
     (["--nproc", "2", "--pp", "2", "--microbatches", "4", "--train.grad_accum", "2"],  # ran 4, ignoring the 2
      "parallel.microbatches = 4: sets train.grad_accum, given as 2 too: give one of them"),
     (["--nproc", "2", "--pp", "2", "--schedule", "zbv"], "parallel.v = 1: ZB-V runs two model chunks per rank"),
+    # a rank of empty middle stages held no parameters and failed after launch (IndexError per rank)
+    (["--nproc", "3", "--pp", "3", "--parallel.stage_layers", "4,0,4", "--microbatches", "3"],
+     "parallel.stage_layers = '4,0,4': leaves pipeline rank 1 no layer (nor the embedding or the output head)"),
+    (["--nproc", "2", "--pp", "2", "--schedule", "zbv", "--parallel.v", "2", "--parallel.stage_layers", "8,0,0,0"],
+     "parallel.stage_layers = '8,0,0,0': leaves pipeline rank 1 no layer"),
 ])
 def test_bad_pipeline_input_is_one_line(corpus, tmp_path, capfd, extra, needle):
     assert main(_args(corpus, tmp_path / "r", extra=extra)) == 2
@@ -150,3 +159,17 @@ def test_zb_v_with_tied_embeddings_under_zero_3_resumes_as_1f1b(corpus, tmp_path
     assert_same_cli_run(run, one, 4)
     val = [[r["val_loss"] for r in metrics_rows(f) if "val_loss" in r] for f in (run, one)]
     assert len(val[0]) == 2 and all(abs(a - b) <= 1e-5 * b for a, b in zip(*val)), val
+
+
+def test_one_micro_batch_through_a_pipeline_is_named(corpus, tmp_path, capsys):
+    """pp 2 without --microbatches ran one micro-batch a step, half of it idle, without a word."""
+    from conftest import micro_config
+    from plait.preflight import preflight
+
+    cfg = micro_config(corpus, tmp_path / "r", parallel={"nproc": 2, "pp": 2})
+    preflight(cfg)
+    err = capsys.readouterr().err
+    assert "a pipeline of 2 stages runs 1 micro-batch a step: each rank idles while the others run it (50% of " \
+           "the step); --microbatches M (M >= 2)" in err, err
+    preflight(micro_config(corpus, tmp_path / "s", parallel={"nproc": 2, "pp": 2, "microbatches": 2}))
+    assert "micro-batch a step" not in capsys.readouterr().err

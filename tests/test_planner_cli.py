@@ -94,6 +94,9 @@ def test_fleet_comparison(capsys):
     # no FP8 tensor cores: the search must not price FP8 at twice the bf16 rate, nor reject every layout
     (["--model", "8b", "--gpu", "a100", "--fp8", "tensorwise"], "the A100 SXM 80GB has no FP8 tensor cores"),
     (["--model", "8b", "--gpu", "v100", "--fp8", "rowwise", "--tp", "8"], "V100 SXM2 32GB has no FP8"),
+    # what `plait train` refuses: a pipeline rank of empty stages holds nothing
+    (["--model", "8b", "--gpus-per-node", "3", "--pp", "3", "--dp", "1", "--stage-layers", "16,0,16"],
+     "--stage-layers = '16,0,16': leaves pipeline rank 1 no layer"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, needle):
     rc, out, err = run(capsys, *argv)
@@ -289,3 +292,18 @@ def test_plans_dp_counting_the_replicas_is_said_where_it_differs_from_trains(cap
                  "--zero", "3"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "use --dp 8 or leave --dp out (plan's --dp counts every data-parallel rank" in err[0], err
+
+
+def test_tied_embeddings_of_a_shape_given_in_full(capsys):
+    """`plait train --model.preset custom` ties its embeddings by default; a plan of the same shape
+    priced an untied model (a second vocab x hidden matrix, no tied-gradient sum across the pipeline's
+    ends) and could not be told otherwise."""
+    shape = ["--layers", "4", "--hidden", "64", "--heads", "4", "--vocab", "256", "--seq", "32",
+             "--gpus-per-node", "2", "--pp", "2", "--dp", "1", "--global-batch", "4", "--json"]
+    docs = {}
+    for tie in ("on", "off"):
+        rc, out, _ = run(capsys, *shape, "--tie-embeddings", tie)
+        assert rc == 0
+        docs[tie] = json.loads(out)
+    assert docs["off"]["model"]["params"] - docs["on"]["model"]["params"] == 256 * 64
+    assert "pp_ends" in docs["on"]["prediction"]["traffic"] and "pp_ends" not in docs["off"]["prediction"]["traffic"]

@@ -104,12 +104,15 @@ def check_split(*, heads: int, kv_heads: int, ffn: int, layers: int, seq: int, t
         raise bad_value(field("tp"), tp, f"must divide the {heads} attention heads; choose one of "
                         f"{_divisors(heads)}")
     if (kv_heads >= tp and kv_heads % tp) or (kv_heads < tp and tp % kv_heads):
+        fits = [d for d in range(1, min(heads, 64) + 1) if heads % d == 0 and ffn % d == 0
+                and (kv_heads % d == 0 if kv_heads >= d else d % kv_heads == 0)]
         raise bad_value(field("tp"), tp, f"and the {kv_heads} key/value heads must divide one another "
-                        f"(each rank holds kv_heads/tp heads, or tp/kv_heads ranks share one)")
+                        f"(each rank holds kv_heads/tp heads, or tp/kv_heads ranks share one); choose one of "
+                        f"{', '.join(map(str, fits[:8]))}")
     if ffn % tp:
         raise bad_value(field("tp"), tp, f"must divide the MLP width {ffn}; choose one of {_divisors(ffn, heads)}")
     if pp * v > layers:
-        raise bad_value(field("pp"), pp, f"pp x v = {pp * v} stages exceed the {layers} layers (more stages than "
+        raise bad_value(field("pp"), pp, f"pp x v = {pp * v} stages exceed the model's {layers} layer(s) (more stages than "
                         f"layers leave whole ranks without a layer): use pp x v <= {layers}, or a model with more "
                         "layers")
     if cp > 1 and seq % (2 * cp):

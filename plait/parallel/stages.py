@@ -156,6 +156,23 @@ def parse_counts(text: str, layers: int, stages: int, field: str = "parallel.sta
     return counts
 
 
+def check_ranks_hold_parameters(counts: list[int], pp: int, v: int, schedule: str, text: str,
+                                field: str = "parallel.stage_layers") -> None:
+    """Every pipeline rank must hold something to train: a layer, the embedding (the first stage's
+    rank) or the output head (the last stage's). A rank of empty middle stages has no parameters,
+    and the data-parallel engine failed on it after launch (an IndexError per rank)."""
+    from plait.parallel.schedules import place
+
+    S = pp * v
+    holders = {place(schedule, pp, v, 0)[0], place(schedule, pp, v, S - 1)[0]}
+    for r in range(pp):
+        if r in holders:
+            continue
+        if not any(counts[s] for s in range(S) if place(schedule, pp, v, s)[0] == r):
+            raise bad_value(field, text, f"leaves pipeline rank {r} no layer (nor the embedding or the output "
+                            "head): nothing to train there; give every rank's stages at least one layer")
+
+
 def stage_layer_ids(layers: int, stages: int, counts: list[int] | None = None) -> list[list[int]]:
     """The global layer ids of every stage."""
     counts = counts or stage_layers(layers, stages)

@@ -200,6 +200,12 @@ def check_layout(d: ModelDims, lay: Layout, c: Cluster, global_batch: int) -> in
         check_no_pipeline(lay.schedule, lay.v)
     else:
         check_args(lay.schedule, lay.pp, m, lay.v, field=_plan_field)
+        if lay.stage_split:
+            from plait.parallel.stages import check_ranks_hold_parameters
+            from plait.planner.stage_costs import split_layers
+
+            check_ranks_hold_parameters(split_layers(d, lay.pp * lay.v, lay.stage_split, lay.schedule), lay.pp,
+                                        lay.v, lay.schedule, lay.stage_split, "--stage-layers")
     return m
 
 
