@@ -186,8 +186,8 @@ def test_micro_batches_in_flight_match_the_schedule(runs, pp):
 def test_p2p_traffic_to_the_byte(runs, name):
     """Each micro-batch crosses every stage boundary once forward (its activation) and once backward
     (its gradient): 2 m (S - 1) activations of b s h fp32 a step over the pipeline (ZB-V: S - 2, its
-    turn at the last rank stays on that rank); a middle rank sends 2 m v of them, as the planner
-    prices it."""
+    turn at the last rank stays on that rank); the planner prices the rank that sends most: a middle
+    rank's 2 m v, at pp 2 (no middle rank) m for 1F1B and 2 m for ZB-V (was priced at 2 m v there)."""
     from plait.config import build_config
     from plait.planner.costs import ModelDims
     from plait.planner.hardware import cluster
@@ -206,10 +206,11 @@ def test_p2p_traffic_to_the_byte(runs, name):
         assert total == 2 * m * crossings * A
         received = sum(led[step]["pp"]["recv"]["bytes"] for led in sends)
         assert received == total
+    d = ModelDims.from_config(build_config({"model": PPM}).model, seq=SEQ)
+    lay = Layout(pp=pp, v=v, schedule=sched, micro_batch=MICRO)
+    traffic = predict(d, lay, cluster("h100", 1, pp), MICRO * m, prec="fp32").traffic
+    assert traffic["pp"].bytes_per_device == max(led[0]["pp"]["send"]["bytes"] for led in sends)
     if pp == 4:
-        d = ModelDims.from_config(build_config({"model": PPM}).model, seq=SEQ)
-        lay = Layout(pp=pp, v=v, schedule=sched, micro_batch=MICRO)
-        traffic = predict(d, lay, cluster("h100", 1, pp), MICRO * m, prec="fp32").traffic
         assert traffic["pp"].bytes_per_device == sends[1][0]["pp"]["send"]["bytes"]  # a middle rank
         # the tied embedding's two copies add their gradients once a step over the pipeline's two
         # ends, which the planner prices as rank 0's; ZB-V keeps both ends on rank 0: one matrix

@@ -413,3 +413,19 @@ def test_a_schedule_too_large_to_build_is_one_line_at_once(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "use at most 1,048 micro-batches at pp x v = 1000" in err[0], err
     assert check_args("1f1b", 2, MAX_STAGE_MICROBATCHES // 2, 1) == "1f1b"
+
+
+def test_a_timelines_equal_cost_bubble_is_the_schedule_commands():
+    """A run's ZB-V order follows its stages' costs; its report's "simulated with equal costs" bubble
+    simulated that order with equal costs (11.1% at pp 2, m 4) where `plait schedule` says 7.7%."""
+    from plait import timeline as tl
+    from plait.parallel.schedules import build_schedule
+    from plait.planner.simulate import simulate
+
+    costs = ((1.0, 1.0, 1.0), (1.0, 1.0, 1.0), (1.0, 1.0, 1.0), (4.0, 4.0, 1.0))  # a heavy head on the last stage
+    ran = build_schedule("zbv", 2, 4, 2, costs)
+    equal = build_schedule("zbv", 2, 4, 2)
+    assert ran.ranks != equal.ranks  # the costs changed the order
+    spans = [(s.rank, s.start_s, s.end_s, s.action.kind, s.action.microbatch, s.action.chunk) for s in simulate(ran).spans]
+    got = tl.report(spans, ran, [1, 1, 1, 1])["simulated_bubble"]
+    assert got == pytest.approx(simulate(equal).bubble_fraction) and got == pytest.approx(1 / 13)

@@ -78,3 +78,15 @@ def test_out_of_memory_writes_the_allocator_snapshot_and_says_where(tmp_path, mo
     msg = str(e.value)
     assert msg.startswith("CUDA out of memory (tried to allocate 4.00 GiB with 3.00 GiB free); memory snapshot in "
                           f"{path}") and "\n" not in msg and "--train.micro_batch" in msg
+
+
+def test_a_window_before_the_resume_step_is_named(corpus, tmp_path, capfd):
+    """--resume with a profile window the run already passed recorded nothing without a word."""
+    run = tmp_path / "r"
+    train(preflight(micro_config(corpus, run, train={"steps": 3})))
+    capfd.readouterr()
+    train(preflight(micro_config(corpus, run, train={"steps": 5, "profile_steps": "2:3"}, checkpoint={"resume": "auto"})))
+    err = capfd.readouterr().err
+    assert "train.profile_steps = '2:3' lies before step 4, where this run resumes: nothing is recorded; profile " \
+           "steps within 4:5" in err, err
+    assert not (run / "profile").exists()

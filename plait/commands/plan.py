@@ -21,6 +21,9 @@ def add_arguments(p) -> None:
                    help="llama (plait's model) or gpt (GPT-2/3, Megatron's benchmarks)")
     for flag in ("layers", "hidden", "heads", "kv-heads", "ffn", "vocab", "seq"):
         m.add_argument(f"--{flag}", type=int)
+    m.add_argument("--tie-embeddings", choices=("on", "off"),
+                   help="the output head shares the embedding's matrix (model.tie_embeddings; default: the "
+                        "preset's; a shape given in full: off for llama, as Llama 3 8B-405B, on for gpt)")
     h = p.add_argument_group("cluster (override the catalog with --link.<kind>-gbps X, --link.<kind>-latency-us X, "
                              "--link.intra/inter KIND, --gpu.tflops X, --gpu.hbm-gib X, --gpu.efficiency X, ...)")
     h.add_argument("--gpu", default="h100", help="v100, a100-40gb, a100-80gb, h100, h100-pcie, h200, b200")
@@ -144,7 +147,8 @@ def run(args, extra) -> int:
         c = apply_profile(c, profile, path)
     if args.fleet_jobs:
         return _fleet(args, c)
-    d = inputs.model_dims(args.model, args.arch, None, layers=args.layers, hidden=args.hidden,
+    tie = None if args.tie_embeddings is None else args.tie_embeddings == "on"
+    d = inputs.model_dims(args.model, args.arch, tie, layers=args.layers, hidden=args.hidden,
                           heads=args.heads, kv_heads=args.kv_heads, ffn=args.ffn, vocab=args.vocab, seq=args.seq)
     knobs = dict(zero=args.zero, v=args.v, schedule=args.schedule, micro_batch=args.micro_batch,
                  recompute=args.recompute, sp=not args.no_sp, compile=not args.no_compile,

@@ -218,8 +218,8 @@ class PipelineRunner:
         return cp.local(x), cp.local(y), docs, cp.positions(seq, x.device), seq // cp.cp
 
     def write_timeline(self, folder, is_main: bool, m: int) -> dict | None:
-        """The recorded steps' per-action times: every rank writes its own JSON into `folder`; the
-        main rank then merges the pipeline's ranks (the last recorded step), draws the PNG and
+        """The recorded steps' per-action times: each rank of the main rank's pipeline writes its
+        JSON into `folder`; the main rank then merges them (the last recorded step), draws the PNG and
         returns the measured bubble beside the schedule's (simulated with unit costs, textbook, and
         replayed with the measured action times: see `plait.timeline.replayed_bubble`)."""
         import json
@@ -227,11 +227,21 @@ class PipelineRunner:
 
         from plait import timeline as tl
 
+        import torch.distributed as dist
+
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / f"pipeline-rank{self.rank}.json").write_text(json.dumps(
-            {"rank": self.rank, "pp": self.pp, "v": self.v, "schedule": self.name, "steps": self.timeline.steps,
-             "layers": [len(c) for c in self.chunks]}))
+        # the main rank's pipeline writes: with tp, cp or dp every pipeline rank index has a copy in
+        # each other group, and they wrote the same file while the main rank read it
+        dims = self.comm.dims
+        mine = dims.coords(dist.get_rank()) if dims is not None and dist.is_initialized() else {}
+        if all(c == 0 for name, c in mine.items() if name != self.pp_dim):
+            path = folder / f"pipeline-rank{self.rank}.json"
+            part = path.with_suffix(".json.part")
+            part.write_text(json.dumps({"rank": self.rank, "global_rank": dist.get_rank() if mine else 0,
+                                        "pp": self.pp, "v": self.v, "schedule": self.name,
+                                        "steps": self.timeline.steps, "layers": [len(c) for c in self.chunks]}))
+            part.replace(path)
         self.comm.barrier(self.pp_dim)
         if not is_main:
             return None

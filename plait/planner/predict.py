@@ -279,8 +279,8 @@ def _traffic(d: ModelDims, lay: Layout, prec: Precision, sc: StageCosts, m: int)
                        "ring: dK/dV accumulators (fp32), the last hop home")))
     if lay.pp > 1:
         out["pp"] = DimTraffic("pp", lay.pp, *sc.links["pp"], (Collective(
-            "send_recv", sc.p2p_bytes, lay.pp, 2 * m * lay.v,
-            "activation forward + gradient backward per micro-batch and chunk (a middle stage)"),))
+            "send_recv", sc.p2p_bytes, lay.pp, _stage_messages(lay) * m,
+            "activation forward + gradient backward per micro-batch and chunk (the busiest rank)"),))
     tied = _tied_sum(d, lay, prec)
     if tied is not None:  # rank 0 is one of the two ends
         out["pp_ends"] = DimTraffic("pp_ends", 2, *sc.links["pp"], (tied,))
@@ -318,6 +318,16 @@ def _traffic(d: ModelDims, lay: Layout, prec: Precision, sc: StageCosts, m: int)
         out["dp_replicate"] = DimTraffic("dp_replicate", lay.dp_replicate, *sc.links["replicate"], (
             Collective("all_reduce", psi / shard * g, lay.dp_replicate, 1, "all-reduce of the gradient shard"),))
     return out
+
+
+def _stage_messages(lay: Layout) -> int:
+    """Messages a pipeline rank sends per micro-batch, for the rank that sends most: each of its
+    stages sends its activation on and its input's gradient back unless that neighbour stage is
+    its own (ZB-V's turn) or there is none. A middle rank: 2v; at pp = 2 no rank is a middle one."""
+    S = lay.pp * lay.v
+    rank = [place(lay.schedule, lay.pp, lay.v, s)[0] for s in range(S)]
+    return max(sum((s + 1 < S and rank[s + 1] != r) + (s > 0 and rank[s - 1] != r) for s in range(S) if rank[s] == r)
+               for r in range(lay.pp))
 
 
 def predict(d: ModelDims, lay: Layout, c: Cluster, global_batch: int,
