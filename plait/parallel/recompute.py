@@ -69,7 +69,7 @@ class _BranchPolicy:
     its recomputation, afresh for every call of the branch."""
 
     def __init__(self, matmuls: int, keep_exit: bool):
-        import plait.fp8  # registers plait::rowwise_mm_cpu
+        import plait.fp8  # noqa: F401  (registers plait::rowwise_mm_cpu)
 
         self.matmul_ops = MATMULS | {torch.ops.plait.rowwise_mm_cpu.default}
         entering, leaving = _collectives()
