@@ -226,6 +226,7 @@ def _train(cfg: Config, dims, stop: StopRequest) -> dict:
     prof = StepProfiler(t.profile_steps, out / "profile", rank, device, say=_warn if is_main else None, world=world)
     t_run = time.perf_counter()
     timeline = getattr(par.runner, "timeline", None)  # a pipeline records per-action times while profiled
+    timeline_written = False
     for step in range(start, end):
         prof.step(step + 1)  # starts, marks or ends --train.profile_steps; outside the step's timing
         if timeline is not None:
@@ -270,6 +271,10 @@ def _train(cfg: Config, dims, stop: StopRequest) -> dict:
                         else f"saved checkpoint {folder}")
         log.log(record)
         bar.update(done, loss_val, record["tokens_per_s"])
+        if timeline is not None and prof.window is not None and done == prof.window[1] and timeline.steps:
+            # as the window closes, not at the run's end: a run stopped later (Ctrl-C) keeps its timeline
+            _pipeline_report(par, out / "profile", is_main, t.grad_accum, device)
+            timeline_written = True
         if health.stop:  # the weights are still those of the last good step: keep them, then stop
             last = health.last_good
             folder = ckpts.keep(last, lambda: save_checkpoint(saver, last, cfg, engine, tokenizer, device,
@@ -282,20 +287,8 @@ def _train(cfg: Config, dims, stop: StopRequest) -> dict:
             end = done
             break
     prof.close()
-    if timeline is not None and timeline.steps:
-        report = par.runner.write_timeline(out / "profile", is_main, t.grad_accum)
-        if report is not None:
-            _warn(f"pipeline timeline in {out / 'profile'}: measured bubble {report['measured_bubble']:.1%} "
-                  f"(the schedule simulated with equal costs: {report['simulated_bubble']:.1%}; with the measured "
-                  f"action times: {report['replayed_bubble']:.1%})")
-            split = report["split"]
-            if "suggested_stage_layers" in split:
-                _warn(f"stage times {split['stage_ms']} ms a micro-batch with layers {split['stage_layers']}; "
-                      f"--parallel.stage_layers {split['suggested_stage_layers']} would give {split['suggested_stage_ms']} ms")
-            launch = [r for r, share in enumerate(report["host_share"]) if share >= 0.9]
-            if device.type == "cuda" and launch:  # on a CPU both clocks are the host's: always 1
-                _warn(f"pipeline ranks {launch} spent {max(report['host_share']):.0%} of their actions' GPU time "
-                      f"launching them: launch-bound (larger micro-batches, or fewer graph pieces, keep the GPU fed)")
+    if timeline is not None and timeline.steps and not timeline_written:  # a window the run stopped inside
+        _pipeline_report(par, out / "profile", is_main, t.grad_accum, device)
     ckpts.close()  # the last background save must be complete when the run ends
     bar.close()
     log.close()
@@ -319,6 +312,24 @@ def _train(cfg: Config, dims, stop: StopRequest) -> dict:
             print(f"--- sample ---\n{summary['sample']}\n--------------", file=sys.stderr)
     return summary
 
+
+
+def _pipeline_report(par, folder, is_main: bool, microbatches: int, device) -> None:
+    """The measured pipeline timeline (every pipeline rank takes part), said once by the main rank."""
+    report = par.runner.write_timeline(folder, is_main, microbatches)
+    if report is None:
+        return
+    _warn(f"pipeline timeline in {folder}: measured bubble {report['measured_bubble']:.1%} "
+          f"(the schedule simulated with equal costs: {report['simulated_bubble']:.1%}; with the measured "
+          f"action times: {report['replayed_bubble']:.1%})")
+    split = report["split"]
+    if "suggested_stage_layers" in split:
+        _warn(f"stage times {split['stage_ms']} ms a micro-batch with layers {split['stage_layers']}; "
+              f"--parallel.stage_layers {split['suggested_stage_layers']} would give {split['suggested_stage_ms']} ms")
+    launch = [r for r, share in enumerate(report["host_share"]) if share >= 0.9]
+    if device.type == "cuda" and launch:  # on a CPU both clocks are the host's: always 1
+        _warn(f"pipeline ranks {launch} spent {max(report['host_share']):.0%} of their actions' GPU time "
+              f"launching them: launch-bound (larger micro-batches, or fewer graph pieces, keep the GPU fed)")
 
 def describe_layout(cfg: Config, world: int) -> str:
     """The header's layout, e.g. ', 8 ranks: dp 4 (2 replicas x 2 shards, HSDP) x tp 2, zero 3' or

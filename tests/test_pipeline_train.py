@@ -97,7 +97,8 @@ def test_schedule_png(tmp_path, capsys):
     (["--microbatches", "4"], "parallel.microbatches = 4: counts a pipeline's micro-batches: it needs --pp > 1"),
     (["--nproc", "2", "--pp", "2", "--microbatches", "4", "--train.grad_accum", "2"],  # ran 4, ignoring the 2
      "parallel.microbatches = 4: sets train.grad_accum, given as 2 too: give one of them"),
-    (["--nproc", "2", "--pp", "2", "--schedule", "zbv"], "parallel.v = 1: ZB-V runs two model chunks per rank"),
+    (["--nproc", "2", "--pp", "2", "--schedule", "zbv"],
+     "parallel.v = 1: ZB-V runs two model chunks per rank, placed in a V: give --parallel.v 2"),
     # a rank of empty middle stages held no parameters and failed after launch (IndexError per rank)
     (["--nproc", "3", "--pp", "3", "--parallel.stage_layers", "4,0,4", "--microbatches", "3"],
      "parallel.stage_layers = '4,0,4': leaves pipeline rank 1 no layer (nor the embedding or the output head)"),
@@ -173,3 +174,15 @@ def test_one_micro_batch_through_a_pipeline_is_named(corpus, tmp_path, capsys):
            "the step); --microbatches M (M >= 2)" in err, err
     preflight(micro_config(corpus, tmp_path / "s", parallel={"nproc": 2, "pp": 2, "microbatches": 2}))
     assert "micro-batch a step" not in capsys.readouterr().err
+
+
+def test_the_timeline_is_written_as_its_window_closes(corpus, tmp_path, monkeypatch, capfd):
+    """The measured timeline was written when the run ended: a run that died (or was stopped) after
+    its profile window closed lost it."""
+    monkeypatch.setenv("PLAIT_FAULTS", "kill@rank=1,step=5")
+    run = tmp_path / "r"
+    assert main(_args(corpus, run, extra=["--nproc", "2", "--pp", "2", "--microbatches", "2",
+                                          "--train.profile_steps", "2:3"])) != 0
+    assert "pipeline timeline in" in capfd.readouterr().err
+    report = json.loads((run / "profile" / "pipeline.json").read_text())
+    assert 0 < report["measured_bubble"] < 1 and (run / "profile" / "pipeline.png").is_file()

@@ -147,7 +147,8 @@ def check_args(name: str, pp: int, microbatches: int, v: int = 1,
                             f"in groups of pp = {pp}: use a multiple of {pp} (e.g. {near})")
     elif name == "zbv":
         if v != 2:
-            raise bad_value(field("v"), v, "ZB-V runs two model chunks per rank, placed in a V: set v = 2")
+            flag = field("v") if field("v").startswith("--") else "--" + field("v")
+            raise bad_value(field("v"), v, f"ZB-V runs two model chunks per rank, placed in a V: give {flag} 2")
         if pp < 2:
             raise bad_value(field("pp"), pp, "ZB-V needs pp >= 2 (with one rank there is no bubble to fill)")
     elif v != 1:
