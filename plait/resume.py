@@ -186,3 +186,21 @@ def trim_metrics(path: Path, step: int) -> int:
         tmp.write_text("".join(line + "\n" for line in kept))
         tmp.replace(path)
     return dropped
+
+
+def restore_record(path: Path, step: int, record: dict | None) -> bool:
+    """Append a checkpoint's own metrics entry (`record`, saved with it) when metrics.jsonl lacks
+    its step: the run that saved it was killed between committing the checkpoint and logging the
+    step, and a resume from there starts at the next step. Returns whether it was added."""
+    if not record or record.get("step") != step:
+        return False
+    if path.is_file():
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                if json.loads(line).get("step") == step:
+                    return False
+            except (ValueError, AttributeError):
+                continue
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+    return True

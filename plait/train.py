@@ -37,7 +37,7 @@ from plait.preflight import warn as _warn
 from plait.replica import ReplicaCheck
 from plait.straggler import StragglerReport
 from plait.profile import StepProfiler
-from plait.resume import global_batch_of, trim_metrics
+from plait.resume import global_batch_of, restore_record, trim_metrics
 
 SAMPLE_PROMPT = "def "
 
@@ -103,9 +103,12 @@ def _rng_state(device: torch.device) -> dict:
 
 
 def save_checkpoint(saver: ckpt.Saver, step: int, cfg: Config, engine: Engine, tokenizer,
-                    device: torch.device, val_loss: float | None, data_size: int = 1) -> Path:
+                    device: torch.device, val_loss: float | None, data_size: int = 1,
+                    record: dict | None = None) -> Path:
     """Every rank writes its state files (the engine decides which); rank 0 adds the rest.
-    data_size: data-parallel ranks (the global batch a resume compares against is recorded)."""
+    data_size: data-parallel ranks (the global batch a resume compares against is recorded).
+    record: the step's metrics.jsonl entry, which the run logs after this save: a run killed in
+    between would resume after a step its curve never got (`resume.restore_record`)."""
     batch, terms = global_batch_of(cfg.train.micro_batch, cfg.train.grad_accum, data_size)
     state, rng = saver.snapshot(engine), _rng_state(device)  # taken now: an async save writes them later
 
@@ -116,7 +119,8 @@ def save_checkpoint(saver: ckpt.Saver, step: int, cfg: Config, engine: Engine, t
         torch.save(rng, folder / "rng.pt")
         (folder / "train_state.json").write_text(json.dumps(
             {"step": step, "config": cfg.to_dict(), "tokenizer": tokenizer.spec, "val_loss": val_loss,
-             "layout": layout_of(cfg, engine), "global_batch": batch, "global_batch_terms": terms},
+             "layout": layout_of(cfg, engine), "global_batch": batch, "global_batch_terms": terms,
+             "metrics": record},
             indent=1))
         if tokenizer.spec.get("kind") == "hf":
             tokenizer.save_to(folder)
@@ -206,6 +210,9 @@ def _train(cfg: Config, dims, stop: StopRequest) -> dict:
             _warn(f"metrics.jsonl: dropped {dropped} entries past step {start}, logged after that checkpoint" if start
                   else f"metrics.jsonl: replaced {dropped} entries of an earlier start in this folder that saved no "
                        "checkpoint")
+        if start:  # the checkpoint's own step, when the run that saved it died before logging it
+            saved_record = json.loads((folder / "train_state.json").read_text()).get("metrics")
+            restore_record(out / "metrics.jsonl", start, saved_record)
     log = MetricsLog(out if is_main else None, t.tensorboard, wandb_project=t.wandb, run_name=out.name,
                      config=cfg.to_dict())
     tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum * par.data_size
@@ -265,7 +272,8 @@ def _train(cfg: Config, dims, stop: StopRequest) -> dict:
             replicas.check(done, before_raise=ckpts.close)
         if saving:
             with ckpts.timed(done, record):
-                folder = save_checkpoint(saver, done, cfg, engine, tokenizer, device, val_loss, par.data_size)
+                folder = save_checkpoint(saver, done, cfg, engine, tokenizer, device, val_loss, par.data_size,
+                                         dict(record))
             # an asynchronous save is not saved yet: a rank that died while writing lost it
             bar.message(f"checkpoint {folder}: taken, writing in the background" if ckpts.is_async
                         else f"saved checkpoint {folder}")

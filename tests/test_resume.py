@@ -140,6 +140,22 @@ def test_metrics_hold_one_curve_after_resuming_from_an_older_checkpoint(corpus, 
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
 
 
+def test_a_checkpointed_step_the_run_never_logged_comes_back_on_resume(corpus, tmp_path, capfd):
+    """A run killed after committing step 4's checkpoint and before logging step 4 (seen with kill -9
+    mid-run) resumed at step 5: its curve lacked step 4 for good. The checkpoint carries the entry."""
+    run = tmp_path / "r"
+    assert main(_first_run(corpus, run, steps=4)) == 0
+    rows = _rows(run)
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    (run / "metrics.jsonl").write_text("".join(x + "\n" for x in lines[:-1]))  # step 4's entry never written
+    assert main(["train", "--out", str(run), "--resume", "--steps", "6"]) == 0
+    again = _rows(run)
+    assert [r["step"] for r in again] == [1, 2, 3, 4, 5, 6]
+    assert again[3] == {k: v for k, v in rows[3].items() if not k.startswith("checkpoint")}  # as it was, less the save's timing
+    assert main(["train", "--out", str(run), "--resume", "--steps", "7"]) == 0  # present: not added twice
+    assert [r["step"] for r in _rows(run)] == [1, 2, 3, 4, 5, 6, 7]
+
+
 def test_global_batch_survives_resuming_a_two_rank_run_on_one_process(corpus, tmp_path, capfd):
     ref, run = tmp_path / "ref", tmp_path / "dp"
     assert main(_first_run(corpus, ref, steps=4)) == 0  # one process, 4 sequences a step
