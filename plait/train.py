@@ -321,7 +321,6 @@ def _train(cfg: Config, dims, stop: StopRequest) -> dict:
     return summary
 
 
-
 def _pipeline_report(par, folder, is_main: bool, microbatches: int, device) -> None:
     """The measured pipeline timeline (every pipeline rank takes part), said once by the main rank."""
     report = par.runner.write_timeline(folder, is_main, microbatches)
@@ -338,6 +337,7 @@ def _pipeline_report(par, folder, is_main: bool, microbatches: int, device) -> N
     if device.type == "cuda" and launch:  # on a CPU both clocks are the host's: always 1
         _warn(f"pipeline ranks {launch} spent {max(report['host_share']):.0%} of their actions' GPU time "
               f"launching them: launch-bound (larger micro-batches, or fewer graph pieces, keep the GPU fed)")
+
 
 def describe_layout(cfg: Config, world: int) -> str:
     """The header's layout, e.g. ', 8 ranks: dp 4 (2 replicas x 2 shards, HSDP) x tp 2, zero 3' or
