@@ -225,9 +225,9 @@ class PipelineRunner:
         import json
         from pathlib import Path
 
-        from plait import timeline as tl
-
         import torch.distributed as dist
+
+        from plait import timeline as tl
 
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)

@@ -49,6 +49,14 @@ def _collectives() -> tuple[set, set]:
 
 
 @functools.cache
+def _matmuls() -> frozenset:
+    """MATMULS and plait's CPU stand-in for a rowwise FP8 GEMM, as registered ops."""
+    import plait.fp8  # noqa: F401  (registers plait::rowwise_mm_cpu)
+
+    return frozenset(MATMULS | {torch.ops.plait.rowwise_mm_cpu.default})
+
+
+@functools.cache
 def _context() -> frozenset:
     """Context parallelism's communicating ops, kept so that backward does not communicate again:
     ring attention's registered op (plait/parallel/context.py), like an attention kernel, and
@@ -69,9 +77,7 @@ class _BranchPolicy:
     its recomputation, afresh for every call of the branch."""
 
     def __init__(self, matmuls: int, keep_exit: bool):
-        import plait.fp8  # noqa: F401  (registers plait::rowwise_mm_cpu)
-
-        self.matmul_ops = MATMULS | {torch.ops.plait.rowwise_mm_cpu.default}
+        self.matmul_ops = _matmuls()
         entering, leaving = _collectives()
         self.matmuls, self.kept = matmuls, KEPT | _context() | entering | (leaving if keep_exit else set())
         self.count = {False: 0, True: 0}
@@ -98,7 +104,8 @@ def _everything():
     """Full recomputation as a policy rather than a plain checkpoint: torch 2.11's compiler left the
     ops inside an autograd.Function (the FP8 linears', plait/fp8.py) untagged inside a plain
     checkpoint, and its partitioner then saved their matmul outputs - a compiled FP8 block kept
-    8x the input it should (tests/test_activations.py); a policy tags every op it dispatches."""
+    8x the input it should (tests/test_activations.py); a policy tags every op it dispatches. In
+    eager blocks the policy costs a Python call per op; compiled (the GPU default) it costs nothing."""
     return create_selective_checkpoint_contexts(_recompute_everything)
 
 
