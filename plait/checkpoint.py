@@ -302,7 +302,8 @@ def resolve_for_reading(path: str, field: str = "--checkpoint") -> Path:
     """A checkpoint folder, or a run/checkpoints folder whose newest valid checkpoint is meant."""
     p = Path(path).expanduser()
     if not p.exists():
-        raise bad_value(field, path, "no such checkpoint; give a step_XXXXXXXX folder or a run folder")
+        raise bad_value(field, path, "no such checkpoint; give a step_XXXXXXXX folder, a run folder or a HuggingFace "
+                        "model folder")
     if (p / MANIFEST).is_file() or _STEP_DIR.match(p.name):
         reason = verify(p)
         if reason:

@@ -143,8 +143,12 @@ class TokenData(_Batches):
     def tokenizer(self):
         return from_spec(self.tokenizer_spec, self.path)
 
-    def check(self, vocab_size: int, seq_len: int) -> None:
+    def check(self, vocab_size: int, seq_len: int, weights=None) -> None:
+        """`weights`: the checkpoint or HF folder whose weights fix the model's vocabulary, if any."""
         if self.vocab_size > vocab_size:
+            if weights:  # the vocabulary is the weights': raising it is refused, the data is what is wrong
+                raise bad_value(self.field, str(self.path), f"has a vocabulary of {self.vocab_size}, larger than the "
+                                f"{vocab_size} of the weights in {weights}; prepare the data with their tokenizer")
             raise bad_value("model.vocab_size", vocab_size,
                             f"is smaller than the data's vocabulary ({self.vocab_size}); set --model.vocab_size {self.vocab_size}")
         if not self.has_val:  # else the seq_len check below would blame train.seq_len for a 0-token split
@@ -264,9 +268,9 @@ class MixedData(_Batches):
     def tokenizer(self):
         return self.parts[0].tokenizer()
 
-    def check(self, vocab_size: int, seq_len: int) -> None:
+    def check(self, vocab_size: int, seq_len: int, weights=None) -> None:
         for part in self.parts:
-            part.check(vocab_size, seq_len)
+            part.check(vocab_size, seq_len, weights)
 
     def _plan(self, split: str, key: int, count: int, seq_len: int, seed: int) -> np.ndarray:
         """(count, 2) rows of (folder index, global start index within that folder)."""

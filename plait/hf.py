@@ -62,6 +62,20 @@ def mark_byte_level(out: Path) -> None:
     path.write_text(json.dumps(dict(json.loads(path.read_text()), **{BYTE_LEVEL: "bytes"}), indent=1))
 
 
+def write_special_tokens(out: Path, tokenizer) -> None:
+    """Name the tokenizer's end- and start-of-document ids in the export's config.json (null where
+    it has none, as bytes): without them transformers assumes Llama 2's 1 and 2, ordinary tokens of
+    other vocabularies, and its `generate` never stops at the real end. With a tokenizer.json, a
+    tokenizer_config.json names the same tokens for `AutoTokenizer`."""
+    eos, bos = getattr(tokenizer, "eos_id", None), getattr(tokenizer, "bos_id", None)
+    path = Path(out) / "config.json"
+    path.write_text(json.dumps(dict(json.loads(path.read_text()), bos_token_id=bos, eos_token_id=eos), indent=1))
+    if getattr(tokenizer, "path", None):
+        names = {"bos_token": tokenizer.token(bos), "eos_token": tokenizer.token(eos)}
+        (Path(out) / "tokenizer_config.json").write_text(json.dumps(
+            {"tokenizer_class": "PreTrainedTokenizerFast", **{k: v for k, v in names.items() if v is not None}}, indent=1))
+
+
 def tokenizer_of(path: str | Path, vocab_size: int):
     """The tokenizer of an HF folder: its tokenizer.json, or bytes where plait's export said so (or
     the vocabulary is bytes' 256); None when the folder does not say (it was taken for bytes, and
@@ -119,28 +133,48 @@ def config_from_hf(path: str | Path, field: str = "--hf") -> ModelConfig:
     return m
 
 
-def load_hf_weights(path: str | Path, cfg: ModelConfig, field: str = "--hf") -> dict[str, torch.Tensor]:
-    """All tensors of the checkpoint renamed to plait names (dtype as stored)."""
+def _weight_files(path: str | Path, field: str) -> list[Path]:
     p = Path(path)
     index = p / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (p / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise bad_value(field, str(path), "has no model.safetensors (or index); save the model with safetensors")
+        return [p / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    if (p / "model.safetensors").is_file():
+        return [p / "model.safetensors"]
+    has = " (its pytorch_model.bin plait does not read)" if any(p.glob("pytorch_model*.bin")) else ""
+    raise bad_value(field, str(path), f"has no model.safetensors (or index){has}; save the model with safetensors "
+                    "(transformers' save_pretrained writes it)")
+
+
+def _check_names(path, names, cfg: ModelConfig, field: str) -> None:
+    missing = sorted(_expected_names(cfg) - set(names))
+    if missing:
+        raise bad_value(field, str(path), f"lacks tensors {[plait_to_hf_name(n) for n in missing[:3]]}; it does not "
+                        "match its config.json")
+
+
+def check_hf_weights(path: str | Path, cfg: ModelConfig, field: str = "--hf") -> None:
+    """That the folder's safetensors hold every tensor `cfg` needs, from their headers alone (no
+    tensor is read): said before a run starts, not by its workers after its folder was made."""
+    from safetensors import safe_open
+
+    names = []
+    for f in _weight_files(path, field):
+        with safe_open(str(f), framework="pt") as fh:
+            names += [n for n in map(hf_to_plait_name, fh.keys()) if n is not None]
+    _check_names(path, names, cfg, field)
+
+
+def load_hf_weights(path: str | Path, cfg: ModelConfig, field: str = "--hf") -> dict[str, torch.Tensor]:
+    """All tensors of the checkpoint renamed to plait names (dtype as stored)."""
     out: dict[str, torch.Tensor] = {}
-    for f in files:
-        for name, t in load_file(str(p / f)).items():
+    for f in _weight_files(path, field):
+        for name, t in load_file(str(f)).items():
             plait_name = hf_to_plait_name(name)
             if plait_name is not None:
                 out[plait_name] = t
     if cfg.tie_embeddings:
         out.pop("output.weight", None)
-    expected = _expected_names(cfg)
-    missing = sorted(expected - out.keys())
-    if missing:
-        raise bad_value(field, str(path), f"lacks tensors {missing[:3]}; it does not match its config.json")
+    _check_names(path, out, cfg, field)
     return out
 
 

@@ -65,13 +65,15 @@ def preflight(cfg: Config, model_given: dict | None = None) -> Config:
         data = open_data(cfg.data)
         # the tokenizer before the vocabulary: data of another tokenizer with a larger vocabulary
         # was told to raise model.vocab_size, which the weights' shape then refused
-        _check_tokenizer(data, folder if folder is not None else t.init_from)
-        data.check(cfg.model.vocab_size, t.seq_len)
+        unchecked = _check_tokenizer(data, folder if folder is not None else t.init_from)
+        data.check(cfg.model.vocab_size, t.seq_len, weights=folder if folder is not None else t.init_from)
         _absolute_data(cfg)
         p = cfg.parallel
         if p.pp > 1 and t.grad_accum == 1 and _first_process():  # legal, and idle (pp-1)/pp of the step
             warn(f"a pipeline of {p.pp} stages runs 1 micro-batch a step: each rank idles while the others run "
                  f"it ({(p.pp - 1) / p.pp:.0%} of the step); --microbatches M (M >= {p.pp}) splits the batch into M")
+        if unchecked and _first_process():
+            warn(unchecked)
         if t.init_from and folder is None and _first_process():  # said once everything passed
             m = cfg.model
             warn(f"starting from the weights in {t.init_from}: {m.n_layers} layers, dim {m.dim}, {m.n_heads} heads "
@@ -87,9 +89,9 @@ def preflight(cfg: Config, model_given: dict | None = None) -> Config:
 
 
 def _absolute_data(cfg: Config) -> None:
-    """Name the data folders by absolute path in the config the run saves: `--resume`, `plait eval`
-    and a restart read it, maybe from another directory, where a relative `data.path` named nothing
-    (or another folder)."""
+    """Name the data folders and `train.init_from` by absolute path in the config the run saves:
+    `--resume`, `plait eval` and a restart read it, maybe from another directory, where a relative
+    path named nothing (or another folder of the same name)."""
     import os
 
     d = cfg.data
@@ -98,30 +100,40 @@ def _absolute_data(cfg: Config) -> None:
         d.mix = ",".join(f"{os.path.abspath(os.path.expanduser(p.strip()))}:{w.strip()}" for p, _, w in items)
     elif d.path:
         d.path = os.path.abspath(os.path.expanduser(d.path))
+    if cfg.train.init_from and os.path.exists(os.path.expanduser(cfg.train.init_from)):
+        cfg.train.init_from = os.path.abspath(os.path.expanduser(cfg.train.init_from))
 
 
-def _check_tokenizer(data, weights) -> None:
+def _check_tokenizer(data, weights) -> str | None:
     """Refuse data prepared with another tokenizer than the weights being continued were trained
-    with (the resumed checkpoint's, or train.init_from's): the ids would mean other text."""
+    with (the resumed checkpoint's, or train.init_from's): the ids would mean other text. Returns
+    what to say when it cannot tell (an HF folder without tokenizer.json)."""
     from plait import hf
-    from plait.tokenizer import HFTokenizer, from_spec, same_tokenizer
+    from plait.tokenizer import from_spec, same_tokenizer
 
     if not weights:
-        return
+        return None
     path = Path(weights)
+    part = data.parts[0] if hasattr(data, "parts") else data
     if hf.is_hf_dir(str(path)):
-        if not (path / "tokenizer.json").is_file():
-            return  # an HF folder without tokenizer.json does not say: the vocabulary check stands
-        tok = HFTokenizer(path / "tokenizer.json")
+        vocab = json.loads((path / "config.json").read_text()).get("vocab_size", 0)
+        tok = hf.tokenizer_of(path, vocab)
+        if tok is None:  # the folder does not say which tokenizer its weights read
+            if part.tokenizer_spec.get("kind") != "hf":  # bytes for a model of another vocabulary: never right
+                raise bad_value("data.path", str(part.path), f"was prepared as bytes, but the weights in {weights} "
+                                f"(vocabulary {vocab}) read another tokenizer's ids; prepare the data with the model's "
+                                "tokenizer (`plait data prepare --tokenizer` with its tokenizer.json)")
+            return (f"{weights} has no tokenizer.json: that {part.path} was prepared with the model's own tokenizer "
+                    "cannot be checked (add the model's tokenizer.json to the folder to have it checked)")
     else:
         folder = path if (path / "train_state.json").is_file() else ckpt.resolve_for_reading(str(path),
                                                                                            field="train.init_from")
         tok = from_spec(json.loads((folder / "train_state.json").read_text()).get("tokenizer", {"kind": "byte"}), folder)
-    part = data.parts[0] if hasattr(data, "parts") else data
     if not same_tokenizer(tok, part):
         raise bad_value("data.path", str(part.path), f"was prepared with another tokenizer than the weights in {weights}; "
                         "prepare the data with their tokenizer (`plait data prepare --tokenizer` with the "
                         "tokenizer.json saved beside them)")
+    return None
 
 
 def _check_resume(cfg: Config, out: Path, model_given: dict | None = None) -> Path | None:
@@ -193,6 +205,7 @@ def init_model_config(path: str, given: dict | None = None):
 
     if hf.is_hf_dir(path):
         model = hf.config_from_hf(path, field="train.init_from")
+        hf.check_hf_weights(path, model, field="train.init_from")
     else:
         folder = ckpt.resolve_for_reading(path, field="train.init_from")
         model = config_from_dict(json.loads((folder / "train_state.json").read_text())["config"]).model
@@ -204,6 +217,6 @@ def init_model_config(path: str, given: dict | None = None):
     for key in sorted(keys & set(SHAPE_FIELDS)):
         if getattr(asked, key) != getattr(model, key):
             flag = "preset" if key not in given else key
-            raise bad_value(f"model.{flag}", given[flag], f"but train.init_from {path} holds a model with {key} = "
+            raise bad_value(f"model.{flag}", getattr(asked, flag), f"but train.init_from {path} holds a model with {key} = "
                             f"{getattr(model, key)!r}: its weights decide the shape; drop --model.{flag}")
     return replace(model, **{k: getattr(asked, k) for k in keys - set(SHAPE_FIELDS)})

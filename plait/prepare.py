@@ -307,7 +307,8 @@ def _chunks(sources: list[Source], text_field: str, val_fraction: float, counts:
                 counts["skipped"] += 1
                 counts["skipped_paths"].append(str(source.path))
                 continue
-            if not text.strip():
+            if not text.strip():  # nothing to learn from; said in the summary line, not silently
+                counts["empty"] += 1
                 continue
             used = True
             texts.append(text)
@@ -370,8 +371,9 @@ def prepare(inputs: list[str], out: str | Path, tokenizer, val_fraction: float =
     os.replace(tmp, out)
     if not quiet:
         n = {k: sum(s["tokens"] for s in v) for k, v in meta["splits"].items()}
+        empty = f"; {meta['_empty']:,} empty document(s) left out" if meta["_empty"] else ""
         print(f"prepared {out}: {meta['documents']['count']:,} documents from {meta['files_used']} file(s) "
-              f"({meta['files_skipped']} skipped), {n['train']:,} train / {n['val']:,} val tokens, "
+              f"({meta['files_skipped']} skipped{empty}), {n['train']:,} train / {n['val']:,} val tokens, "
               f"{np.dtype(dtype).name}; {meta['_seconds']:.1f} s, {sum(n.values()) / meta['_seconds']:,.0f} "
               f"tokens/s on {max(1, workers)} worker(s)", file=sys.stderr)
         if meta["_skipped"]:
@@ -390,7 +392,7 @@ def prepare(inputs: list[str], out: str | Path, tokenizer, val_fraction: float =
 def _write_shards(tmp: Path, sources, tokenizer, dtype, val_fraction, text_field, workers, quiet, inputs) -> dict:
     t0 = time.perf_counter()
     writers = {s: _ShardWriter(tmp, s, dtype) for s in ("train", "val")}
-    counts = {"skipped": 0, "files": 0, "skipped_paths": []}
+    counts = {"skipped": 0, "files": 0, "skipped_paths": [], "empty": 0}
     bar = _Bar(sum(s.size for s in sources), enabled=not quiet)
     pending: collections.deque = collections.deque()  # (is_val, bytes) of chunks handed to the encoder
 
@@ -428,7 +430,8 @@ def _write_shards(tmp: Path, sources, tokenizer, dtype, val_fraction, text_field
             "documents": {"count": n_docs, "end": "newline" if eos is None else "eos", "eos_id": eos},
             "files_used": counts["files"], "files_skipped": counts["skipped"]}
     (tmp / META).write_text(json.dumps(meta, indent=1))  # no timings in it: same inputs, same bytes
-    return {**meta, "_seconds": max(time.perf_counter() - t0, 1e-9), "_tail": tail, "_skipped": counts["skipped_paths"]}
+    return {**meta, "_seconds": max(time.perf_counter() - t0, 1e-9), "_tail": tail, "_skipped": counts["skipped_paths"],
+            "_empty": counts["empty"]}
 
 
 def _split_tail(folder: Path, shards: dict, dtype, fraction: float) -> None:

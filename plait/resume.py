@@ -32,25 +32,30 @@ PER_INVOCATION = (("checkpoint", "resume"), ("train", "max_steps_this_run"))
 SHAPE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "tie_embeddings")
 
 
-def saved_config(out: Path) -> tuple[dict, Path] | None:
+def saved_config(out: Path, log=lambda msg: None) -> tuple[dict, Path] | None:
     """The config a run folder was saved with, and the file it came from; None if it holds none.
 
     config.toml first: it is what the run's last start used (a resume that changed `train.steps`
     and stopped before its next checkpoint is continued with that change). A folder without it, or
-    with an unreadable one, falls back to its newest checkpoint's train_state.json.
+    with an unreadable one (`log` says so: what changed since that checkpoint is not in it), falls
+    back to its newest valid checkpoint's train_state.json (a damaged one may hold anything).
     """
     toml = out / "config.toml"
     if toml.is_file():
         try:
             return tomllib.loads(toml.read_text()), toml
-        except (tomllib.TOMLDecodeError, OSError, UnicodeDecodeError):
-            pass  # a damaged config.toml: the checkpoint still knows the config
-    for _, folder in ckpt.list_checkpoints(out / "checkpoints"):
+        except (tomllib.TOMLDecodeError, OSError, UnicodeDecodeError) as e:
+            folder = ckpt.latest_valid(out / "checkpoints", log=lambda m: None)
+            if folder is not None:
+                log(f"{toml} is unreadable ({str(e).splitlines()[0]}); the config comes from {folder.name} instead, "
+                    "without what the run changed after it (pass those options again)")
+    folder = ckpt.latest_valid(out / "checkpoints", log=lambda m: None) if (out / "checkpoints").is_dir() else None
+    if folder is not None:
         state = folder / "train_state.json"
         try:
             return json.loads(state.read_text())["config"], state
         except (OSError, ValueError, KeyError):
-            continue
+            pass
     return None
 
 
@@ -114,15 +119,20 @@ def check_model_shape(model: ModelConfig, folder: Path, given: dict | None = Non
     return saved
 
 
+# the model fields other than the shape that change what the same weights compute
+FUNCTION_FIELDS = ("rope_theta", "rope_scaling", "rope_low_freq_factor", "rope_high_freq_factor",
+                   "rope_original_max_len", "norm_eps")
+
+
 def model_changes(model: ModelConfig, saved: ModelConfig, given: dict | None = None) -> list[str]:
-    """The model fields other than its shape (RoPE, norm epsilon, ...) that differ from `saved` (what
-    the checkpoint trained with: `check_model_shape` returns it) and that no flag given now sets: an
-    edited config.toml, which resumed in silence although the same weights then compute another
-    function."""
+    """The model fields other than its shape that differ from `saved` (what the checkpoint trained
+    with: `check_model_shape` returns it): any that no flag given now sets (an edited config.toml,
+    which resumed in silence), and those given that change what the same weights compute (RoPE,
+    norm epsilon: on purpose when a run extends its context, a silent wrong model otherwise)."""
     given = given or {}
     return [f"model.{f.name} = {getattr(model, f.name)!r} (trained with {getattr(saved, f.name)!r})"
             for f in dataclasses.fields(ModelConfig)
-            if f.name not in (*SHAPE_FIELDS, "preset") and f.name not in given
+            if f.name not in (*SHAPE_FIELDS, "preset") and (f.name not in given or f.name in FUNCTION_FIELDS)
             and getattr(model, f.name) != getattr(saved, f.name)]
 
 

@@ -11,6 +11,7 @@ byte-level BPE (`train_bpe`, for `plait data tokenizer`).
 from __future__ import annotations
 
 import collections
+import json
 import multiprocessing
 import os
 import shutil
@@ -28,6 +29,8 @@ TOKENIZER_FILE = "tokenizer.json"
 # such as Llama 3's <|eot_id|> are left out on purpose: they end a turn, not a document.
 EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 BPE_EOS = "<|endoftext|>"
+# ... and of the start-of-document token (plait's data has none; an export names it for HF's generate)
+BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>")
 
 
 class ByteTokenizer:
@@ -62,9 +65,16 @@ class HFTokenizer:
             self._tok = Tokenizer.from_file(str(self.path))
         except Exception as e:  # the library raises a plain Exception on bad JSON
             raise bad_value("--tokenizer", str(path), f"not a readable tokenizers JSON file ({e})") from None
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        # ids, not a count: a file may leave gaps (an added token placed at id 1500 of 1000 tokens),
+        # and the model needs a row for the largest id
+        ids = self._tok.get_vocab(with_added_tokens=True).values()
+        self.vocab_size = max(self._tok.get_vocab_size(with_added_tokens=True), max(ids, default=-1) + 1)
         self.spec = {"kind": "hf", "file": TOKENIZER_FILE}
         self.eos_id = next((i for i in map(self._tok.token_to_id, EOS_NAMES) if i is not None), None)
+        self.bos_id = next((i for i in map(self._tok.token_to_id, BOS_NAMES) if i is not None), None)
+
+    def token(self, i: int | None) -> str | None:
+        return None if i is None else self._tok.id_to_token(i)
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
@@ -187,15 +197,27 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out: str | Path, show_progr
     return HFTokenizer(out)
 
 
+# the parts of a tokenizers JSON file that decide which ids a text becomes (plait encodes without
+# special tokens, so the post-processor, and the decoder, padding and truncation, do not count)
+_ENCODING_PARTS = ("model", "added_tokens", "normalizer", "pre_tokenizer")
+
+
 def same_tokenizer(tokenizer, data) -> bool:
     """Whether `data` (a prepared folder: its tokenizer spec and files) was tokenized by `tokenizer`:
-    the same kind, and for a HuggingFace file the same bytes."""
-    import hashlib
-
+    the same kind, and for a HuggingFace file the same encoding parts. Not the same bytes:
+    transformers' `save_pretrained` rewrites a file it loaded (adds a post-processor, reorders keys)."""
     spec = data.tokenizer_spec
     if getattr(tokenizer, "spec", {}).get("kind") != spec.get("kind"):
         return False
     if spec.get("kind") != "hf":
         return True
-    digest = lambda p: hashlib.sha256(Path(p).read_bytes()).hexdigest()  # noqa: E731
-    return digest(tokenizer.path) == digest(data.path / spec.get("file", TOKENIZER_FILE))
+    return _encoding(tokenizer.path) == _encoding(data.path / spec.get("file", TOKENIZER_FILE))
+
+
+def _encoding(path) -> object:
+    raw = Path(path).read_bytes()
+    try:
+        d = json.loads(raw)
+        return {k: d.get(k) for k in _ENCODING_PARTS}
+    except (ValueError, AttributeError):  # not JSON we can read: only the same bytes are the same
+        return raw

@@ -333,7 +333,7 @@ def test_null_texts_are_empty_rows_not_unreadable_files(tmp_path, capsys):
     path = _jsonl(tmp_path / "in" / "rows.jsonl", DOCS[:20], extra_rows=['{"text": null}'] * 3)
     assert main(["data", "prepare", "--input", str(path), "--out", str(tmp_path / "o")]) == 0
     err = capsys.readouterr().err
-    assert "not UTF-8" not in err and "from 1 file(s) (0 skipped)" in err, err
+    assert "not UTF-8" not in err and "from 1 file(s) (0 skipped; 3 empty document(s) left out)" in err, err
     assert json.loads((tmp_path / "o" / "meta.json").read_text())["documents"]["count"] == 20
 
 

@@ -278,7 +278,7 @@ def test_init_from_keeps_the_weights_shape_and_the_fields_given(corpus, tmp_path
     new = tmp_path / "new"
     args = _first_run(corpus, new, steps=1, extra=["--train.init_from", str(step)])  # the micro model's fields last
     assert main(args + ["--model.n_layers", "3"]) == 2
-    assert (f"model.n_layers = '3': but train.init_from {step} holds a model with n_layers = 2: its weights decide the "
+    assert (f"model.n_layers = 3: but train.init_from {step} holds a model with n_layers = 2: its weights decide the "
             "shape; drop --model.n_layers") in _error_line(capfd)
     assert not new.exists()
     assert main(args + ["--model.max_seq_len", "48"]) == 0

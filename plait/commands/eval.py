@@ -44,8 +44,15 @@ def run(args, extra) -> int:
                  seq_len=args.seq_len, device=args.device)
     print(f"{r['checkpoint']} on {path} (validation): loss {r['loss']:.4f}, perplexity {r['perplexity']:.3f} "
           f"over {r['tokens']:,} tokens ({r['batches']} batch{'es' if r['batches'] != 1 else ''} x {r['batch_size']} "
-          f"x {r['seq_len']})")
+          f"x {r['seq_len']}){_repeats(r, data)}")
     return 0
+
+
+def _repeats(r: dict, data) -> str:
+    """Where the windows scored outnumber the held-out tokens, say so: they were drawn from fewer
+    tokens, each scored several times (the loss is still the mean over the split's windows)."""
+    held = data.splits["val"].tokens
+    return f", windows drawn from {held:,} held-out tokens, some scored more than once" if r["tokens"] > held else ""
 
 
 def run_data(checkpoint: str) -> str:

@@ -35,6 +35,10 @@ def run(args, extra) -> int:
         from plait.hf import no_tokenizer
 
         raise no_tokenizer(args.checkpoint, cfg.model.vocab_size)
+    if tokenizer.vocab_size > cfg.model.vocab_size:  # a prompt could hold ids the model has no row for
+        raise bad_value("--checkpoint", args.checkpoint, f"has a tokenizer of {tokenizer.vocab_size} tokens for a model "
+                        f"of vocabulary {cfg.model.vocab_size}: the tokenizer belongs to another model; put the "
+                        "model's own tokenizer.json beside its weights")
     prompt = [int(i) for i in tokenizer.encode(args.prompt)] or [document_start(tokenizer)]
     ids = sample(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
     print(args.prompt + tokenizer.decode(ids))

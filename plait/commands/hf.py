@@ -23,7 +23,7 @@ def run(args, extra) -> int:
 
     import torch
 
-    from plait.hf import check_new_folder, mark_byte_level, save_hf
+    from plait.hf import check_new_folder, mark_byte_level, save_hf, write_special_tokens
     from plait.tokenizer import ByteTokenizer
     from plait.train import model_from_checkpoint
 
@@ -35,5 +35,6 @@ def run(args, extra) -> int:
         tokenizer.save_to(out)
     elif isinstance(tokenizer, ByteTokenizer):  # no tokenizer.json exists for bytes: the folder says so
         mark_byte_level(out)
+    write_special_tokens(out, tokenizer)
     print(f"exported {folder} -> {out}", file=sys.stderr)  # resolved once: its warnings said once
     return 0

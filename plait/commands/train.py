@@ -71,9 +71,21 @@ def config_from_args(args, extra):
 
         from plait import resume
 
-        saved = resume.saved_config(Path(cfg.train.out).expanduser())
+        from plait import checkpoint as ckpt
+        from plait.preflight import _first_process, warn
+
+        out = Path(cfg.train.out).expanduser()
+        saved = resume.saved_config(out, log=warn if _first_process() else (lambda m: None))
         if saved is not None:
             cfg, changed = resume.resumed_config(saved[0], raw)
+            was = saved[0].get("train", {}).get("init_from", "")
+            same = cfg.train.init_from == was or (was and Path(cfg.train.init_from).expanduser().resolve() ==
+                                                  Path(was).expanduser().resolve())
+            if "init_from" in given and not same and ckpt.list_checkpoints(out / "checkpoints"):
+                # the run's own checkpoint decides its weights; the new value would only rewrite its record
+                raise bad_value("train.init_from", cfg.train.init_from, f"but the run in {out} continues from its own "
+                                f"checkpoint (it started from {was or 'its own initialisation'}); drop "
+                                "--train.init_from, or train into a new --out")
             return cfg, resume.describe_resume(saved[1], changed), raw.get("model", {})
     return cfg, None, raw.get("model", {})
 
