@@ -87,9 +87,13 @@ def entry() -> None:
     import os
     import signal
 
-    rc = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    try:
+        rc = main()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except BrokenPipeError:  # `plait mesh ... | head`: the reader has what it wanted, no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush would raise again
+        rc = 128 + signal.SIGPIPE
 
     def done(*_):
         os._exit(rc)

@@ -206,7 +206,7 @@ class ParallelConfig:
     schedule: str = "1f1b"
     """Pipeline schedule: gpipe, 1f1b, interleaved, zb (ZB-H1), zbv (ZB-V: v = 2 chunks per rank in a V, both ends of the model on rank 0)."""
     v: int = 1
-    """Virtual pipeline stages per rank (interleaved schedule; zbv: 2)."""
+    """Virtual pipeline stages per rank (interleaved, zbv): 2 unless given for those schedules, else 1 (zbv runs only 2)."""
     stage_layers: str = ""
     """Layers of each of the pp x v pipeline stages, comma-separated (e.g. 3,5,5,3); empty = as even as possible; balance = fewer on the last stage (zbv: on rank 0, which holds the first and the last) by what its output head and loss cost in FLOPs. The first and last stages also hold the embedding and the loss."""
     microbatches: int = 0
@@ -370,6 +370,10 @@ def build_config(raw: dict[str, dict[str, Any]] | None = None) -> Config:
         types = _field_types(type(obj))
         for key, value in values.items():
             setattr(obj, key, _coerce(section, key, value, types[key]))
+    if "v" not in raw.get("parallel", {}):  # interleaved and ZB-V run two chunks a rank unless told otherwise
+        from plait.parallel.schedules import default_v
+
+        cfg.parallel.v = default_v(cfg.parallel.schedule)
     return cfg
 
 

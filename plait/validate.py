@@ -201,6 +201,10 @@ def validate_parallel(cfg: Config):
         raise bad_value("parallel.reduce_dtype", p.reduce_dtype, "needs --zero 2 or 3 (DDP and ZeRO-1 reduce "
                         "the gradient buffer in place, in the parameters' dtype); use --zero 2 or drop it")
     p.sp = {"true": "on", "false": "off", "1": "on", "0": "off"}.get(str(p.sp).lower(), str(p.sp).lower())
+    if p.pp > 1:  # the schedule's own rules on v before the stage count v makes (zbv v 3: "use pp x v <= 4")
+        from plait.parallel.schedules import check_args
+
+        check_args(p.schedule, p.pp, p.pp, p.v, field=rules.run_field)  # any valid micro-batch count: v only
     rules.check_split(heads=m.n_heads, kv_heads=m.n_kv_heads, ffn=m.ffn_dim, layers=m.n_layers,
                       seq=cfg.train.seq_len, tp=p.tp, pp=p.pp, v=p.v, cp=p.cp, sp=p.sp, cp_impl=p.cp_impl)
     # Under torchrun/srun the world is what they started; locally it is nproc, all on this node, so

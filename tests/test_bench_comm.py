@@ -19,6 +19,8 @@ def test_bench_comm_writes_nccl_tests_style_results(tmp_path):
     assert {(r["op"], r["impl"]) for r in rows} == {(o, i) for o in ("all_reduce", "all_gather", "reduce_scatter")
                                                    for i in ("torch", "ring", "ring-2")} | {("send_recv", "torch")}
     assert {r["bytes"] for r in rows} == {1024, 2048} and all(r["correct"] for r in rows)
+    # the calls each row timed, as they ran (the config's 0 means "by size"; it was the only record)
+    assert {(r["iters"], r["warmup"]) for r in rows} == {(20, 1)}
     for r in rows:  # nccl-tests: busbw = algbw x 2(N-1)/N for all-reduce, x (N-1)/N for the others (N = 2);
         # a ring exchange's link carries what each rank sends
         share = {"all_reduce": 1.0, "send_recv": 1.0}.get(r["op"], 0.5)
@@ -27,9 +29,12 @@ def test_bench_comm_writes_nccl_tests_style_results(tmp_path):
 
 
 @pytest.mark.parametrize("argv, field", [(["--ops", "send_recv", "--impl", "ring"], "--impl"),
-                                         (["--ops", "all_to_all"], "--ops")])
+                                         (["--ops", "all_to_all"], "--ops"),
+                                         # one process: gloo's "Pair is not connected" traceback
+                                         (["--nproc", "1"], "--nproc = 1: a collective needs 2 or more"),
+                                         (["--json", "/nonexistent-plait/x.json"], "its folder /nonexistent-plait")])
 def test_bench_comm_refuses_what_it_cannot_measure_in_one_line(argv, field, capsys):
-    assert main(["bench", "comm", "--nproc", "2", *argv]) == 2
+    assert main(["bench", "comm", "--device", "cpu", "--nproc", "2", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and field in err[0]
 

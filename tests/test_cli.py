@@ -94,6 +94,19 @@ def test_real_process_exit_code_and_no_traceback(tmp_path):
     assert "model.n_kv_heads = 3" in r.stderr
 
 
+def test_output_cut_short_by_its_reader_is_no_traceback(tmp_path):
+    """`plait mesh ... | head`: the reader closed the pipe, and Python's BrokenPipeError printed a
+    traceback after the lines it wanted."""
+    r = subprocess.run(f"{sys.executable} -m plait.cli mesh --tp 2 --dp 64 --all | head -1", shell=True,
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.stdout.startswith("world 128 =") and r.stderr == "", r.stderr
+
+
+def test_an_empty_png_path_is_refused(capsys):
+    assert main(["schedule", "--pp", "2", "--microbatches", "4", "--png", ""]) == 2
+    assert "--png = '': is empty" in capsys.readouterr().err
+
+
 def test_train_refuses_data_without_a_validation_split(tmp_path, capsys):
     # --val-fraction 0 now holds nothing out; training evaluates on the split, so it says so up front
     (tmp_path / "c").mkdir()

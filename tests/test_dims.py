@@ -80,6 +80,10 @@ def test_plait_mesh_prints_the_map(capsys):
     assert "pp: size 2, every group spans nodes: [0,4]" in out
     assert main(["mesh", "--tp", "8", "--dp", "2", "--gpus-per-node", "4"]) == 2
     assert "span nodes" in capsys.readouterr().err
+    # a group of 512 ranks was one line of ~2,000 characters, four times over
+    assert main(["mesh", "--tp", "2", "--dp", "512"]) == 0
+    out = capsys.readouterr().out
+    assert max(map(len, out.splitlines())) < 400 and "[0,2,4,6,8,10,12,14,...,1020,1022] (512 ranks)" in out
 
 
 def _mesh_body(dims):

@@ -97,8 +97,10 @@ def test_schedule_png(tmp_path, capsys):
     (["--microbatches", "4"], "parallel.microbatches = 4: counts a pipeline's micro-batches: it needs --pp > 1"),
     (["--nproc", "2", "--pp", "2", "--microbatches", "4", "--train.grad_accum", "2"],  # ran 4, ignoring the 2
      "parallel.microbatches = 4: sets train.grad_accum, given as 2 too: give one of them"),
-    (["--nproc", "2", "--pp", "2", "--schedule", "zbv"],
-     "parallel.v = 1: ZB-V runs two model chunks per rank, placed in a V: give --parallel.v 2"),
+    # ZB-V's own rule before the stage count its v makes ("pp x v = 6 stages exceed the model's 2 layers")
+    (["--nproc", "2", "--pp", "2", "--schedule", "zbv", "--parallel.v", "3"],
+     "parallel.v = 3: ZB-V runs two model chunks per rank, placed in a V: give --parallel.v 2"),
+    (["--schedule", "1f1b"], "parallel.schedule = '1f1b': orders a pipeline's stages: it needs parallel.pp > 1"),
     # a rank of empty middle stages held no parameters and failed after launch (IndexError per rank)
     (["--nproc", "3", "--pp", "3", "--parallel.stage_layers", "4,0,4", "--microbatches", "3"],
      "parallel.stage_layers = '4,0,4': leaves pipeline rank 1 no layer (nor the embedding or the output head)"),

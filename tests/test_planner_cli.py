@@ -1,6 +1,7 @@
 """`plait plan`: the breakdown, the search table, stable JSON, and one-line errors with exit code 2."""
 
 import json
+import re
 
 import pytest
 
@@ -94,6 +95,12 @@ def test_fleet_comparison(capsys):
     # no FP8 tensor cores: the search must not price FP8 at twice the bf16 rate, nor reject every layout
     (["--model", "8b", "--gpu", "a100", "--fp8", "tensorwise"], "the A100 SXM 80GB has no FP8 tensor cores"),
     (["--model", "8b", "--gpu", "v100", "--fp8", "rowwise", "--tp", "8"], "V100 SXM2 32GB has no FP8"),
+    # an unset shell variable planned with data-sheet figures, or drew nothing, unsaid
+    (["--model", "8b", "--dp", "8", "--hardware", ""], "--hardware = '': is empty"),
+    # 1f1b is the default, but given it asks for a pipeline as zb does
+    (["--model", "8b", "--dp", "8", "--schedule", "1f1b"], "--schedule = '1f1b': orders a pipeline's stages"),
+    (["--model", "8b", "--dp", "8", "--precision", "fp32", "--hardware", "bench/results/hardware-h100.json"],
+     "--precision = 'fp32': bench/results/hardware-h100.json measured 16-bit matmuls"),
     # what `plait train` refuses: a pipeline rank of empty stages holds nothing
     (["--model", "8b", "--gpus-per-node", "3", "--pp", "3", "--dp", "1", "--stage-layers", "16,0,16"],
      "--stage-layers = '16,0,16': leaves pipeline rank 1 no layer"),
@@ -307,3 +314,27 @@ def test_tied_embeddings_of_a_shape_given_in_full(capsys):
         docs[tie] = json.loads(out)
     assert docs["off"]["model"]["params"] - docs["on"]["model"]["params"] == 256 * 64
     assert "pp_ends" in docs["on"]["prediction"]["traffic"] and "pp_ends" not in docs["off"]["prediction"]["traffic"]
+
+
+def test_fp32_is_priced_at_the_cards_fp32_rate(capsys):
+    """--precision fp32 doubled the bytes but priced the matmuls at the bf16 tensor cores' peak."""
+    docs = {}
+    for prec in ("mixed", "fp32"):
+        rc, out, _ = run(capsys, "--model", "8b", "--dp", "8", "--precision", prec, "--json")
+        docs[prec] = json.loads(out)
+    assert docs["fp32"]["cluster"]["dtype"] == "fp32" and docs["fp32"]["cluster"]["peak_flops"] == pytest.approx(66.9e12)
+    ratio = docs["fp32"]["prediction"]["step_time_s"] / docs["mixed"]["prediction"]["step_time_s"]
+    assert 10 < ratio < 989 / 66.9 * 1.1, ratio
+
+
+def test_interleaved_and_zbv_take_two_chunks_unless_told_and_zero3_counts_its_calls(capsys):
+    """`plait schedule` drew interleaved and ZB-V with v = 2 by itself; plan and train refused them
+    for "--v = 1", a value no one gave. ZeRO-3's traffic line counts a gather per block and pass."""
+    for sched in ("interleaved", "zbv"):
+        rc, out, _ = run(capsys, "--model", "8b", "--pp", "2", "--schedule", sched, "--dp", "4", "--json")
+        assert rc == 0 and json.loads(out)["prediction"]["layout"]["v"] == 2
+    rc, out, _ = run(capsys, "--model", "8b", "--gpus-per-node", "4", "--global-batch", "32", "--dp", "4", "--zero", "3",
+                     "--micro-batch", "8")
+    # m = 1 micro-batch: 32 blocks gathered in forward and backward, their gradients reduced, and the
+    # embedding/output/norms' unit gathered and reduced once: 64 + 32 + 2
+    assert re.search(r"dp_shard .* in 98 collectives", out) and "(1 micro-batch of 8 per step)" in out, out

@@ -49,7 +49,8 @@ def add_arguments(p) -> None:
     p.add_argument("--max-bytes", default=None, help="largest size (default 1G on GPU, 16M on CPU)")
     p.add_argument("--factor", type=int, default=2, help="size multiplier between rows (default 2)")
     p.add_argument("--dtype", choices=("bf16", "fp32", "fp16"), default=None, help="default bf16 on GPU, fp32 on CPU")
-    p.add_argument("--iters", type=int, default=0, help="timed calls per size (default 20 on GPU, fewer on CPU)")
+    p.add_argument("--iters", type=int, default=0, help="timed calls per size (default 20; on CPU 16 MiB / size "
+                   "between 3 and 20); each JSON row records its own")
     p.add_argument("--warmup", type=int, default=0, help="untimed calls per size (default 5 on GPU, 1 on CPU)")
     p.add_argument("--piece-bytes", default="16M", help="piece size of ring-auto (default 16M, at most 8 pieces)")
     p.add_argument("--json", nargs="?", const="auto", default=None, metavar="PATH",
@@ -101,6 +102,12 @@ def run(args) -> int:
     nproc = args.nproc or (torch.cuda.device_count() if device == "cuda" else 2)
     if launched is not None:
         nproc = launched.world_size
+    if nproc < 2:  # one process has no one to exchange with: the send/recv check failed in gloo
+        on = " (this machine has one GPU; --device cpu runs 2 processes)" if device == "cuda" and not args.nproc else ""
+        raise bad_value("--nproc", nproc, f"a collective needs 2 or more processes{on}")
+    if args.json not in (None, "auto") and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        raise bad_value("--json", args.json, f"its folder {os.path.dirname(os.path.abspath(args.json))} does not "
+                        "exist; create it first")
     impls = [i.strip() for i in args.impl.split(",") if i.strip()]
     for i in impls:
         if not re.fullmatch(r"torch|ring|ring-auto|ring-[1-9]\d*", i):  # ring-0: no pieces at all
@@ -156,12 +163,12 @@ def bench_rank(opts: dict) -> dict | None:
                 fn, check = _make(op, impl, numel, n, rank, dtype, dev, opts["piece_bytes"])
                 good = check()
                 ok &= good
-                t = _time(fn, dev, opts, numel * esize)
+                t, iters, warmup = _time(fn, dev, opts, numel * esize)
                 nbytes = numel * esize
                 algbw = nbytes / t / 1e9
                 busbw = algbw * (2 * (n - 1) / n if op == "all_reduce" else 1.0 if op == "send_recv" else (n - 1) / n)
                 rows.append(dict(op=op, impl=impl, bytes=nbytes, time_us=t * 1e6, algbw_GBps=algbw,
-                                 busbw_GBps=busbw, correct=good))
+                                 busbw_GBps=busbw, correct=good, iters=iters, warmup=warmup))
                 if rank == 0:
                     print(f"  {nbytes:>12}  {op:<15} {impl:<10} {t * 1e6:>10.1f} {algbw:>12.2f} {busbw:>12.2f}  "
                           f"{'ok' if good else 'WRONG'}", flush=True)
@@ -271,14 +278,16 @@ def _all_agree(flag: bool, dev) -> bool:
     return t.item() == 0.0
 
 
-def _time(fn, dev, opts, nbytes) -> float:
-    """Seconds per call on the slowest rank (warmup first; one barrier, then back-to-back calls)."""
+def _time(fn, dev, opts, nbytes) -> tuple[float, int, int]:
+    """Seconds per call on the slowest rank (warmup first; one barrier, then back-to-back calls),
+    and the timed and untimed calls made (recorded with each row: on CPU they depend on the size)."""
     import torch
     import torch.distributed as dist
 
     cuda = dev.type == "cuda"
     iters = opts["iters"] or (20 if cuda else max(3, min(20, (1 << 24) // max(nbytes, 1))))
-    for _ in range(opts["warmup"] or (5 if cuda else 1)):
+    warmup = opts["warmup"] or (5 if cuda else 1)
+    for _ in range(warmup):
         fn()
     if cuda:
         torch.cuda.synchronize(dev)
@@ -298,7 +307,7 @@ def _time(fn, dev, opts, nbytes) -> float:
         t = (time.perf_counter() - t0) / iters
     worst = torch.tensor([t], dtype=torch.float64, device=dev)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return worst.item()
+    return worst.item(), iters, warmup
 
 
 def _header(opts, n, dev) -> dict:

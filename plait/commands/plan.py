@@ -101,6 +101,9 @@ def run(args, extra) -> int:
 
     _check_counts(args)
     profiles, profile, path = {}, None, None
+    for flag, value in (("--hardware", args.hardware), ("--check", args.check)):
+        if value is not None and not value.strip(", "):  # an unset variable planned with data-sheet figures, unsaid
+            raise bad_value(flag, value, "is empty; give a file or folder")
     if args.hardware:
         from plait.planner.profile import load
 
@@ -141,6 +144,13 @@ def run(args, extra) -> int:
               else published.table(checks))
         return 0
     c = inputs.make_cluster(args.gpu, args.nodes, args.gpus_per_node, inputs.parse_overrides(extra))
+    if args.precision == "fp32":  # fp32 matmuls run at the card's fp32 rate, not its bf16 tensor cores'
+        if profile is not None:
+            raise bad_value("--precision", "fp32", f"{path} measured 16-bit matmuls; plan fp32 without --hardware "
+                            "(priced from the card's fp32 peak)")
+        import dataclasses
+
+        c = dataclasses.replace(c, dtype="fp32")
     if profile is not None:
         from plait.planner.profile import apply_profile
 
@@ -170,6 +180,9 @@ def run(args, extra) -> int:
     check_fp8(args.fp8, c)  # before the search, which would otherwise reject every layout for it
     head = report.header_dict(d, c, args.global_batch, args.precision)
     given = any(getattr(args, k) is not None for k in ("tp", "pp", "dp", "cp"))
+    if args.schedule is not None and given and (args.pp or 1) == 1:  # 1f1b too: asked for, it is not the default
+        raise bad_value("--schedule", args.schedule, "orders a pipeline's stages: it needs --pp > 1 (without a "
+                        "pipeline, drop --schedule)")
     if args.validate:
         return _validate(args, d, c, knobs, head)
     if given and not args.search:

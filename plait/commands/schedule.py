@@ -31,6 +31,8 @@ def run(args, extra) -> int:
     from plait.parallel.schedules import SPLIT_BACKWARD, build_schedule, check, check_args, in_flight
     from plait.planner.simulate import render, simulate, unit_durations
 
+    if args.png is not None and not args.png.strip():  # `--png "$OUT"` with OUT unset drew nothing, unsaid
+        raise bad_value("--png", args.png, "is empty; give the image's file name")
     if args.png:  # before anything is printed; as `plait plot --out`, a mistyped folder is not created
         folder = Path(args.png).expanduser().parent
         if not folder.exists():

@@ -62,6 +62,9 @@ def config_from_args(args, extra):
         raise bad_value("train.grad_accum", given["grad_accum"], f"is derived from train.global_batch = "
                         f"{given['global_batch']} (global_batch / (micro_batch x dp)): give one of them")
     cfg = build_config(raw)  # checks every value given, and reads --resume / --out
+    if "schedule" in raw.get("parallel", {}) and cfg.parallel.pp == 1:  # 1f1b as well: given, not the default
+        raise bad_value("parallel.schedule", cfg.parallel.schedule, "orders a pipeline's stages: it needs "
+                        "parallel.pp > 1 (without a pipeline, drop parallel.schedule)")
     mb, accum = cfg.parallel.microbatches, cfg.train.grad_accum
     if "grad_accum" in given and "microbatches" in raw.get("parallel", {}) and mb and mb != accum:
         # a pipeline's micro-batches are its accumulation: neither may silently win

@@ -211,7 +211,10 @@ class ParallelDims:
             crossing = len(self.cross_node_groups(name, G))
             where = ("inside a node" if crossing == 0 else
                      "every group spans nodes" if crossing == len(groups) else f"{crossing} group(s) span nodes")
-            listed = " ".join("[" + ",".join(map(str, g)) + "]" for g in groups[:8])
+            cap = max_rows // 4  # a group of 512 ranks is one rank list of ~2,000 characters
+            listed = " ".join("[" + ",".join(map(str, g) if len(g) <= cap else [*map(str, g[:cap // 2]), "...",
+                                                                                *map(str, g[-2:])])
+                              + "]" + (f" ({len(g)} ranks)" if len(g) > cap else "") for g in groups[:8])
             more = f" ... ({len(groups)} groups)" if len(groups) > 8 else ""
             lines.append(f"  {label}: size {size}, {where}: {listed}{more}")
         return "\n".join(lines)

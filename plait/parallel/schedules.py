@@ -112,6 +112,13 @@ def canonical(name: str, field: Callable[[str], str] = flag_field) -> str:
     return name
 
 
+def default_v(name) -> int:
+    """Model chunks per rank a schedule runs when v is not given: two for interleaved and ZB-V (ZB-V
+    knows no other), one for the rest; an unknown name is left to `canonical`'s error."""
+    aliases = {"zb-v": "zbv", "interleaved-1f1b": "interleaved"}
+    return 2 if aliases.get(str(name).lower(), str(name).lower()) in ("interleaved", "zbv") else 1
+
+
 # Largest pp x v x micro-batches a schedule is built for: 128 stages x 8192 micro-batches, about a
 # minute and 2 GB to build and check; beyond it a request is refused rather than left to run for hours.
 MAX_STAGE_MICROBATCHES = 2**20
@@ -152,8 +159,9 @@ def check_args(name: str, pp: int, microbatches: int, v: int = 1,
         if pp < 2:
             raise bad_value(field("pp"), pp, "ZB-V needs pp >= 2 (with one rank there is no bubble to fill)")
     elif v != 1:
+        other = "zbv (v = 2)" if name == "zb" else "interleaved"  # ZB-V is zero-bubble's two-chunk variant
         raise bad_value(field("v"), v, f"only the interleaved and zbv schedules have virtual stages; use v = 1 "
-                        f"with {name} or {field('schedule')} interleaved")
+                        f"with {name} or {field('schedule')} {other}")
     return name
 
 
@@ -161,7 +169,7 @@ def check_no_pipeline(name: str, v: int, field: Callable[[str], str] = flag_fiel
     """pp = 1: a schedule or virtual stages were meant for a pipeline, so say so rather than ignore
     them. The knob named is the one the caller's user gave (`field`, as in `check_args`): v first,
     since a default schedule (1f1b) with v > 1 was never asked for."""
-    if v != 1:
+    if v != 1 and v != default_v(name):  # a v the schedule would not take by itself was given
         raise bad_value(field("v"), v, f"virtual stages are chunks of a pipeline's stages: v > 1 needs "
                         f"{field('pp')} > 1 and {field('schedule')} interleaved (zbv: v = 2); without a "
                         f"pipeline drop {field('v')}")

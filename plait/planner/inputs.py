@@ -9,6 +9,7 @@ from __future__ import annotations
 from plait.config import PRESETS, ModelConfig, dotted_pairs
 from plait.errors import UserError, bad_value
 from plait.parallel import rules
+from plait.parallel.schedules import default_v
 from plait.planner.costs import ModelDims
 from plait.planner.hardware import Cluster, apply_overrides, cluster
 from plait.planner.layout import Layout
@@ -106,7 +107,7 @@ def make_layout(c: Cluster, tp=None, pp=None, dp=None, cp=None, dp_replicate=Non
     if dp % rep:
         raise bad_value("--dp-replicate", rep, f"must divide --dp = {dp}")
     return Layout(tp=tp, pp=pp, dp_replicate=rep, dp_shard=dp // rep, cp=cp, zero=0 if zero is None else zero,
-                  v=_given(v), schedule=schedule or "1f1b", micro_batch=_given(micro_batch),
+                  v=default_v(schedule or "1f1b") if v is None else v, schedule=schedule or "1f1b", micro_batch=_given(micro_batch),
                   recompute=recompute or "none", sp=sp, compile=compile, cp_impl=cp_impl or "ring",
                   stage_split=stage_split or "", head_in_forward=head_in_forward, recompute_matmuls=recompute_matmuls,
                   zero3_whole_root=zero3_whole_root, zero3_cast_once=zero3_cast_once, eager_head=eager_head, fp8=fp8,

@@ -301,15 +301,20 @@ def _traffic(d: ModelDims, lay: Layout, prec: Precision, sc: StageCosts, m: int)
             # every micro-batch: the blocks' linears gathered in forward and again in backward; the root
             # unit (embedding, norm gains) and the output matrix once, kept into backward or never read
             # there (plait/parallel/fsdp.py) - the textbook's 3P less their second gathers
-            blocks = nl * costs.block_linear_share(d, lay.tp)
-            once = (Collective("all_gather", (psi - blocks) * p, shard, m,
+            # one collective per block and pass, as they run (the count is what a reader sees, and
+            # what latency is paid for)
+            block = costs.block_linear_share(d, lay.tp)
+            once = (Collective("all_gather", (psi - nl * block) * p, shard, m,
                                "all-gather of the embedding, output and norm gains, once a micro-batch"),)
             if lay.zero3_fp8_gather:  # the blocks' weights in FP8: a byte a parameter
-                colls = (Collective("all_gather", blocks, shard, 2 * m, "FP8 block all-gather, forward and backward"),) + once
+                colls = (Collective("all_gather", block, shard, 2 * m * nl,
+                                    "FP8 block all-gather, forward and backward"),) + once
             else:
-                colls = (Collective("all_gather", blocks * p, shard, 2 * m,
+                colls = (Collective("all_gather", block * p, shard, 2 * m * nl,
                                     "block all-gather, forward and backward"),) + once
-            colls += (Collective("reduce_scatter", psi * g, shard, m, "gradient reduce-scatter"),)
+            colls += (Collective("reduce_scatter", block * g, shard, m * nl, "blocks' gradient reduce-scatter"),
+                      Collective("reduce_scatter", (psi - nl * block) * g, shard, m,
+                                 "gradient reduce-scatter of the embedding, output and norm gains"))
         else:
             colls = (Collective("reduce_scatter", psi * g, shard, m if lay.zero == 2 else 1, "gradient reduce-scatter"),
                      Collective("all_gather", psi * p, shard, 1, "updated-parameter all-gather"))

@@ -105,7 +105,7 @@ PART_NAMES = {"bubble": "idle in the pipeline", "dp_sync": "exposed dp sync", "z
 
 def breakdown_text(p: Prediction, explain: bool = False) -> str:
     lay = p.layout
-    lines = [f"layout: {lay.describe()}  ({p.microbatches} micro-batches of {lay.micro_batch} per step)", "",
+    lines = [f"layout: {lay.describe()}  ({p.microbatches} micro-batch{'es' if p.microbatches != 1 else ''} of {lay.micro_batch} per step)", "",
              f"memory per GPU (pipeline rank {p.memory_rank}, the fullest)      GiB"]
     for k, v in p.memory_bytes.items():
         if v:
