@@ -62,7 +62,8 @@ def config_from_args(args, extra):
         raise bad_value("train.grad_accum", given["grad_accum"], f"is derived from train.global_batch = "
                         f"{given['global_batch']} (global_batch / (micro_batch x dp)): give one of them")
     cfg = build_config(raw)  # checks every value given, and reads --resume / --out
-    if "schedule" in raw.get("parallel", {}) and cfg.parallel.pp == 1:  # 1f1b as well: given, not the default
+    typed = getattr(args, "schedule", None) is not None or "schedule" in long_form.get("parallel", {})
+    if typed and cfg.parallel.pp == 1:  # 1f1b as well, typed on the command line (a run's config.toml lists it)
         raise bad_value("parallel.schedule", cfg.parallel.schedule, "orders a pipeline's stages: it needs "
                         "parallel.pp > 1 (without a pipeline, drop parallel.schedule)")
     mb, accum = cfg.parallel.microbatches, cfg.train.grad_accum
