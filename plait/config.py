@@ -256,6 +256,12 @@ class Config:
         notes = {}
         if self.train.global_batch:
             notes[("train", "grad_accum")] = "derived: global_batch / (micro_batch x dp) at this layout"
+        # how this start ran, not what the run is: given back with --config into a new --out, a
+        # resume = true refused ("holds no checkpoint to resume")
+        if self.checkpoint.resume:
+            notes[("checkpoint", "resume")] = "this start resumed the run; --resume continues it"
+        if self.train.max_steps_this_run:
+            notes[("train", "max_steps_this_run")] = "a limit of this start only"
         return dump_toml(d, notes)
 
 

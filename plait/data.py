@@ -13,7 +13,6 @@ keeps that contract while drawing rows from several prepared folders by weight.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -232,10 +231,12 @@ def parse_mix(spec: str, field: str = "data.mix") -> list[tuple[str, float]]:
 
 
 def _tokenizer_identity(data: TokenData) -> tuple:
+    from plait.tokenizer import encoding_identity
+
     spec = data.tokenizer_spec
     digest = ""
-    if spec.get("kind") == "hf":
-        digest = hashlib.sha256((data.path / spec.get("file", "tokenizer.json")).read_bytes()).hexdigest()
+    if spec.get("kind") == "hf":  # what encodes, not the file's bytes (`same_tokenizer`)
+        digest = encoding_identity(data.path / spec.get("file", "tokenizer.json"))
     return spec.get("kind"), data.vocab_size, digest
 
 

@@ -137,7 +137,12 @@ def _weight_files(path: str | Path, field: str) -> list[Path]:
     p = Path(path)
     index = p / "model.safetensors.index.json"
     if index.is_file():
-        return [p / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        files = [p / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        gone = [f.name for f in files if not f.is_file()]
+        if gone:  # was a FileNotFoundError traceback from the loader
+            raise bad_value(field, str(path), f"has an index naming {', '.join(gone[:3])}, which the folder does not "
+                            "hold; copy the whole model folder")
+        return files
     if (p / "model.safetensors").is_file():
         return [p / "model.safetensors"]
     has = " (its pytorch_model.bin plait does not read)" if any(p.glob("pytorch_model*.bin")) else ""
@@ -153,19 +158,33 @@ def _check_names(path, names, cfg: ModelConfig, field: str) -> None:
 
 
 def check_hf_weights(path: str | Path, cfg: ModelConfig, field: str = "--hf") -> None:
-    """That the folder's safetensors hold every tensor `cfg` needs, from their headers alone (no
-    tensor is read): said before a run starts, not by its workers after its folder was made."""
+    """That the folder's safetensors hold every tensor `cfg` needs, in the shapes its config.json
+    makes, from their headers alone (no tensor is read): said before a run starts, not by its workers
+    after its folder was made (a tensor of another shape was cropped to fit, in silence)."""
     from safetensors import safe_open
 
+    from plait.model import Transformer
+
+    with torch.device("meta"):
+        want = {n: tuple(t.shape) for n, t in Transformer(cfg).named_parameters()}
     names = []
     for f in _weight_files(path, field):
         with safe_open(str(f), framework="pt") as fh:
-            names += [n for n in map(hf_to_plait_name, fh.keys()) if n is not None]
+            for hf_name in fh.keys():
+                name = hf_to_plait_name(hf_name)
+                if name is None:
+                    continue
+                names.append(name)
+                shape = tuple(fh.get_slice(hf_name).get_shape())
+                if name in want and shape != want[name]:
+                    raise bad_value(field, str(path), f"holds {hf_name} of shape {list(shape)} where its config.json "
+                                    f"makes {list(want[name])}: the weights and config.json do not match")
     _check_names(path, names, cfg, field)
 
 
 def load_hf_weights(path: str | Path, cfg: ModelConfig, field: str = "--hf") -> dict[str, torch.Tensor]:
     """All tensors of the checkpoint renamed to plait names (dtype as stored)."""
+    check_hf_weights(path, cfg, field)
     out: dict[str, torch.Tensor] = {}
     for f in _weight_files(path, field):
         for name, t in load_file(str(f)).items():

@@ -118,6 +118,10 @@ def _check_tokenizer(data, weights) -> str | None:
     if hf.is_hf_dir(str(path)):
         vocab = json.loads((path / "config.json").read_text()).get("vocab_size", 0)
         tok = hf.tokenizer_of(path, vocab)
+        if tok is not None and tok.vocab_size > vocab:  # else the data, prepared with it, was blamed
+            raise bad_value("train.init_from", str(weights), f"has a tokenizer of {tok.vocab_size} tokens for a model of "
+                            f"vocabulary {vocab}: the tokenizer belongs to another model; put the model's own "
+                            "tokenizer.json beside its weights")
         if tok is None:  # the folder does not say which tokenizer its weights read
             if part.tokenizer_spec.get("kind") != "hf":  # bytes for a model of another vocabulary: never right
                 raise bad_value("data.path", str(part.path), f"was prepared as bytes, but the weights in {weights} "

@@ -43,12 +43,17 @@ def saved_config(out: Path, log=lambda msg: None) -> tuple[dict, Path] | None:
     toml = out / "config.toml"
     if toml.is_file():
         try:
-            return tomllib.loads(toml.read_text()), toml
+            saved = tomllib.loads(toml.read_text())
+            missing = [s for s in ("model", "data", "train") if not isinstance(saved.get(s), dict)]
+            if not missing:
+                return saved, toml
+            why = f"it lacks [{'], ['.join(missing)}]"  # emptied or cut short: its defaults would be another run
         except (tomllib.TOMLDecodeError, OSError, UnicodeDecodeError) as e:
-            folder = ckpt.latest_valid(out / "checkpoints", log=lambda m: None)
-            if folder is not None:
-                log(f"{toml} is unreadable ({str(e).splitlines()[0]}); the config comes from {folder.name} instead, "
-                    "without what the run changed after it (pass those options again)")
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        folder = ckpt.latest_valid(out / "checkpoints", log=lambda m: None)
+        if folder is not None:
+            log(f"{toml} is unreadable ({why}); the config comes from {folder.name} instead, "
+                "without what the run changed after it (pass those options again)")
     folder = ckpt.latest_valid(out / "checkpoints", log=lambda m: None) if (out / "checkpoints").is_dir() else None
     if folder is not None:
         state = folder / "train_state.json"
@@ -83,6 +88,10 @@ def resumed_config(saved: dict, explicit: dict) -> tuple[Config, list[str]]:
         base.pop("model", None)
     cfg = build_config(merge(base, explicit))
     changed = []
+    for section, key in PATH_FIELDS:  # the same folder named another way (relative, a link): no change
+        old, new = getattr(getattr(was, section), key), getattr(getattr(cfg, section), key)
+        if old and new and old != new and _same_path(old, new):
+            setattr(getattr(cfg, section), key, old)  # the run's record stays as it was
     for section, values in explicit.items():
         for key in values:
             old, new = getattr(getattr(was, section), key), getattr(getattr(cfg, section), key)
@@ -90,6 +99,15 @@ def resumed_config(saved: dict, explicit: dict) -> tuple[Config, list[str]]:
             if not per_invocation and (section, key) != ("train", "out") and old != new:
                 changed.append(f"{section}.{key} {old!r} -> {new!r}")
     return cfg, sorted(changed)
+
+
+PATH_FIELDS = (("data", "path"), ("train", "init_from"))
+
+
+def _same_path(a: str, b: str) -> bool:
+    import os
+
+    return os.path.realpath(os.path.expanduser(a)) == os.path.realpath(os.path.expanduser(b))
 
 
 def describe_resume(source: Path, changed: list[str]) -> str:

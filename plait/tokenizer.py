@@ -211,13 +211,24 @@ def same_tokenizer(tokenizer, data) -> bool:
         return False
     if spec.get("kind") != "hf":
         return True
-    return _encoding(tokenizer.path) == _encoding(data.path / spec.get("file", TOKENIZER_FILE))
+    return encoding_identity(tokenizer.path) == encoding_identity(data.path / spec.get("file", TOKENIZER_FILE))
 
 
-def _encoding(path) -> object:
+def encoding_identity(path) -> str:
+    """A digest of what decides a tokenizers JSON file's ids (`_ENCODING_PARTS`), the same for a file
+    transformers re-saved: merges written as "a b" (older files) or as ["a", "b"] (newer) are one."""
+    import hashlib
+
     raw = Path(path).read_bytes()
     try:
         d = json.loads(raw)
-        return {k: d.get(k) for k in _ENCODING_PARTS}
+        parts = {k: d.get(k) for k in _ENCODING_PARTS}
+        model = parts["model"]
+        if isinstance(model, dict) and isinstance(model.get("merges"), list):
+            parts["model"] = dict(model, merges=[m.split(" ", 1) if isinstance(m, str) else m for m in model["merges"]])
+        raw = json.dumps(parts, sort_keys=True).encode()
     except (ValueError, AttributeError):  # not JSON we can read: only the same bytes are the same
-        return raw
+        pass
+    return hashlib.sha256(raw).hexdigest()
+
+

@@ -32,7 +32,8 @@ def test_bench_comm_writes_nccl_tests_style_results(tmp_path):
                                          (["--ops", "all_to_all"], "--ops"),
                                          # one process: gloo's "Pair is not connected" traceback
                                          (["--nproc", "1"], "--nproc = 1: a collective needs 2 or more"),
-                                         (["--json", "/nonexistent-plait/x.json"], "its folder /nonexistent-plait")])
+                                         (["--json", "/nonexistent-plait/x.json"], "its folder /nonexistent-plait"),
+                                         (["--json", "/"], "--json = '/': is a folder")])
 def test_bench_comm_refuses_what_it_cannot_measure_in_one_line(argv, field, capsys):
     assert main(["bench", "comm", "--device", "cpu", "--nproc", "2", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()

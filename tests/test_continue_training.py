@@ -78,6 +78,16 @@ def test_a_tokenizer_file_rewritten_by_transformers_is_still_the_same_tokenizer(
     (tmp_path / "resaved.json").write_text(json.dumps(dict(reversed(list(d.items()))), indent=4))
     data = TokenData(tmp_path / "d")
     assert same_tokenizer(HFTokenizer(tmp_path / "resaved.json"), data)
+    # older files write each merge as "a b", newer ones as ["a", "b"]: one tokenizer
+    d["model"]["merges"] = [" ".join(m) if isinstance(m, list) else m for m in d["model"]["merges"]]
+    (tmp_path / "old-merges.json").write_text(json.dumps(d))
+    assert same_tokenizer(HFTokenizer(tmp_path / "old-merges.json"), data)
+    # and a mix of folders prepared with the two files is one vocabulary
+    from plait.config import DataConfig
+    from plait.data import open_data
+
+    prepare([str(src)], tmp_path / "d2", HFTokenizer(tmp_path / "resaved.json"), val_fraction=0.2, quiet=True)
+    assert len(open_data(DataConfig(mix=f"{tmp_path / 'd'}:0.5,{tmp_path / 'd2'}:0.5")).parts) == 2
     d["model"]["vocab"]["zzz_new"] = 299  # another id for a text: another tokenizer
     (tmp_path / "other.json").write_text(json.dumps(d))
     assert not same_tokenizer(HFTokenizer(tmp_path / "other.json"), data)
@@ -128,6 +138,18 @@ def test_an_hf_folder_without_safetensors_is_refused_before_the_run_folder_is_ma
     new = tmp_path / "new"
     assert main(_run_args(tmp_path / "d", new, extra=["--train.init_from", str(hf)])) == 2
     assert "lacks tensors ['lm_head.weight']" in _one_line(capfd)  # the name the folder would hold
+    # a tensor of another shape than config.json makes was cropped to fit, in silence
+    c = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps(dict(c, intermediate_size=40)))
+    assert main(_run_args(tmp_path / "d", new, extra=["--train.init_from", str(hf)])) == 2
+    assert "holds model.layers.0.mlp.down_proj.weight of shape [32, 48] where its config.json makes [32, 40]" \
+        in _one_line(capfd)
+    (hf / "config.json").write_text(json.dumps(c))
+    # an index naming a shard the folder lacks (a FileNotFoundError traceback)
+    (hf / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "model-00002-of-00002.safetensors"}}))
+    assert main(_run_args(tmp_path / "d", new, extra=["--train.init_from", str(hf)])) == 2
+    assert "has an index naming model-00002-of-00002.safetensors, which the folder does not hold" in _one_line(capfd)
+    (hf / "model.safetensors.index.json").unlink()
     (hf / "model.safetensors").rename(hf / "pytorch_model.bin")
     assert main(_run_args(tmp_path / "d", new, extra=["--train.init_from", str(hf)])) == 2
     assert "has no model.safetensors (or index) (its pytorch_model.bin plait does not read)" in _one_line(capfd)
@@ -200,3 +222,43 @@ def test_prepare_counts_the_empty_documents_it_leaves_out(tmp_path, capsys):
     assert main(["data", "prepare", "--input", str(tmp_path / "a.jsonl"), "--out", str(tmp_path / "d"),
                  "--text-field", "body"]) == 0
     assert "2 documents from 1 file(s) (0 skipped; 3 empty document(s) left out)" in capsys.readouterr().err
+
+
+def test_an_hf_folder_whose_tokenizer_outgrows_its_model_is_named(bpe, tmp_path, capfd):
+    """Its own tokenizer (1 more token than the model has rows) used to be blamed on the data."""
+    tok, src = bpe
+    prepare([str(src)], tmp_path / "d", tok, val_fraction=0.2, quiet=True)
+    cfg = ModelConfig(preset="custom", vocab_size=tok.vocab_size - 1, dim=32, n_layers=1, n_heads=4, n_kv_heads=2,
+                      ffn_dim=48)
+    hf = save_hf(dict(build_model(cfg, seed=1).named_parameters()), cfg, tmp_path / "hf")
+    tok.save_to(hf)
+    assert main(_run_args(tmp_path / "d", tmp_path / "new", extra=["--train.init_from", str(hf)])) == 2
+    assert f"train.init_from = '{hf}': has a tokenizer of {tok.vocab_size} tokens for a model of vocabulary " \
+           f"{tok.vocab_size - 1}" in _one_line(capfd)
+
+
+def test_a_requeue_naming_the_same_folders_otherwise_changes_nothing(corpus, tmp_path, capfd, monkeypatch):
+    """The same command again (SLURM's requeue) with relative paths said "the command line changes
+    data.path '/abs/corpus' -> 'corpus'". An emptied config.toml took the defaults; and a resumed
+    run's config.toml, given back with --config into a new folder, asked for a checkpoint there."""
+    monkeypatch.chdir(corpus.parent)
+    assert main(_run_args(corpus.name, tmp_path / "r", steps=2, model=MICRO_MODEL, extra=["--resume", "auto"])) == 0
+    capfd.readouterr()
+    assert main(_run_args(corpus.name, tmp_path / "r", steps=3, model=MICRO_MODEL, extra=["--resume", "auto"])) == 0
+    line = next(x for x in capfd.readouterr().err.splitlines() if "resuming with the config" in x)
+    assert line.endswith("the command line changes train.steps 2 -> 3"), line
+    assert f'path = "{corpus}"' in (tmp_path / "r" / "config.toml").read_text()
+    assert '# resume = "auto"  (this start resumed the run' in (tmp_path / "r" / "config.toml").read_text()
+    assert main(["train", "--config", str(tmp_path / "r" / "config.toml"), "--out", str(tmp_path / "again"),
+                 "--steps", "1"]) == 0
+    (tmp_path / "r" / "config.toml").write_text("")
+    capfd.readouterr()
+    assert main(["train", "--out", str(tmp_path / "r"), "--resume", "--steps", "4"]) == 0
+    assert "config.toml is unreadable (it lacks [model], [data], [train]); the config comes from step_00000003" \
+        in capfd.readouterr().err
+
+
+def test_a_corpus_of_empty_documents_says_so(tmp_path, capsys):
+    (tmp_path / "e.jsonl").write_text("\n".join(json.dumps({"text": ""}) for _ in range(3)))
+    assert main(["data", "prepare", "--input", str(tmp_path / "e.jsonl"), "--out", str(tmp_path / "d")]) == 2
+    assert "holds 3 document(s), all of them empty" in capsys.readouterr().err

@@ -99,6 +99,8 @@ def test_fleet_comparison(capsys):
     (["--model", "8b", "--dp", "8", "--hardware", ""], "--hardware = '': is empty"),
     # 1f1b is the default, but given it asks for a pipeline as zb does
     (["--model", "8b", "--dp", "8", "--schedule", "1f1b"], "--schedule = '1f1b': orders a pipeline's stages"),
+    (["--model", "8b", "--dp", "8", "--precision", "fp32", "--fp8", "tensorwise"], "--fp8 = 'tensorwise': FP8 "
+     "linears train under mixed precision"),
     (["--model", "8b", "--dp", "8", "--precision", "fp32", "--hardware", "bench/results/hardware-h100.json"],
      "--precision = 'fp32': bench/results/hardware-h100.json measured 16-bit matmuls"),
     # what `plait train` refuses: a pipeline rank of empty stages holds nothing

@@ -105,6 +105,9 @@ def run(args) -> int:
     if nproc < 2:  # one process has no one to exchange with: the send/recv check failed in gloo
         on = " (this machine has one GPU; --device cpu runs 2 processes)" if device == "cuda" and not args.nproc else ""
         raise bad_value("--nproc", nproc, f"a collective needs 2 or more processes{on}")
+    if args.json not in (None, "auto") and os.path.isdir(args.json):  # was a traceback after the whole run
+        raise bad_value("--json", args.json, "is a folder; give the file to write, e.g. "
+                        f"{os.path.join(args.json, 'comm.json')}")
     if args.json not in (None, "auto") and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         raise bad_value("--json", args.json, f"its folder {os.path.dirname(os.path.abspath(args.json))} does not "
                         "exist; create it first")
@@ -138,6 +141,15 @@ def run(args) -> int:
     return 0 if results and all(r is None or r.get("ok", True) for r in results) else 1
 
 
+def say(line: str) -> None:
+    """Rank 0's table line; once its reader has gone (`| head`), the rest of the table goes nowhere
+    instead of ending the run in a BrokenPipeError."""
+    try:
+        print(line, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def bench_rank(opts: dict) -> dict | None:
     """One rank of the benchmark; rank 0 prints the table and writes the JSON."""
     import torch
@@ -151,8 +163,8 @@ def bench_rank(opts: dict) -> dict | None:
     esize = torch.empty((), dtype=dtype).element_size()
     header = _header(opts, n, dev)
     if rank == 0:
-        print(header["title"])
-        print(f"# {'size':>12}  {'op':<15} {'impl':<10} {'time(us)':>10} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12}  check")
+        say(header["title"])
+        say(f"# {'size':>12}  {'op':<15} {'impl':<10} {'time(us)':>10} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12}  check")
     rows, ok, size = [], True, opts["min_bytes"]
     while size <= opts["max_bytes"]:
         for op in opts["ops"]:
@@ -170,21 +182,21 @@ def bench_rank(opts: dict) -> dict | None:
                 rows.append(dict(op=op, impl=impl, bytes=nbytes, time_us=t * 1e6, algbw_GBps=algbw,
                                  busbw_GBps=busbw, correct=good, iters=iters, warmup=warmup))
                 if rank == 0:
-                    print(f"  {nbytes:>12}  {op:<15} {impl:<10} {t * 1e6:>10.1f} {algbw:>12.2f} {busbw:>12.2f}  "
-                          f"{'ok' if good else 'WRONG'}", flush=True)
+                    say(f"  {nbytes:>12}  {op:<15} {impl:<10} {t * 1e6:>10.1f} {algbw:>12.2f} {busbw:>12.2f}  "
+                        f"{'ok' if good else 'WRONG'}")
         size *= opts["factor"]
     if rank != 0:
         return None
     summary = _summary(rows)
     for line in summary["lines"]:
-        print(line)
+        say(line)
     if opts["json"]:
         path = opts["json"] if opts["json"] != "auto" else _auto_path(header, n)
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(path, "w") as f:
             json.dump(dict(header, config={k: v for k, v in opts.items() if k != "json"}, results=rows,
                            summary=summary["ratios"]), f, indent=1)
-        print(f"# wrote {path}")
+        say(f"# wrote {path}")
     return {"ok": ok}
 
 

@@ -145,6 +145,9 @@ def run(args, extra) -> int:
         return 0
     c = inputs.make_cluster(args.gpu, args.nodes, args.gpus_per_node, inputs.parse_overrides(extra))
     if args.precision == "fp32":  # fp32 matmuls run at the card's fp32 rate, not its bf16 tensor cores'
+        if args.fp8 != "off":  # priced FP8 GEMMs over the fp32 peak: an MFU of 192%
+            raise bad_value("--fp8", args.fp8, "FP8 linears train under mixed precision (bf16 around them, fp32 "
+                            "masters): drop --precision fp32")
         if profile is not None:
             raise bad_value("--precision", "fp32", f"{path} measured 16-bit matmuls; plan fp32 without --hardware "
                             "(priced from the card's fp32 peak)")
