@@ -392,8 +392,12 @@ def _watchdog(done: threading.Event, timeout_s: float, rank: int, workdir: str) 
 def _write_report(workdir: str, rank: int, message: str, tb: str) -> None:
     path = os.path.join(workdir, f"rank{rank}.json")
     if not os.path.exists(path):  # the first report of a rank is its root cause
-        with open(path, "w") as f:
+        # whole or absent: the agent stops the other ranks once one fails, maybe mid-write, and the
+        # launcher read an empty file (a JSONDecodeError in place of the run's failure line)
+        part = f"{path}.{os.getpid()}.part"
+        with open(part, "w") as f:
             json.dump({"rank": rank, "time": time.time(), "message": message, "traceback": tb}, f)
+        os.replace(part, path)
 
 
 # Errors a rank raises because a peer died first: the peer, not this rank, is the root cause.
@@ -404,8 +408,11 @@ def _failure(e, workdir: str, nproc: int = 0) -> Exception:
     reports = {}
     for name in os.listdir(workdir):  # every rank that raised, also those stopped before the agent saw it
         if re.fullmatch(r"rank\d+\.json", name):
-            with open(os.path.join(workdir, name)) as f:
-                rep = json.load(f)
+            try:
+                with open(os.path.join(workdir, name)) as f:
+                    rep = json.load(f)
+            except (OSError, ValueError):  # not whole: that rank counts as one that recorded no error
+                continue
             reports[rep["rank"]] = rep
     for r, failure in e.failures.items():
         if r not in reports:  # died before or outside `entry` (import error, signal, os._exit): no Python error
