@@ -54,13 +54,28 @@ def _fsync_dir(path: Path) -> None:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """Replace a small file whole: a crash mid-write leaves the old version, never half of the new."""
+    """Replace a small file whole: a crash mid-write leaves the old version, never half of the new.
+    A full or read-only disk is one line (`file_write_error`), and the partial file goes."""
     part = Path(path).with_name(Path(path).name + ".part")
-    with open(part, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(part, path)
+    try:
+        with open(part, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(part, path)
+    except OSError as e:
+        part.unlink(missing_ok=True)
+        raise file_write_error(Path(path), e) from None
+
+
+class RunWriteError(UserError):
+    """A run's own record (metrics.jsonl, config.toml) could not be written: like a checkpoint that
+    cannot be, one line and no restart (a restart would meet the same disk)."""
+
+
+def file_write_error(path: Path, e: OSError) -> RunWriteError:
+    return RunWriteError(f"cannot write {path}: {e.strerror or e} [errno {e.errno}]; the checkpoints are intact (free "
+                         "space or make the folder writable, then continue with --resume)")
 
 
 def check_writable(folder: Path, field: str) -> None:

@@ -116,7 +116,12 @@ class MetricsLog:
     def log(self, record: dict) -> None:
         if self.file is None:
             return
-        self.file.write(json.dumps(record) + "\n")
+        try:
+            self.file.write(json.dumps(record) + "\n")
+        except OSError as e:  # a full disk: one line, not a traceback and K restarts into the same disk
+            from plait.checkpoint import file_write_error
+
+            raise file_write_error(Path(self.file.name), e) from None
         # trackers take numbers only ("n/a" MFU on CPU stays in the JSONL)
         scalars = {k: v for k, v in record.items()
                    if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
@@ -128,7 +133,10 @@ class MetricsLog:
 
     def close(self) -> None:
         if self.file:
-            self.file.close()
+            try:
+                self.file.close()
+            except OSError:  # what a full disk refused was said when it was written
+                pass
         if self.tb:
             self.tb.close()
         if self.wandb is not None:

@@ -169,3 +169,19 @@ def test_every_way_torch_save_reports_a_full_disk_is_a_write_failure(message):
     one-line checkpoint error, not a traceback."""
     assert ckpt.is_write_failure(RuntimeError(message))
     assert not ckpt.is_write_failure(RuntimeError("CUDA error: an illegal memory access was encountered"))
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_full_disk_under_the_metrics_is_one_line_and_not_restarted(corpus, tmp_path, capfd):
+    """metrics.jsonl on a full disk (here /dev/full, which refuses every write with ENOSPC): a
+    traceback, then `--train.max_restarts` restarts into the same disk; now one line, exit 2."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").symlink_to("/dev/full")
+    with bounded(120):
+        rc = main(train_args(corpus, run, 4, nproc=2, extra=["--train.max_restarts", "2"]))
+    err = capfd.readouterr().err
+    line = _one_error_line(err)
+    assert rc == 2 and f"cannot write {run / 'metrics.jsonl'}: No space left on device [errno 28]" in line, err
+    assert "restart" not in err.replace("--resume", "")
+    assert_no_workers_left()
