@@ -199,3 +199,19 @@ def test_train_help_lists_every_schedule(capsys):
         main(["train", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert all(name in text.rsplit("--schedule SCHEDULE", 1)[1][:100] for name in SCHEDULES), text
+
+
+def test_a_lost_peer_under_an_outer_launcher_is_one_line_saying_where_to_go_on(tmp_path, capsys, monkeypatch):
+    """Under torchrun or srun each process is a rank: a peer's death reached it as a collective's
+    traceback, with no word of the checkpoint to continue from."""
+    from plait.comm import CollectiveError
+
+    def dies(*a, **k):
+        raise CollectiveError("all_gather on mesh dim 'dp_shard' (ranks [0, 1]) failed on rank 1: Connection reset "
+                              "by peer\nmore detail")
+
+    monkeypatch.setattr("plait.run.launch_training", dies)
+    assert main(["train", "--out", str(tmp_path / "r")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("plait train: error: all_gather on mesh dim 'dp_shard'") and \
+        "another rank stopped first" in err and "no checkpoint was saved: run the command again" in err, err

@@ -130,6 +130,19 @@ def failure_line(cfg, e) -> str:
     return f"{e}{tried}; {how_to_continue(cfg)}{auto}"
 
 
+def _peer_loss_line(e: BaseException) -> str | None:
+    """One line for a rank whose collective failed (a peer died, hung or never came), else None."""
+    import torch.distributed as dist
+
+    from plait.comm import CollectiveError
+
+    network = getattr(dist, "DistNetworkError", ())
+    if isinstance(e, CollectiveError) or (network and isinstance(e, network)):
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return f"{first[:400]} (another rank stopped first: its own output says why)"
+    return None
+
+
 def run(args, extra) -> int:
     if args.help_config:
         print_config_help()
@@ -147,6 +160,14 @@ def run(args, extra) -> int:
         if e.traceback:
             print(e.traceback.rstrip(), file=sys.stderr)  # a Python error: where it came from
         print(f"plait {NAME}: error: {failure_line(cfg, e)}", file=sys.stderr)
+        return 1
+    except Exception as e:  # noqa: BLE001 - only a peer's loss is turned into a line; anything else is re-raised
+        line = _peer_loss_line(e)
+        if line is None:
+            raise
+        # under torchrun or srun this process is the rank: a dead peer surfaced as a collective's
+        # traceback, with no word of where the run can go on from
+        print(f"plait {NAME}: error: {line}; {how_to_continue(cfg)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # Ctrl-C: every worker stops at once (plait.launch); a save it cut short goes at the next start
         print(f"plait {NAME}: interrupted; {how_to_continue(cfg)}", file=sys.stderr)
