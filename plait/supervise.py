@@ -14,7 +14,9 @@ are removed, so no half-written checkpoint stays behind.
 Under an outer launcher - torchrun with `--max-restarts`, SLURM with `--requeue` - that launcher
 restarts the processes. plait sees TORCHELASTIC_RESTART_COUNT / SLURM_RESTART_COUNT above 0,
 resumes from the newest valid checkpoint without being told, and logs the restart the same way
-(the cause is in the outer launcher's log, not known to plait).
+(the cause is in the outer launcher's log, not known to plait). A multi-node torchrun job restarts
+the healthy nodes' workers with the count still 0: they know the job by its rendezvous run id,
+which the run folder records (`rejoined`).
 """
 
 from __future__ import annotations
@@ -42,9 +44,37 @@ def outer_restart(env=None) -> tuple[str, int] | None:
     return None
 
 
+ELASTIC_RUN = ".torchelastic_run_id"
+"""The run folder's record of the torchrun job (its rendezvous run id) that trains in it."""
+
+
+def rejoined(out, env=None) -> bool:
+    """Whether this process starts again inside the torchrun job that already trains in `out`.
+    After a node fails, torch restarts the workers of the healthy nodes too, but with
+    TORCHELASTIC_RESTART_COUNT still 0: they refused the run's checkpoints ("pass --resume"), which
+    cost a restart each and ended two-node jobs before their --max-restarts were spent."""
+    env = os.environ if env is None else env
+    rid = env.get("TORCHELASTIC_RUN_ID")
+    if not rid or not out:
+        return False
+    try:
+        return (Path(out).expanduser() / ELASTIC_RUN).read_text().strip() == rid
+    except OSError:
+        return False
+
+
+def record_elastic_run(out: Path) -> None:
+    """Rank 0, at the start: note the torchrun job training here (`rejoined`)."""
+    rid = os.environ.get("TORCHELASTIC_RUN_ID")
+    if rid:
+        from plait.checkpoint import write_atomic
+
+        write_atomic(Path(out) / ELASTIC_RUN, rid)
+
+
 def resume_after_outer_restart(cfg):
     """A restarted process resumes whatever its command line says (it is the same command)."""
-    if outer_restart() is not None and not cfg.checkpoint.resume:
+    if (outer_restart() is not None or rejoined(cfg.train.out)) and not cfg.checkpoint.resume:
         cfg.checkpoint.resume = "auto"
     return cfg
 
@@ -105,12 +135,14 @@ def restart_note(out: Path, start: int) -> dict | None:
     if os.environ.get("PLAIT_RESTART"):
         return json.loads(os.environ["PLAIT_RESTART"])
     outer = outer_restart()
+    if outer is None and rejoined(out) and start > 0:  # restarted with a failed peer node: torch counts no restart
+        outer = ("torchrun", 0)
     if outer is None:
         return None
     who, count = outer
     lost = max(0, last_logged_step(Path(out) / "metrics.jsonl") - start)
-    print(f"plait: restart {count} by {who}; resumed from step {start} ({lost} step(s) to redo)",
-          file=sys.stderr, flush=True)
+    what = f"restart {count} by {who}" if count else f"restarted by {who} with its job (a peer node failed)"
+    print(f"plait: {what}; resumed from step {start} ({lost} step(s) to redo)", file=sys.stderr, flush=True)
     return {"count": count, "by": who, "cause": f"restarted by {who} (its log names the failure)",
             "from_step": start, "steps_lost": lost, "detected_at": time.time()}
 

@@ -206,6 +206,7 @@ def _train(cfg: Config, dims, stop: StopRequest) -> dict:
 
     if is_main:
         ckpt.write_atomic(out / "config.toml", cfg.to_toml())  # a resume reads it: never half of it
+        supervise.record_elastic_run(out)  # a peer node's failure restarts this job's workers: they resume
         if dropped := trim_metrics(out / "metrics.jsonl", start):  # one curve: the resumed segment replaces them
             _warn(f"metrics.jsonl: dropped {dropped} entries past step {start}, logged after that checkpoint" if start
                   else f"metrics.jsonl: replaced {dropped} entries of an earlier start in this folder that saved no "

@@ -316,3 +316,21 @@ def test_data_of_another_tokenizer_is_refused_on_resume_and_init_from(corpus, tm
     onto = [a if a != str(corpus) else str(bpe) for a in _first_run(corpus, tmp_path / "onto", steps=2)]
     assert main(onto + ["--train.init_from", str(byte_run)]) == 2
     assert f"data.path = '{bpe}': was prepared with another tokenizer than the weights in" in _error_line(capfd)
+
+
+def test_a_torchrun_job_restarted_for_a_peer_nodes_failure_resumes(corpus, tmp_path, capfd, monkeypatch):
+    """After one node fails, torch restarts the healthy nodes' workers with TORCHELASTIC_RESTART_COUNT
+    still 0: they refused the run's checkpoints ("pass --resume"), each refusal spending one of the
+    job's --max-restarts. The run folder knows the job by its rendezvous run id; another job does not
+    pass for it."""
+    run = tmp_path / "r"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-7")
+    assert main(_first_run(corpus, run, steps=2)) == 0
+    assert (run / ".torchelastic_run_id").read_text() == "job-7"
+    capfd.readouterr()
+    assert main(_first_run(corpus, run, steps=4)) == 0  # the same command, started again by torchrun
+    assert "plait: restarted by torchrun with its job (a peer node failed); resumed from step 2" in capfd.readouterr().err
+    assert [r["step"] for r in _rows(run)] == [1, 2, 3, 4]
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "another-job")
+    assert main(_first_run(corpus, run, steps=6)) == 2
+    assert "already holds" in _error_line(capfd)
