@@ -71,6 +71,8 @@ def _worker(cfg: Config, device_type: str) -> dict:
     from plait.launch import init_distributed
 
     dims = init_distributed(cfg.parallel, device_type, agree=_must_agree(cfg))
+    if dims.world_size > 1:
+        one_run_folder(Path(cfg.train.out).expanduser(), dims.rank)
     with snapshot_on_oom(cfg.train.out, dims.rank):
         return train(cfg, dims)
 
@@ -82,6 +84,55 @@ NODE_LOCAL = {"train.out", "train.init_from", "data.path", "data.mix", "parallel
 
 
 def _must_agree(cfg: Config) -> dict:
-    """The config fields every rank must hold alike, flattened to "section.field"."""
-    return {f"{sec}.{k}": v for sec, fields in cfg.to_dict().items() for k, v in fields.items()
-            if f"{sec}.{k}" not in NODE_LOCAL}
+    """The config fields every rank must hold alike, flattened to "section.field", and what the
+    node-local paths hold: the path may differ between nodes, the data and weights may not (each
+    data-parallel rank trained on its node's corpus, in silence)."""
+    out = {f"{sec}.{k}": v for sec, fields in cfg.to_dict().items() for k, v in fields.items()
+           if f"{sec}.{k}" not in NODE_LOCAL}
+    d = cfg.data
+    folders = [p.rpartition(":")[0].strip() for p in d.mix.split(",") if p.strip()] if d.mix else [d.path]
+    out["data (what its folders hold)"] = [_content_id(Path(f).expanduser() / "meta.json") for f in folders if f]
+    if cfg.train.init_from:
+        p = Path(cfg.train.init_from).expanduser()
+        out["train.init_from (what it holds)"] = _content_id(p / "config.json" if (p / "config.json").is_file()
+                                                             else p / "train_state.json")
+    return out
+
+
+def _content_id(path: Path) -> str:
+    """A short digest of a small file that names what a folder holds (prepared data's meta.json: its
+    shards, tokens and tokenizer)."""
+    import hashlib
+
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    except OSError:
+        return f"unreadable {path.name}"
+
+
+def one_run_folder(out: Path, rank: int) -> None:
+    """Every rank writes into the same run folder: rank 0 leaves a token there, every rank reads it
+    back. Nodes that each had their own folder (node-local disk, a per-node --out) trained to the
+    first checkpoint, then failed there, or waited out the timeout for each other's save."""
+    import uuid
+
+    import torch.distributed as dist
+
+    token = [uuid.uuid4().hex if rank == 0 else None]
+    path = out / ".plait-start"
+    if rank == 0:
+        path.write_text(token[0])
+    dist.broadcast_object_list(token, src=0)  # after rank 0's write
+    try:
+        seen = path.read_text().strip() == token[0]
+    except OSError:
+        seen = False
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, seen)
+    lost = [r for r, ok in enumerate(everyone) if not ok]
+    if rank == 0:  # everyone has read it
+        path.unlink(missing_ok=True)
+    if lost:
+        raise UserError(f"train.out = {str(out)!r}: rank(s) {', '.join(map(str, lost[:8]))} do not see rank 0's run "
+                        "folder there: every node must write to one shared folder (a shared file system, the "
+                        "same --out on each)")

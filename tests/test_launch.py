@@ -175,6 +175,44 @@ def test_ranks_started_with_different_configs_stop_at_once_naming_the_field():
                                  "with the same command")
 
 
+def _two_run_folders(root):
+    """Two "nodes" whose --out is node-local: each rank's folder is its own."""
+    from plait.run import one_run_folder
+
+    rank = int(os.environ["RANK"])
+    launch.init_distributed(ParallelConfig(nproc=2, timeout_s=20), "cpu")
+    out = os.path.join(root, f"node{rank}")
+    os.makedirs(out, exist_ok=True)
+    one_run_folder(__import__("pathlib").Path(out), rank)
+
+
+def test_nodes_that_do_not_share_the_run_folder_are_refused_at_the_start(tmp_path):
+    """They trained to the first checkpoint, then failed there ("Parent directory ... does not
+    exist") or waited out the timeout for each other's files."""
+    with pytest.raises(UserError, match=r"^rank 0: train.out = .*node0': rank\(s\) 1 do not see rank 0's run folder"):
+        launch.spawn(_two_run_folders, (str(tmp_path),), 2, timeout_s=60)
+    assert os.listdir(tmp_path / "node0") == []  # its token went
+
+
+def test_nodes_with_other_data_or_weights_do_not_agree(corpus, tmp_path):
+    """data.path and init_from may be other paths on each node (a mount point), not other content."""
+    from plait.config import build_config
+    from plait.prepare import prepare
+    from plait.run import _must_agree
+    from plait.tokenizer import ByteTokenizer
+
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.txt").write_text("other text " * 400)
+    prepare([str(tmp_path / "src")], tmp_path / "other", ByteTokenizer(), val_fraction=0.2, quiet=True)
+    agree = [_must_agree(build_config({"data": {"path": str(p)}})) for p in (corpus, tmp_path / "other")]
+    key = "data (what its folders hold)"
+    assert agree[0][key] != agree[1][key] and "data.path" not in agree[0]
+    import shutil
+
+    shutil.copytree(corpus, tmp_path / "mounted-elsewhere")
+    assert _must_agree(build_config({"data": {"path": str(tmp_path / "mounted-elsewhere")}}))[key] == agree[0][key]
+
+
 def _missing_peer():
     """Rank 1 never joins rank 0's all-reduce on the tp sub-group (ranks 2 and 3 finish normally)."""
     dims = launch.init_distributed(ParallelConfig(nproc=4, tp=2, timeout_s=2), "cpu")
