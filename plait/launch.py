@@ -159,8 +159,9 @@ def init_distributed(parallel, device_type: str = "cpu", env=None, agree: dict |
             if "timeout" in text or "timed out" in text:  # the world it was told of never gathered
                 raise UserError(f"the rendezvous at {le.master_addr}:{le.master_port} waited parallel.timeout_s = "
                                 f"{parallel.timeout_s:g} s for {le.world_size} ranks as rank {le.rank}, and they did "
-                                "not all come: every process must be given the same world size (WORLD_SIZE, "
-                                "SLURM_STEP_NUM_TASKS) and reach rank 0's host") from None
+                                "not all come: a process that stopped before joining says why in its own output "
+                                "(a refused option, a missing path); else every process must be given the same "
+                                "world size (WORLD_SIZE, SLURM_STEP_NUM_TASKS) and reach rank 0's host") from None
             if "duplicate gpu" in text:  # NCCL: two processes on one GPU (srun's binding, set by hand)
                 raise _shared_gpu(le.local_world_size, torch.cuda.device_count()) from None
             raise

@@ -24,9 +24,24 @@ STOP = signal.SIGUSR1
 STOP_FILE_ENV = "PLAIT_STOP_FILE"
 
 
+_EARLY = {"got": 0}
+
+
+def catch_early() -> None:
+    """Hold a SIGUSR1 that arrives before training starts (import, rendezvous, loading a checkpoint):
+    its default action killed the rank silently, and its peers then waited out parallel.timeout_s.
+    `StopRequest` takes it over, and the run stops at its first step's end, saved."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(STOP, lambda signum, frame: _EARLY.__setitem__("got", signum))
+
+
+def stop_requested() -> bool:
+    return bool(_EARLY["got"])
+
+
 class StopRequest:
     def __init__(self):
-        self.got = 0  # the signal number received here, 0 if none
+        self.got = _EARLY["got"]  # the signal number received here, 0 if none (one caught early counts)
         self.file = os.environ.get(STOP_FILE_ENV)
         self.installed = threading.current_thread() is threading.main_thread()  # handlers live there
         self.old = signal.signal(STOP, self._handler) if self.installed else None

@@ -64,11 +64,17 @@ def launch_training(cfg: Config, note: str | None = None, model_given: dict | No
         results = run_workers(cfg, lambda c, env: run(_worker, (c, device_type), nproc=p.nproc, device_type=device_type,
                                                       isolate=c.train.max_restarts > 0, env=env))
     main = [r for r in results if r and r.get("main")]
-    return main[0] if main else None
+    if not main:  # another rank of torchrun/srun: a stop they agreed on ends this process the same way (143)
+        stopped = [r for r in results if r and r.get("stopped")]
+        return {"stopped": stopped[0]["stopped"]} if stopped else None
+    return main[0]
 
 
 def _worker(cfg: Config, device_type: str) -> dict:
     from plait.launch import init_distributed
+    from plait.preempt import catch_early
+
+    catch_early()  # a SIGUSR1 before the loop is a stop at its first step, not the death of this rank
 
     dims = init_distributed(cfg.parallel, device_type, agree=_must_agree(cfg))
     if dims.world_size > 1:

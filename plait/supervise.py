@@ -92,7 +92,10 @@ def run_workers(cfg, attempt_fn) -> list:
             return attempt_fn(cfg, env)
         except (SpawnError, UserError) as e:
             ckpt.remove_partial(root)  # every worker has ended: what they left half-written goes
-            if attempt == limit or not isinstance(e, SpawnError) or str(e.message).startswith(NOT_RESTARTED):
+            from plait.preempt import stop_requested
+
+            if (attempt == limit or not isinstance(e, SpawnError) or str(e.message).startswith(NOT_RESTARTED)
+                    or stop_requested()):  # a scheduler's notice between attempts: no new attempt
                 raise
             note = _restart_note(cfg, e, attempt + 1, limit, root)
             print(f"plait: restart {note['count']} of {limit}: {note['cause']}; resuming from step "

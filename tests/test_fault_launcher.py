@@ -159,3 +159,23 @@ def test_ctrl_c_ends_workers_blocked_inside_a_collective_within_seconds(tmp_path
     code, took, err = _stop(launcher, marker, lambda: os.killpg(launcher.pid, signal.SIGINT))
     assert took < 15, (code, took, err)
     assert not with_marker(marker)
+
+
+def test_a_stop_notice_before_training_stops_at_the_first_step_saved(corpus, tmp_path, capfd, monkeypatch):
+    """SIGUSR1 during start-up (import, rendezvous, loading): its default action killed the rank with
+    nothing said, and its peers waited out parallel.timeout_s. Now it is held, and the run stops,
+    saved, at the end of its first step."""
+    from plait import preempt
+
+    monkeypatch.setitem(preempt._EARLY, "got", 0)
+    old = signal.getsignal(signal.SIGUSR1)
+    try:
+        preempt.catch_early()
+        os.kill(os.getpid(), signal.SIGUSR1)  # as a scheduler's notice would, before train() runs
+        run = tmp_path / "run"
+        with bounded(60):
+            assert main(train_args(corpus, run, 6)) == 143
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+    assert "stopped by SIGUSR1" in capfd.readouterr().err
+    assert [s for s, _ in ckpt.list_checkpoints(run / "checkpoints")] == [1] and len(rows(run)) == 1

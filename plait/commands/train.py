@@ -150,6 +150,9 @@ def run(args, extra) -> int:
     from plait.launch import SpawnError, Stopped
     from plait.run import launch_training
 
+    from plait.preempt import catch_early
+
+    catch_early()  # under torchrun/srun this process is a rank: a notice during start-up must not kill it
     cfg, note, model_given = config_from_args(args, extra)
     try:
         summary = launch_training(cfg, note, model_given)
