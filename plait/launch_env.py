@@ -64,6 +64,11 @@ def detect_launch(env=None) -> LaunchEnv | None:
                                 env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID") or "0"))
         per_node_var = "SLURM_STEP_TASKS_PER_NODE" if env.get("SLURM_STEP_TASKS_PER_NODE") else "SLURM_TASKS_PER_NODE"
         per_node = env.get(per_node_var) or str(world)
+        counts = node_counts(per_node)
+        if len(set(counts)) > 1:  # each rank judged TP placement by its own node's count: ranks disagreed
+            raise UserError(f"{per_node_var} = {per_node!r}: plait places ranks on nodes in equal blocks (the mesh's "
+                            "node-local dims assume it); start the same number of tasks on every node "
+                            "(srun --ntasks-per-node N)")
         local_world = tasks_on_node(per_node, _number(env, "SLURM_NODEID", 0))
         le = LaunchEnv(_number(env, "SLURM_PROCID"), world, _number(env, "SLURM_LOCALID", 0), local_world,
                        addr, port, "slurm")
@@ -134,13 +139,19 @@ def slurm_port(job_id: str, step_id: str = "0") -> int:
     return 15000 + (job + 7919 * step) % 15000  # 7919, a prime: consecutive steps land far apart
 
 
-def tasks_on_node(tasks_per_node: str, node_id: int) -> int:
-    """Expand SLURM's '4(x2),3' into [4, 4, 3] and pick this node's count."""
+def node_counts(tasks_per_node: str) -> list[int]:
+    """Expand SLURM's '4(x2),3' into [4, 4, 3]."""
     counts = []
     for part in tasks_per_node.split(","):
         m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
         if m:
             counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return counts
+
+
+def tasks_on_node(tasks_per_node: str, node_id: int) -> int:
+    """This node's count of SLURM's '4(x2),3' ([4, 4, 3])."""
+    counts = node_counts(tasks_per_node)
     return counts[node_id] if 0 <= node_id < len(counts) else (counts[0] if counts else 1)
 
 

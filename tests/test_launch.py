@@ -49,6 +49,12 @@ def test_srun_environment():
     # two steps of one allocation at once (a sweep of srun calls) took one port: the second failed to bind
     ports = {detect_launch(dict(SRUN, SLURM_STEP_ID=str(s))).master_port for s in range(8)}
     assert len(ports) == 8 and all(15000 <= p < 30000 for p in ports) and le.master_port == 15000 + 123456 % 15000
+    # nodes with different task counts: each rank judged TP placement by its own node's count, and
+    # the ranks disagreed (two refused, two waited out the timeout); now every rank says the same
+    uneven = {k: v for k, v in dict(SRUN, SLURM_TASKS_PER_NODE="2,1,1", SLURM_NTASKS="4").items()
+              if k != "SLURM_STEP_TASKS_PER_NODE"}
+    with pytest.raises(UserError, match=r"^SLURM_TASKS_PER_NODE = '2,1,1': plait places ranks on nodes in equal"):
+        detect_launch(dict(uneven, SLURM_PROCID="1", SLURM_LOCALID="0", SLURM_NODEID="1"))
 
 
 def test_a_rendezvous_that_never_gathers_is_one_line(monkeypatch):
