@@ -59,7 +59,15 @@ class RunFolder:
                 raise
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is not None and self.holder and self.created and self.fd is not None:
+            # a start refused inside the workers (nodes that disagree, a rendezvous that timed out)
+            # left a run folder holding only its lock
+            if {p.name for p in self.out.iterdir()} <= {LOCK}:
+                (self.out / LOCK).unlink(missing_ok=True)  # while still locked: no other run holds it
+                self.release()
+                discard(self.out)
+                return
         self.release()
 
     def acquire(self) -> None:

@@ -104,6 +104,20 @@ def test_a_start_refused_after_preflight_leaves_no_run_folder(corpus, tmp_path, 
     assert (tmp_path / "mine").is_dir()
 
 
+def test_a_start_refused_inside_the_workers_leaves_no_run_folder(corpus, tmp_path, capfd, monkeypatch):
+    """Refused once the folder was this run's (nodes that disagree, a rendezvous that timed out): it
+    was left holding only its lock."""
+    from plait.errors import UserError
+
+    def refuse(*a, **k):
+        raise UserError("rank 1 was started with train.lr = 0.1, rank 0 with 0.2: start every node with the same command")
+
+    monkeypatch.setattr("plait.run.train", refuse)
+    assert main(train_args(corpus, tmp_path / "run", 2)) == 2
+    assert "start every node with the same command" in _one_error_line(capfd.readouterr().err)
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_failed_async_write_ends_in_one_line_and_keeps_earlier_checkpoints(corpus, tmp_path, monkeypatch, capfd):
     monkeypatch.setenv("PLAIT_FAULTS", "enospc@rank=1,step=4")  # rank 1's background write of step 4 fails
     run = tmp_path / "run"
