@@ -124,11 +124,11 @@ def one_run_folder(out: Path, rank: int) -> None:
 
     import torch.distributed as dist
 
-    token = [uuid.uuid4().hex if rank == 0 else None]
+    token = [uuid.uuid4().hex, str(out)] if rank == 0 else [None, None]
     path = out / ".plait-start"
     if rank == 0:
         path.write_text(token[0])
-    dist.broadcast_object_list(token, src=0)  # after rank 0's write
+    dist.broadcast_object_list(token, src=0)  # after rank 0's write; and rank 0's folder, named alike everywhere
     try:
         seen = path.read_text().strip() == token[0]
     except OSError:
@@ -139,6 +139,6 @@ def one_run_folder(out: Path, rank: int) -> None:
     if rank == 0:  # everyone has read it
         path.unlink(missing_ok=True)
     if lost:
-        raise UserError(f"train.out = {str(out)!r}: rank(s) {', '.join(map(str, lost[:8]))} do not see rank 0's run "
-                        "folder there: every node must write to one shared folder (a shared file system, the "
-                        "same --out on each)")
+        raise UserError(f"train.out = {token[1]!r} (rank 0's): rank(s) {', '.join(map(str, lost[:8]))} do not see "
+                        "that run folder where their --out points: every node must write to one shared folder (a "
+                        "shared file system, the same --out on each)")
