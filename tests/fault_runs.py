@@ -128,7 +128,19 @@ def assert_no_workers_left(grace: float = 5.0) -> None:
     deadline = time.monotonic() + grace
     while (left := descendants()) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not left, f"processes left behind: {sorted(left)}"
+    assert not left, f"processes left behind: {[(p, _cmdline(p)) for p in sorted(left)]}"
+
+
+def _cmdline(pid: int) -> str:
+    """What a process runs (its parent pid first), for the message of a leftover one."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:160]
+        with open(f"/proc/{pid}/stat") as f:
+            ppid = f.read().rsplit(")", 1)[1].split()[1]
+        return f"ppid {ppid}: {cmd}"
+    except OSError:
+        return "gone"
 
 
 @contextmanager
