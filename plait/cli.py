@@ -87,6 +87,10 @@ def entry() -> None:
     import os
     import signal
 
+    if sys.argv[1:2] == ["train"]:  # first, before imports and preflight: a scheduler's notice then
+        from plait.preempt import catch_early  # killed the rank silently, its peers waiting out the timeout
+
+        catch_early()
     try:
         rc = main()
         sys.stdout.flush()

@@ -54,7 +54,7 @@ def rejoined(out, env=None) -> bool:
     TORCHELASTIC_RESTART_COUNT still 0: they refused the run's checkpoints ("pass --resume"), which
     cost a restart each and ended two-node jobs before their --max-restarts were spent."""
     env = os.environ if env is None else env
-    rid = env.get("TORCHELASTIC_RUN_ID")
+    rid = _job_id(env)
     if not rid or not out:
         return False
     try:
@@ -63,9 +63,16 @@ def rejoined(out, env=None) -> bool:
         return False
 
 
+def _job_id(env) -> str | None:
+    """torchrun's rendezvous run id, where it names one job: not the static rendezvous' "none" (every
+    job's), nor plait's own launcher's (it restarts its workers itself, with PLAIT_ATTEMPT)."""
+    rid = env.get("TORCHELASTIC_RUN_ID")
+    return None if not rid or rid == "none" or env.get("PLAIT_SPAWNED") else rid
+
+
 def record_elastic_run(out: Path) -> None:
     """Rank 0, at the start: note the torchrun job training here (`rejoined`)."""
-    rid = os.environ.get("TORCHELASTIC_RUN_ID")
+    rid = _job_id(os.environ)
     if rid:
         from plait.checkpoint import write_atomic
 
@@ -118,6 +125,8 @@ def _restart_note(cfg, e, count: int, limit: int, root: Path) -> dict:
 def last_logged_step(path: Path) -> int:
     """The last step metrics.jsonl records (0 if none); a line cut short by a kill is skipped."""
     last = 0
+    if not path.is_file():  # a link to a device (/dev/full) reads without end
+        return 0
     try:
         lines = path.read_text(errors="replace").splitlines()
     except OSError:
@@ -144,7 +153,8 @@ def restart_note(out: Path, start: int) -> dict | None:
         return None
     who, count = outer
     lost = max(0, last_logged_step(Path(out) / "metrics.jsonl") - start)
-    what = f"restart {count} by {who}" if count else f"restarted by {who} with its job (a peer node failed)"
+    what = (f"restart {count} by {who}" if count else
+            f"torchrun job {_job_id(os.environ)} started again (after a node's failure torch restarts every node)")
     print(f"plait: {what}; resumed from step {start} ({lost} step(s) to redo)", file=sys.stderr, flush=True)
     return {"count": count, "by": who, "cause": f"restarted by {who} (its log names the failure)",
             "from_step": start, "steps_lost": lost, "detected_at": time.time()}

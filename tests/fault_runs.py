@@ -105,7 +105,10 @@ def descendants(root: int | None = None) -> set[int]:
 
     keep = {getattr(fs._forkserver, "_forkserver_pid", None), getattr(rt._resource_tracker, "_pid", None)}
     parents = _children()
-    keep |= BACKGROUND | _below(parents, BACKGROUND)
+    # torch.compile's pool of compile workers, which lives as long as the process that compiled (on
+    # a GPU machine, the test session's): the suite run with pytest-xdist found it below a worker
+    pools = {p for p in parents if "_inductor/compile_worker" in _cmdline(p)}
+    keep |= BACKGROUND | _below(parents, BACKGROUND) | pools | _below(parents, pools)
     return {p for p in _below(parents, {os.getpid() if root is None else root}) if p not in keep}
 
 

@@ -329,8 +329,14 @@ def test_a_torchrun_job_restarted_for_a_peer_nodes_failure_resumes(corpus, tmp_p
     assert (run / ".torchelastic_run_id").read_text() == "job-7"
     capfd.readouterr()
     assert main(_first_run(corpus, run, steps=4)) == 0  # the same command, started again by torchrun
-    assert "plait: restarted by torchrun with its job (a peer node failed); resumed from step 2" in capfd.readouterr().err
+    assert "plait: torchrun job job-7 started again (after a node's failure torch restarts every node); resumed from " \
+           "step 2" in capfd.readouterr().err
     assert [r["step"] for r in _rows(run)] == [1, 2, 3, 4]
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "another-job")
-    assert main(_first_run(corpus, run, steps=6)) == 2
-    assert "already holds" in _error_line(capfd)
+    # another job, the static rendezvous' id every job has, and plait's own launcher do not pass for it
+    for env in ({"TORCHELASTIC_RUN_ID": "another-job"}, {"TORCHELASTIC_RUN_ID": "none"},
+                {"TORCHELASTIC_RUN_ID": "job-7", "PLAIT_SPAWNED": "1"}):
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        assert main(_first_run(corpus, run, steps=6)) == 2
+        assert "already holds" in _error_line(capfd)
+    monkeypatch.delenv("PLAIT_SPAWNED")
