@@ -74,8 +74,9 @@ class RunWriteError(UserError):
 
 
 def file_write_error(path: Path, e: OSError) -> RunWriteError:
-    return RunWriteError(f"cannot write {path}: {e.strerror or e} [errno {e.errno}]; the checkpoints are intact (free "
-                         "space or make the folder writable, then continue with --resume)")
+    return RunWriteError(f"cannot write {path}: {e.strerror or e} [errno {e.errno}]; checkpoints already saved are "
+                         "intact (free space or make the folder writable, then run again: with --resume where one "
+                         "was saved)")
 
 
 def check_writable(folder: Path, field: str) -> None:
