@@ -183,7 +183,8 @@ def check_hf_weights(path: str | Path, cfg: ModelConfig, field: str = "--hf") ->
 
 
 def load_hf_weights(path: str | Path, cfg: ModelConfig, field: str = "--hf") -> dict[str, torch.Tensor]:
-    """All tensors of the checkpoint renamed to plait names (dtype as stored)."""
+    """All tensors of the checkpoint renamed to plait names (dtype as stored), checked first
+    (`check_hf_weights`: every tensor there, in its shape)."""
     check_hf_weights(path, cfg, field)
     out: dict[str, torch.Tensor] = {}
     for f in _weight_files(path, field):
@@ -193,7 +194,6 @@ def load_hf_weights(path: str | Path, cfg: ModelConfig, field: str = "--hf") -> 
                 out[plait_name] = t
     if cfg.tie_embeddings:
         out.pop("output.weight", None)
-    _check_names(path, out, cfg, field)
     return out
 
 

@@ -65,8 +65,9 @@ def preflight(cfg: Config, model_given: dict | None = None) -> Config:
         data = open_data(cfg.data)
         # the tokenizer before the vocabulary: data of another tokenizer with a larger vocabulary
         # was told to raise model.vocab_size, which the weights' shape then refused
-        unchecked = _check_tokenizer(data, folder if folder is not None else t.init_from)
-        data.check(cfg.model.vocab_size, t.seq_len, weights=folder if folder is not None else t.init_from)
+        weights = folder if folder is not None else t.init_from  # what the model continues, if anything
+        unchecked = _check_tokenizer(data, weights)
+        data.check(cfg.model.vocab_size, t.seq_len, weights=weights)
         _absolute_data(cfg)
         p = cfg.parallel
         if p.pp > 1 and t.grad_accum == 1 and _first_process():  # legal, and idle (pp-1)/pp of the step

@@ -50,12 +50,13 @@ def saved_config(out: Path, log=lambda msg: None) -> tuple[dict, Path] | None:
             why = f"it lacks [{'], ['.join(missing)}]"  # emptied or cut short: its defaults would be another run
         except (tomllib.TOMLDecodeError, OSError, UnicodeDecodeError) as e:
             why = str(e).splitlines()[0] if str(e) else type(e).__name__
-        folder = ckpt.latest_valid(out / "checkpoints", log=lambda m: None)
-        if folder is not None:
-            log(f"{toml} is unreadable ({why}); the config comes from {folder.name} instead, "
-                "without what the run changed after it (pass those options again)")
+    else:
+        why = None
     folder = ckpt.latest_valid(out / "checkpoints", log=lambda m: None) if (out / "checkpoints").is_dir() else None
     if folder is not None:
+        if why is not None:
+            log(f"{toml} is unreadable ({why}); the config comes from {folder.name} instead, "
+                "without what the run changed after it (pass those options again)")
         state = folder / "train_state.json"
         try:
             return json.loads(state.read_text())["config"], state

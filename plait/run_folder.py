@@ -51,24 +51,24 @@ class RunFolder:
                     print(f"plait: removed {len(gone)} partial checkpoint(s) an interrupted save left: "
                           f"{', '.join(gone)}", file=sys.stderr)
             except BaseException:
-                if self.created:  # a refused start leaves no run folder (only its lock) behind
-                    (self.out / LOCK).unlink(missing_ok=True)  # while still locked: no other run holds it
-                self.release()
-                if self.created:
-                    discard(self.out)
+                self._refused()
                 raise
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
-        if exc_type is not None and self.holder and self.created and self.fd is not None:
-            # a start refused inside the workers (nodes that disagree, a rendezvous that timed out)
-            # left a run folder holding only its lock
-            if {p.name for p in self.out.iterdir()} <= {LOCK}:
-                (self.out / LOCK).unlink(missing_ok=True)  # while still locked: no other run holds it
-                self.release()
-                discard(self.out)
-                return
+        # a start refused inside the workers (nodes that disagree, a rendezvous that timed out) left
+        # the folder it made holding only its lock
+        if exc_type is not None and self.holder and {p.name for p in self.out.iterdir()} <= {LOCK}:
+            self._refused()
         self.release()
+
+    def _refused(self) -> None:
+        """A refused start leaves no run folder it made (only its lock) behind."""
+        if self.created:
+            (self.out / LOCK).unlink(missing_ok=True)  # while still locked: no other run holds it
+        self.release()
+        if self.created:
+            discard(self.out)
 
     def acquire(self) -> None:
         import fcntl

@@ -83,9 +83,8 @@ def config_from_args(args, extra):
         if saved is not None:
             cfg, changed = resume.resumed_config(saved[0], raw)
             was = saved[0].get("train", {}).get("init_from", "")
-            same = cfg.train.init_from == was or (was and Path(cfg.train.init_from).expanduser().resolve() ==
-                                                  Path(was).expanduser().resolve())
-            if "init_from" in given and not same and ckpt.list_checkpoints(out / "checkpoints"):
+            # (the same folder named another way was put back by resumed_config)
+            if "init_from" in given and cfg.train.init_from != was and ckpt.list_checkpoints(out / "checkpoints"):
                 # the run's own checkpoint decides its weights; the new value would only rewrite its record
                 raise bad_value("train.init_from", cfg.train.init_from, f"but the run in {out} continues from its own "
                                 f"checkpoint (it started from {was or 'its own initialisation'}); drop "
@@ -150,9 +149,6 @@ def run(args, extra) -> int:
     from plait.launch import SpawnError, Stopped
     from plait.run import launch_training
 
-    from plait.preempt import catch_early
-
-    catch_early()  # under torchrun/srun this process is a rank: a notice during start-up must not kill it
     cfg, note, model_given = config_from_args(args, extra)
     try:
         summary = launch_training(cfg, note, model_given)
