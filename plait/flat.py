@@ -7,6 +7,15 @@ place; and ZeRO's "each rank owns 1/N of the parameter space" is literally a sli
 Order: matrices first, then the (tiny) norm gains, so weight decay applies to one prefix. Within each
 group parameters are laid out in *reverse* registration order, which is roughly the order in which
 backward produces their gradients, so the buckets at the front of the buffer fill first.
+
+Gradients in pieces (`lazy_grads`, one device): the gradient space is cut at the model's units (a
+block, the embedding, the output matrix; the norm gains together) and a unit's piece is allocated
+when backward lands its first gradient, then dropped after the update. A whole buffer held through
+the step sits beside the forward's activations at their peak (2 bytes a parameter: 5.6 GB on 8b's
+shape with 8 layers); in pieces, only the output matrix's gradient is there by then, and each
+block's piece takes the place of the activations its backward frees. The update runs over the
+pieces as segments of the flat space. Communicating engines keep the whole buffer: their buckets
+and shards are slices of it.
 """
 
 from __future__ import annotations
@@ -34,10 +43,32 @@ def flat_order(named_params: list[tuple[str, torch.nn.Parameter]]) -> list[tuple
     return decayed + [(n, p) for n, p in reversed(named_params) if not decays(n, p)]
 
 
+def unit_of(name: str) -> str:
+    """The unit a parameter belongs to: its block ("layers.3"), else its top-level module."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if len(parts) > 2 and parts[1].isdigit() else parts[0]
+
+
+def grad_pieces(slots: list[Slot], n_decay: int) -> list[tuple[int, int]]:
+    """[lo, hi) ranges of the flat space: each run of decayed slots of one unit, then every
+    undecayed slot (norm gains: small) as one piece."""
+    out: list[tuple[int, int]] = []
+    key = None
+    for s in slots:
+        k = unit_of(s.name) if s.offset < n_decay else None
+        if out and k == key:
+            out[-1] = (out[-1][0], s.offset + s.numel)
+        else:
+            out.append((s.offset, s.offset + s.numel))
+        key = k
+    return out
+
+
 class FlatParams:
-    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], pad_to: int = 1):
+    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], pad_to: int = 1, lazy_grads: bool = False):
         """`pad_to`: the total length is rounded up to a multiple of this (e.g. the number of ZeRO
-        shards), the padding holding zeros that never train."""
+        shards), the padding holding zeros that never train. `lazy_grads`: gradients in pieces
+        allocated as backward reaches them (module docstring); `grad` is then None."""
         ordered = flat_order(named_params)
         decayed = [(n, p) for n, p in ordered if decays(n, p)]
         if not ordered:
@@ -55,7 +86,18 @@ class FlatParams:
         self.n_decay = sum(p.numel() for _, p in decayed)
         self.padded = -(-offset // pad_to) * pad_to
         self.data = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
-        self.grad = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
+        if lazy_grads and self.padded != self.numel:
+            raise ValueError("gradients in pieces need an unpadded flat space")
+        self.pieces = grad_pieces(self.slots, self.n_decay) if lazy_grads else None
+        self.grad = None if lazy_grads else torch.zeros(self.padded, dtype=self.dtype, device=self.device)
+        if lazy_grads:
+            piece_of, i = [], 0
+            for slot in self.slots:
+                while slot.offset >= self.pieces[i][1]:
+                    i += 1
+                piece_of.append(i)
+            self._piece_of = piece_of
+            self._bufs: list[torch.Tensor | None] = [None] * len(self.pieces)
         self.params = [p for _, p in ordered]
         with torch.no_grad():
             for slot, p in zip(self.slots, self.params):
@@ -67,11 +109,57 @@ class FlatParams:
 
     def bind(self) -> None:
         """Point every parameter and its .grad at the flat buffers. Autograd then accumulates
-        into the flat gradient in place (it only replaces .grad when it is None)."""
-        self._grads = [self.view(self.grad, slot) for slot in self.slots]  # made once: the hooks reuse them
+        into the flat gradient in place (it only replaces .grad when it is None). In pieces, .grad
+        starts as None: the first backward lands it."""
+        if self.pieces is None:
+            self._grads = [self.view(self.grad, slot) for slot in self.slots]  # made once: the hooks reuse them
+        else:
+            self._grads = [None] * len(self.slots)
         for slot, p, g in zip(self.slots, self.params, self._grads):
             p.data = self.view(self.data, slot)
             p.grad = g
+
+    def _grad_view(self, i: int) -> torch.Tensor:
+        """Parameter i's slot of the gradient; in pieces, its piece allocated on first use (every
+        element of a piece is then written: by `_land`'s copy, or zeroed by `settle`)."""
+        view = self._grads[i]
+        if view is None:
+            k = self._piece_of[i]
+            lo, hi = self.pieces[k]
+            if self._bufs[k] is None:
+                self._bufs[k] = torch.empty(hi - lo, dtype=self.dtype, device=self.device)
+            slot = self.slots[i]
+            view = self._grads[i] = self._bufs[k][slot.offset - lo:slot.offset - lo + slot.numel].view(slot.shape)
+        return view
+
+    def _adopt(self, g: torch.Tensor, i: int) -> bool:
+        """In pieces, a piece of parameter i alone (the output matrix, an untied embedding) that is
+        not allocated yet becomes autograd's fresh gradient itself: no copy, and no second matrix
+        beside it while it lands. Only a tensor that is exactly its storage is taken (autograd hands
+        a gradient it made or stole for this parameter; a view of something larger would keep
+        that alive)."""
+        if self.pieces is None or self._grads[i] is not None:
+            return False
+        k, slot = self._piece_of[i], self.slots[i]
+        lo, hi = self.pieces[k]
+        if (hi - lo != slot.numel or g.dtype != self.dtype or g.device != self.device or not g.is_contiguous()
+                or g.storage_offset() != 0 or g.untyped_storage().nbytes() != g.numel() * g.element_size()):
+            return False
+        self._bufs[k], self._grads[i] = g.view(-1), g
+        return True
+
+    def grad_segments(self, lo: int = 0, hi: int | None = None) -> list[tuple[int, torch.Tensor]]:
+        """(offset from lo, gradient) pieces covering [lo, hi) of the flat space, settled."""
+        hi = self.padded if hi is None else hi
+        self.settle()
+        if self.pieces is None:
+            return [(0, self.grad[lo:hi])]
+        assert (lo, hi) == (0, self.padded), "gradients in pieces are read whole (one device)"
+        return [(a, buf) for (a, _), buf in zip(self.pieces, self._bufs)]
+
+    def grad_buffers(self) -> list[torch.Tensor]:
+        """The gradient memory allocated now."""
+        return [self.grad] if self.pieces is None else [b for b in self._bufs if b is not None]
 
     @staticmethod
     def view(flat: torch.Tensor, slot: Slot) -> torch.Tensor:
@@ -80,8 +168,12 @@ class FlatParams:
     def _land(self, p: torch.nn.Parameter, i: int) -> None:
         """After autograd accumulated p's gradient: a gradient it made afresh (p.grad was None)
         is copied into p's slot, which becomes p.grad again, and later backwards add into it."""
-        view = self._grads[i]
-        if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+        if p.grad is None:
+            return
+        if self._adopt(p.grad, i):
+            return
+        view = self._grad_view(i)
+        if p.grad.data_ptr() != view.data_ptr():
             with torch.no_grad():
                 view.copy_(p.grad)
             p.grad = view
@@ -91,15 +183,20 @@ class FlatParams:
         into, every .grad is dropped: autograd then hands each parameter its gradient as a fresh
         tensor, which `_land` copies into its slot (4 bytes a 16-bit parameter read and written,
         where zeroing and adding moved 8: 2% of the step on 8b's shape, 8 layers, one H200).
-        `settle` zeroes the slots no backward reached before anything reads the buffer."""
+        `settle` zeroes the slots no backward reached before anything reads the buffer. In pieces,
+        the pieces go too."""
         for p in self.params:
             p.grad = None
+        if self.pieces is not None:
+            self._grads = [None] * len(self.slots)
+            self._bufs = [None] * len(self.pieces)
 
     def settle(self) -> None:
         """Before the buffer is read (the step): each slot holds its parameter's gradient, zeros
         where no backward reached it, and .grad is its view again - also when some code set a
         .grad of its own (torch.nn.Module.zero_grad's None, an assigned tensor)."""
-        for p, view in zip(self.params, self._grads):
+        for i, p in enumerate(self.params):
+            view = self._grad_view(i)
             if p.grad is None:
                 view.zero_()
                 p.grad = view

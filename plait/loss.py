@@ -64,13 +64,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
             hc = h[s:s + chunk]
             logits = hc @ weight.t()  # (n, V) in the compute dtype (autocast applies here)
             loss_c, g = chunk_fn(logits, targets[s:s + chunk], scale)
+            # the logits go before the output matrix's gradient is formed beside g: in one chunk that
+            # GEMM's output is a third (n, V)-sized buffer (8b's shape: 1 GB less at the peak)
+            del logits
             total += loss_c
             grad_w = _chunk_grads(g, h, hc, s, weight, grad_h, grad_w, one_chunk)
             if kept is not None:
                 kept.append((g, hc))
-            # drop this chunk before the next is formed: held across the assignment, the old logits
-            # and gradient would add a third chunk to the peak
-            del logits, g
+            # drop this chunk before the next is formed: held across the assignment, the old
+            # gradient would add a chunk to the peak
+            del g
         loss = _finish(ctx, total * scale, grad_h, grad_w, weight)
         ctx.deferred = (defer, weight, kept, one_chunk) if kept is not None else None
         return loss
@@ -125,16 +128,21 @@ def _finish(ctx, loss, grad_h, grad_w, weight):
         grad_w = torch.zeros_like(weight)
     elif grad_w is not None and grad_w.dtype != weight.dtype:
         grad_w = grad_w.to(weight.dtype)
-    ctx.save_for_backward(grad_h, grad_w)
+    # backward takes them out of ctx and scales them in place: the weight's gradient reaches autograd
+    # as the only reference to it, which autograd hands on as .grad without a copy (its product with
+    # grad_out was a second such matrix, formed while the first was still held)
+    ctx.grads = (grad_h, grad_w)
     return loss
 
 
 def _scaled(ctx, grad_out) -> tuple:
     """Backward of a fused loss: the gradients formed in forward, times the incoming one. A deferred
     weight gradient goes to its store instead (`linear_cross_entropy`'s `defer`)."""
-    grad_h, grad_w = ctx.saved_tensors
-    gh = grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None
-    gw = grad_w * grad_out.to(grad_w.dtype) if grad_w is not None else None
+    if ctx.grads is None:
+        raise RuntimeError("the fused loss's backward ran twice: it hands its gradients on the first time")
+    (grad_h, grad_w), ctx.grads = ctx.grads, None
+    gh = grad_h.mul_(grad_out.to(grad_h.dtype)) if grad_h is not None else None
+    gw = grad_w.mul_(grad_out.to(grad_w.dtype)) if grad_w is not None else None
     if ctx.deferred is not None:
         store, weight, kept, one_chunk = ctx.deferred
         ctx.deferred = None  # the store holds the chunks now; a second backward would find none
@@ -217,19 +225,21 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             hc, tc = h[s:s + chunk], targets[s:s + chunk]
             logits = hc @ weight.t()  # (n, V/tp)
             lse_local, tgt_local, lf = stats_fn(logits, tc, vocab_start, vocab_size)
+            dtype = logits.dtype
+            del logits  # as in _LinearCrossEntropy: lf holds what the gradient needs
             parts = comm.all_gather(torch.stack([lse_local, tgt_local]), dim)  # (tp * 2, n)
             parts = parts.view(-1, 2, lse_local.shape[0])
             lse = torch.logsumexp(parts[:, 0], dim=0)
             target_logit = parts[:, 1].sum(0)
             valid = tc != IGNORE_INDEX
             total += ((lse - target_logit) * valid).sum()
-            if need_h or need_w:
-                g = grad_fn(lf, lse, tc, vocab_start, logits.dtype, scale)
+            g = grad_fn(lf, lse, tc, vocab_start, dtype, scale) if need_h or need_w else None
+            del lf, lse_local, tgt_local  # before the weight-gradient GEMM, as the logits above
+            if g is not None:
                 grad_w = _chunk_grads(g, h, hc, s, weight, grad_h, grad_w, one_chunk)
                 if kept is not None:
                     kept.append((g, hc))
-                del g
-            del logits, lf, lse_local, tgt_local  # as in _LinearCrossEntropy: one chunk alive at a time
+                del g  # one chunk alive at a time
         loss = _finish(ctx, total * scale, grad_h, grad_w, weight)
         ctx.deferred = (defer, weight, kept, one_chunk) if kept is not None else None
         return loss

@@ -71,21 +71,20 @@ class FlatAdamW:
         # under ZeRO-3, ~1.4 s each on CPU; past 8 sizes dynamo would fall back to eager)
         self._update = torch.compile(adamw_update, dynamic=True) if compile else adamw_update
 
-    def grad_range(self) -> torch.Tensor:
-        """The gradients this optimizer consumes (a view of the flat gradient buffer by default;
-        ZeRO replaces it with the reduce-scattered shard)."""
-        self.flat.settle()
-        return self.flat.grad[self.lo:self.hi]
+    def grad_segments(self) -> list[tuple[int, torch.Tensor]]:
+        """The gradients this optimizer consumes, as (offset, gradient) segments of its range: a view
+        of the flat gradient buffer, or its pieces (ZeRO passes the reduce-scattered shard instead)."""
+        return self.flat.grad_segments(self.lo, self.hi)
 
     @torch.no_grad()
     def step(self, lr: float, grad: torch.Tensor | list[tuple[int, torch.Tensor]] | None = None,
              norm: torch.Tensor | None = None) -> torch.Tensor:
         """Clip by global norm, update, write the new weights into the flat parameters. Returns the
-        pre-clip global norm. `grad`: the flat gradient of this range (default `grad_range()`), or
+        pre-clip global norm. `grad`: the flat gradient of this range (default `grad_segments()`), or
         (offset, gradient) segments covering it - ZeRO-3 keeps one per unit, allocated only while a
         step needs it. `norm`: the global gradient norm when other ranks hold other parts of the
         gradient (the engine reduces it); default the norm of `grad` alone."""
-        grad = self.grad_range() if grad is None else grad
+        grad = self.grad_segments() if grad is None else grad
         segments = [(0, grad)] if isinstance(grad, torch.Tensor) else list(grad)
         if norm is None:
             norm = global_norm([g for _, g in segments])

@@ -66,6 +66,81 @@ def test_fused_loss_matches_unfused_values_and_grads(monkeypatch, chunk_tokens):
     assert torch.allclose(gh, h.grad, atol=1e-12) and torch.allclose(gw, w.grad, atol=1e-12)
 
 
+@pytest.mark.parametrize("chunk_tokens", [5, 23])
+def test_a_chunks_logits_are_gone_before_the_weight_gradient_is_formed(monkeypatch, chunk_tokens):
+    """The weight-gradient GEMM writes a buffer the size of the logits of a one-chunk step: the
+    logits are freed before it (only the chunk's gradient is still needed), so two such buffers
+    peak together, not three."""
+    import gc
+    import weakref
+
+    import plait.loss
+    from plait.loss import ce_chunk
+
+    monkeypatch.setattr(plait.loss, "_CHUNK_ELEMENTS", 97 * chunk_tokens)
+    alive = []
+
+    def chunk_fn(logits, targets, scale):
+        alive.append(weakref.ref(logits))
+        return ce_chunk(logits, targets, scale)
+
+    formed = plait.loss._chunk_grads
+
+    def chunk_grads(*args):
+        gc.collect()
+        assert alive[-1]() is None, "the chunk's logits are still held"
+        return formed(*args)
+
+    monkeypatch.setattr(plait.loss, "_chunk_grads", chunk_grads)
+    torch.manual_seed(0)
+    h = torch.randn(23, 64, requires_grad=True)
+    w = torch.randn(97, 64, requires_grad=True)
+    t = torch.randint(0, 97, (23,))
+    linear_cross_entropy(h, w, t, chunk_fn).backward()
+    assert len(alive) == -(-23 // chunk_tokens) and w.grad is not None
+
+    # vocabulary-parallel (one shard here): its fp32 logits go too, once the gradient is formed
+    from plait.loss import vocab_parallel_cross_entropy, vp_chunk_grad, vp_chunk_stats
+
+    class OneRank:
+        def all_gather(self, x, dim):
+            return x
+
+    def stats(logits, *a):
+        out = vp_chunk_stats(logits, *a)
+        alive.append(weakref.ref(out[2]))  # the fp32 copy the gradient is formed from
+        return out
+
+    alive.clear()
+    w.grad = None
+    vocab_parallel_cross_entropy(h, w, t, OneRank(), "tp", 0, 97, (stats, vp_chunk_grad)).backward()
+    assert len(alive) == -(-23 // chunk_tokens) and w.grad is not None
+
+
+def test_the_fused_loss_hands_autograd_the_weight_gradient_it_formed(monkeypatch):
+    """Backward scales the gradients the forward formed in place and hands them on: the output
+    matrix's .grad is that very tensor (autograd takes it without a copy), not a product beside it.
+    A second backward through the same graph is refused, not silently doubled."""
+    import plait.loss
+
+    formed = []
+    finish = plait.loss._finish
+
+    def recording(ctx, loss, grad_h, grad_w, weight):
+        out = finish(ctx, loss, grad_h, grad_w, weight)
+        formed.append(ctx.grads[1].data_ptr())
+        return out
+
+    monkeypatch.setattr(plait.loss, "_finish", recording)
+    h = torch.randn(7, 16, requires_grad=True)
+    w = torch.randn(11, 16, requires_grad=True)
+    loss = linear_cross_entropy(h, w, torch.randint(0, 11, (7,)))
+    (3.0 * loss).backward(retain_graph=True)
+    assert w.grad.data_ptr() == formed[0]
+    with pytest.raises(RuntimeError, match="ran twice"):
+        loss.backward()
+
+
 @pytest.mark.parametrize("one_chunk", [True, False])
 def test_fused_loss_forms_the_weight_gradient_in_as_few_passes_as_its_chunks_need(monkeypatch, one_chunk):
     """bf16: in one chunk the output matrix's gradient is the GEMM's own bf16 output, already

@@ -293,3 +293,21 @@ def test_screening_a_zbv_layout_places_no_messages(monkeypatch):
     p = predict(d, Layout(pp=4, dp_shard=2, schedule="zbv", v=2, micro_batch=1), cluster("h100", 1, 8), 64,
                 exact=False)
     assert p.memory_total_bytes > 0
+
+
+def test_one_devices_gradients_are_at_its_peak_only_with_accumulation():
+    """One device's gradient pieces are allocated by the backward (plait/flat.py): with one
+    micro-batch a step none exists at the forward's peak; with two, the first backward's pieces are
+    there at the second forward's. Several GPUs keep whole gradient buffers (DDP's buckets)."""
+    from plait.planner.hardware import cluster
+    from plait.planner.inputs import model_dims
+    from plait.planner.layout import Layout
+    from plait.planner.predict import predict
+
+    d, c = model_dims("1b", seq=2048), cluster("h200", 1, 1)
+    one = predict(d, Layout(micro_batch=4), c, 4).memory_bytes["gradients"]
+    two = predict(d, Layout(micro_batch=4), c, 8).memory_bytes["gradients"]
+    whole = predict(d, Layout(micro_batch=4, grads_whole=True), c, 4).memory_bytes["gradients"]
+    assert one == 0 and two == whole > 0
+    ddp = predict(d, Layout(micro_batch=4, dp_shard=2), cluster("h200", 1, 2), 8).memory_bytes["gradients"]
+    assert ddp == whole

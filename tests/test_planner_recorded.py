@@ -299,6 +299,32 @@ def test_a_result_file_says_which_head_it_ran(tmp_path):
     assert t_new < t_old
 
 
+def test_a_result_file_says_how_one_device_held_its_gradients(tmp_path):
+    """The benches write `"grads": GRADS_RUNTIME`: one device's gradients came in pieces that the
+    backward allocates, so at one micro-batch a step none is there at the forward's peak; a file
+    without it held the whole buffer through the step (`Layout.grads_whole`), 2 bytes a parameter
+    more at the peak."""
+    import json
+
+    from plait.planner.costs import param_count
+    from plait.planner.inputs import model_dims
+
+    def run(marks: dict, name: str, micro_batch: int):
+        folder = tmp_path / f"{name}{micro_batch}"
+        folder.mkdir()
+        rows = [{"preset": "1b", "seq_len": 2048, "variant": "plait", "micro_batch": micro_batch,
+                 "step_s_median": 0.5, "peak_mem_gb": 40.0}]
+        (folder / "ts.json").write_text(json.dumps({"benchmark": "train_step", "card": "NVIDIA H200",
+                                                    "head": recorded.HEAD_RUNTIME, **marks, "rows": rows}))
+        (r,) = recorded.load(folder)
+        return r
+
+    new, old = run({"grads": recorded.GRADS_RUNTIME}, "new", 8), run({}, "old", 8)
+    assert not new.layout.get("grads_whole") and old.layout["grads_whole"]
+    m_new, m_old = (recorded.check([r])[0].predicted_peak_gb for r in (new, old))
+    assert m_old - m_new == pytest.approx(2 * param_count(model_dims("1b")) / 1e9, rel=1e-6)
+
+
 def test_fp8_runs_are_priced_from_the_measured_fp8_linears():
     """The recorded FP8 runs (`train.fp8` tensorwise and rowwise, one GPU; ZeRO-3 on 4 GPUs with the
     16-bit and the FP8 gather) are priced with the H100 profile's FP8 linear groups: one-GPU steps

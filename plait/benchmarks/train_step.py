@@ -142,7 +142,8 @@ def child(preset: str, variant: str, micro_batch: int, seq: int, steps: int, war
             "variant": variant, "micro_batch": micro_batch, "seq_len": seq,
             "step_s_median": med, "step_s_min": times[0], "tokens_per_s": tok_s,
             "mfu": tok_s * fpt / peak if peak else None, "flops_per_token": fpt,
-            "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9, "warmup_and_compile_s": warm_s,
+            "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9,
+            "peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9, "warmup_and_compile_s": warm_s,
             "loss": float(loss)}
 
 
@@ -192,9 +193,9 @@ def run(a) -> int:
                                                           "error": (r.stderr.strip().splitlines() or ["?"])[-1][:300]}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    from plait.planner.recorded import HEAD_RUNTIME
+    from plait.planner.recorded import GRADS_RUNTIME, HEAD_RUNTIME, LOSS_RUNTIME
 
-    result = {"benchmark": "train_step", "head": HEAD_RUNTIME, "card": torch.cuda.get_device_name(0), "torch": torch.__version__,
+    result = {"benchmark": "train_step", "head": HEAD_RUNTIME, "grads": GRADS_RUNTIME, "loss": LOSS_RUNTIME, "card": torch.cuda.get_device_name(0), "torch": torch.__version__,
               "date": time.strftime("%Y-%m-%d"), "rows": rows}
     if a.out:
         os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)

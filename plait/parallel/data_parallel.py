@@ -2,7 +2,8 @@
 `plait.parallel.engine.Engine`.
 
   engine  gradients                                        optimizer state   parameters after the step
-  Local   flat buffer                                      all               updated in place
+  Local   flat space in pieces, allocated by backward and  all               updated in place
+          dropped after the update (`plait.flat`)
   DDP     flat buffer, all-reduced in buckets while the    all               updated in place, equal on
           last backward runs (`plait.parallel.ddp`)                          every rank
   ZeRO-1  flat buffer, reduce-scattered after backward     1/N, contiguous   all-gathered
@@ -37,7 +38,7 @@ def apply_data_parallel(model, cfg, comm=None, groups: Groups = Groups(), compil
     t, p = cfg.train, cfg.parallel
     named = list(model.named_parameters())
     if comm is None:
-        return Local(model, FlatAdamW(FlatParams(named), t, compile=compile), split=split)
+        return Local(model, FlatAdamW(FlatParams(named, lazy_grads=True), t, compile=compile), split=split)
     dtype = named[0][1].dtype
     if p.zero == 0:
         from plait.parallel.ddp import DDP

@@ -146,7 +146,7 @@ class Engine:
         rank holds the same all-reduced statistics, and a NaN or inf in any rank's gradient makes
         the global norm non-finite, so all ranks skip alike without another collective. The check
         costs one host sync per step, before the update's kernels are launched."""
-        segments = [(0, self.opt.grad_range())] if segments is None else segments
+        segments = self.opt.grad_segments() if segments is None else segments
         if self._partial and self.tp_size > 1:
             self._sum_partials_over_tp(segments)
         norm, loss = self._statistics(segments, loss_sum)
@@ -232,7 +232,7 @@ class Engine:
     def memory(self) -> dict[str, list[torch.Tensor]]:
         """The tensors this rank holds for parameters, gradients and optimizer state."""
         o = self.opt
-        return {"params": [o.flat.data], "grads": [o.flat.grad],
+        return {"params": [o.flat.data], "grads": o.flat.grad_buffers(),
                 "optimizer": ([o.master] if o.separate else []) + [o.exp_avg, o.exp_avg_sq]}
 
     def gather_for_inference(self) -> None:
@@ -271,12 +271,17 @@ def _views(segments, ranges) -> list[torch.Tensor]:
 
 
 class Local(Engine):
-    """One device: FlatAdamW over the whole flat space, no communication."""
+    """One device: FlatAdamW over the whole flat space, no communication. Its gradients may lie in
+    pieces that exist only from backward to the update (`plait.flat`)."""
 
     def step(self, lr, loss_sum):
         out = self._finish(lr, loss_sum)
         self.opt.zero_grad()
         return out
+
+    def state_bytes(self) -> dict[str, int]:
+        flat = self.opt.flat  # at the update every piece is there, whatever is allocated now
+        return {**super().state_bytes(), "grads": flat.padded * flat.data.element_size()}
 
 
 class Sharded(Engine):

@@ -71,6 +71,16 @@ class Layout:
     own (and through an fp32 buffer even in one chunk), as plait did before its final norm was
     compiled with the blocks (recorded runs: `plait.planner.recorded`)."""
 
+    loss_logits_held: bool = False
+    """The fused loss kept a chunk's logits (vocab-parallel: its fp32 logits) beside the output
+    matrix's gradient GEMM, as plait did before it freed them once the chunk's gradient was formed
+    (`plait.loss`; recorded runs: `plait.planner.recorded`)."""
+
+    grads_whole: bool = False
+    """One device held its whole gradient buffer through the step, beside the forward's activations,
+    as plait did before one device's gradients came in pieces that backward allocates (`plait.flat`;
+    recorded runs: `plait.planner.recorded`)."""
+
     zero3_cast_once: bool = False
     """ZeRO-3 keeps each unit's 16-bit chunk from its first gather of a step to the update
     (`parallel.zero3_cast_once`): one cast a unit a step instead of one a gather, and 2 bytes a

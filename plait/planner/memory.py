@@ -179,24 +179,32 @@ def interleaved_memory_factor(pp: int, v: int) -> float:
 
 
 def loss_chunk_bytes(d: ModelDims, tokens: int, t: int = 1, compiled: bool = True, act_bytes: float = 2.0,
-                     eager_head: bool = False) -> float:
+                     eager_head: bool = False, logits_held: bool = False) -> float:
     """Temporary memory of plait's fused output projection + cross-entropy on the last stage.
 
     plait/loss.py forms the logits of as many tokens at a time as fit LOSS_CHUNK_ELEMENTS logits of
-    this rank's vocabulary rows (padded to a multiple of tp). Compiled, a chunk holds its logits and
-    their gradient (2 e bytes per logit: the fp32 softmax never materialises) and, vocab-parallel,
-    the fp32 logits kept between the statistics' all-gather and the gradient (4 more); eager it also
-    holds fp32 copies and the one-hot target (about 12 bytes per logit, an estimate). Beside the
-    chunk lives the output matrix's gradient: in one chunk the GEMM's own 16-bit output; over
-    several, an fp32 sum, cast to the parameters' dtype after the loop. `eager_head`: as plait ran
-    before (`Layout.eager_head`), an fp32 sum even in one chunk."""
+    this rank's vocabulary rows (padded to a multiple of tp). Compiled, while a chunk's gradient is
+    formed it holds its logits and that gradient (2 e bytes per logit: the fp32 softmax never
+    materialises) or, vocab-parallel, the fp32 logits kept between the statistics' all-gather and the
+    gradient and the gradient (e + 4); then only the gradient (e) is left for the output matrix's
+    gradient GEMM. That gradient is, in one chunk, the GEMM's own 16-bit output; over several, an
+    fp32 sum, cast to the parameters' dtype after the loop. Eager a chunk also holds fp32 copies and
+    the one-hot target (about 12 bytes per logit, an estimate). `logits_held`: as plait ran before
+    (`Layout.loss_logits_held`), the logits (and fp32 logits) kept beside the weight-gradient GEMM;
+    `eager_head`: as before that (`Layout.eager_head`), an fp32 sum even in one chunk."""
     from plait.parallel.rules import LOSS_CHUNK_ELEMENTS
 
     rows = -(-d.vocab // t)
     per_chunk = max(1, LOSS_CHUNK_ELEMENTS // rows)
-    per_logit = 2 * act_bytes + (4.0 if t > 1 else 0.0) if compiled else 12.0
-    logits = min(tokens, per_chunk) * rows * per_logit
-    if tokens <= per_chunk and not eager_head:
-        return logits + act_bytes * rows * d.hidden
+    logits = min(tokens, per_chunk) * rows  # a chunk's logits
+    one = tokens <= per_chunk and not eager_head
+    wgrad = act_bytes * rows * d.hidden  # the output matrix's 16-bit gradient
+    fp32_sum = 4.0 * rows * d.hidden
+    if not compiled or logits_held:
+        held = logits * ((2 * act_bytes + (4.0 if t > 1 else 0.0)) if compiled else 12.0)
+        return held + wgrad if one else max(held, wgrad) + fp32_sum
+    forming = logits * (act_bytes + (4.0 if t > 1 else act_bytes))
+    if one:
+        return max(forming, logits * act_bytes + wgrad)
     # one chunk at a time; after the loop the fp32 weight gradient is cast to the parameters' dtype
-    return max(logits, act_bytes * rows * d.hidden) + 4.0 * rows * d.hidden
+    return max(forming, wgrad) + fp32_sum

@@ -87,6 +87,8 @@ def rank_memory(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, sc: Stag
         st = memory.state_bytes(sc.rank_params[r], lay.zero, shard, prec, shard_is_master=True)  # plait's ZeRO-3
         units, held = held_layers(sched_name, pp, m, v, r, wfrac, sc, exact)
         grads, gathered, kept = st.grads, 0.0, 0.0
+        if lay.n_gpus == 1 and m == 1 and not lay.grads_whole:
+            grads = 0.0  # one device's gradient pieces come with the backward, after the forward's peak (plait.flat)
         if lay.zero == 3 and shard > 1:
             grads, gathered = _zero3_peak(sc.rank_params[r], sc.root_params[r], layer_w, st.grads, prec, pp, m,
                                           1.0 if lay.zero3_fp8_gather else prec.param_bytes)
@@ -137,7 +139,7 @@ def _loss_bytes(d: ModelDims, lay: Layout, sched_name: str, m: int, sc: StageCos
     deferred gradient (plait/loss.py): every pending micro-batch's 16-bit d(loss)/d(logits) of this
     rank's vocabulary rows."""
     tokens = lay.micro_batch * d.seq // lay.cp
-    out = memory.loss_chunk_bytes(d, tokens, lay.tp, lay.compile, e, lay.eager_head)
+    out = memory.loss_chunk_bytes(d, tokens, lay.tp, lay.compile, e, lay.eager_head, lay.loss_logits_held)
     if lay.head_wgrad_in_w:
         out += pending_head_w(sched_name, lay.pp, m, lay.v, sc.order_costs, exact) * tokens * -(-d.vocab // lay.tp) * e
     return out

@@ -39,6 +39,14 @@ HEAD_WGRAD = "deferred"
 """What a pipeline result file's config says ("head_wgrad") once a zero-bubble last stage deferred the
 output matrix's gradient to its W (plait/loss.py); a file without it formed it in B
 (`Layout.head_wgrad_in_b`)."""
+GRADS_RUNTIME = "pieces"
+"""What a benchmark's result file says of one device's gradients (its "grads"): in pieces allocated
+by the backward (`plait.flat`). A file without it held them in one buffer through the step
+(`Layout.grads_whole`)."""
+LOSS_RUNTIME = "logits-freed"
+"""What a benchmark's result file says of the fused loss (its "loss"): a chunk's logits freed once its
+gradient is formed (`plait.loss`). A file without it kept them beside the output matrix's gradient
+GEMM (`Layout.loss_logits_held`)."""
 BENCHES = ("train_step", "data_parallel", "tensor_parallel", "pipeline", "context_parallel", "layouts")
 # Runs made before the fused loss dropped each chunk before forming the next (plait/loss.py): they
 # held a finished chunk while forming the next one and while casting the weight gradient.
@@ -232,6 +240,10 @@ def load(folder: str | Path) -> list[Run]:
                 lay = {**lay, "head_wgrad_in_b": True}  # ran before the loss deferred it (HEAD_WGRAD)
             if data.get("head") != HEAD_RUNTIME:
                 lay = {**lay, "eager_head": True}
+            if data.get("grads") != GRADS_RUNTIME:
+                lay = {**lay, "grads_whole": True}
+            if data.get("loss") != LOSS_RUNTIME:
+                lay = {**lay, "loss_logits_held": True}
             if "embedding_rows" not in lay and config.get("embedding_rows") != "auto":
                 lay = {**lay, "embedding_rows": "off"}  # recorded before DDP could send the embedding as rows
             if path.name in ZERO3_WHOLE_ROOT and lay.get("zero") == 3:
