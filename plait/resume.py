@@ -1,9 +1,9 @@
 """Continuing a run: the config it was saved with, what the command line changes in it, and the
 checks that a checkpoint fits the run about to continue it.
 
-`plait train --out RUN --resume` starts from RUN's own config (RUN/config.toml, written when the
-run last started; else the config in its newest checkpoint), not from the defaults, so continuing a
-`small` run needs no `--model.preset small`. Options given on the command line (or in `--config`)
+`plait train --out RUN --resume` starts from RUN's own config (the one its newest valid checkpoint
+was trained with; else RUN/config.toml, written when the run last started), not from the defaults,
+so continuing a `small` run needs no `--model.preset small`. Options given on the command line (or in `--config`)
 override it, and the run names the ones that change something in one line. What describes this
 invocation rather than the run starts from the defaults again, as for any command: the layout
 ([parallel]: processes, degrees, ZeRO stage; a checkpoint loads at any layout, so it is chosen for
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from plait import checkpoint as ckpt
 from plait.config import Config, ModelConfig, build_config, config_from_dict, merge
-from plait.errors import bad_value
+from plait.errors import UserError, bad_value
 
 # what says how this one command runs, not what the run is: sections, then single fields
 PER_INVOCATION_SECTIONS = ("parallel",)
@@ -33,36 +33,77 @@ SHAPE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_d
 
 
 def saved_config(out: Path, log=lambda msg: None) -> tuple[dict, Path] | None:
-    """The config a run folder was saved with, and the file it came from; None if it holds none.
+    """The config a run folder continues with, and the file it came from; None if it holds none.
 
-    config.toml first: it is what the run's last start used (a resume that changed `train.steps`
-    and stopped before its next checkpoint is continued with that change). A folder without it, or
-    with an unreadable one (`log` says so: what changed since that checkpoint is not in it), falls
-    back to its newest valid checkpoint's train_state.json (a damaged one may hold anything).
+    The newest valid checkpoint's own config (its train_state.json) first: it is what trained the
+    weights the run continues from. config.toml records the run's last start, which may have ended
+    before it saved anything - a trial at another learning rate stopped with Ctrl-C, a test with
+    checkpoint.at_end false - and a later plain `--resume` took those values over in silence (the
+    run then trained at the trial's rate, or saved no checkpoint at all). What config.toml holds
+    beyond the checkpoint is named by `later_start_changes`. A folder without a valid checkpoint
+    (a run that never saved) falls back to config.toml; `log` says when that file is unreadable.
     """
-    toml = out / "config.toml"
-    if toml.is_file():
-        try:
-            saved = tomllib.loads(toml.read_text())
-            missing = [s for s in ("model", "data", "train") if not isinstance(saved.get(s), dict)]
-            if not missing:
-                return saved, toml
-            why = f"it lacks [{'], ['.join(missing)}]"  # emptied or cut short: its defaults would be another run
-        except (tomllib.TOMLDecodeError, OSError, UnicodeDecodeError) as e:
-            why = str(e).splitlines()[0] if str(e) else type(e).__name__
-    else:
-        why = None
     folder = ckpt.latest_valid(out / "checkpoints", log=lambda m: None) if (out / "checkpoints").is_dir() else None
     if folder is not None:
-        if why is not None:
-            log(f"{toml} is unreadable ({why}); the config comes from {folder.name} instead, "
-                "without what the run changed after it (pass those options again)")
         state = folder / "train_state.json"
         try:
             return json.loads(state.read_text())["config"], state
         except (OSError, ValueError, KeyError):
             pass
+    toml = out / "config.toml"
+    saved, why = _read_toml(toml)
+    if saved is not None:
+        return saved, toml
+    if why is not None:
+        log(f"{toml} is unreadable ({why}) and the run holds no valid checkpoint: its config is lost; "
+            "start again with the options it needs")
     return None
+
+
+def _read_toml(toml: Path) -> tuple[dict | None, str | None]:
+    """A run's config.toml, or None and why not (None, None: there is none)."""
+    if not toml.is_file():
+        return None, None
+    try:
+        saved = tomllib.loads(toml.read_text())
+    except (tomllib.TOMLDecodeError, OSError, UnicodeDecodeError) as e:
+        return None, (str(e).splitlines()[0] if str(e) else type(e).__name__)
+    missing = [s for s in ("model", "data", "train") if not isinstance(saved.get(s), dict)]
+    if missing:  # emptied or cut short: its defaults would be another run
+        return None, f"it lacks [{'], ['.join(missing)}]"
+    return saved, None
+
+
+def later_start_changes(out: Path, saved: dict, explicit: dict) -> list[str]:
+    """The run's settings that config.toml (its last start) holds other than `saved` (the checkpoint
+    it continues from) and that the command line does not give again: a start that saved no
+    checkpoint after it set them. They are not carried over; the run says which."""
+    toml, _ = _read_toml(out / "config.toml")
+    if toml is None:
+        return []
+    try:
+        was, last = _comparable(saved), _comparable(toml)
+    except (UserError, ValueError, TypeError) as e:  # an edit plait cannot read: said, not applied
+        return [f"values it cannot read ({str(e).splitlines()[0] if str(e) else type(e).__name__})"]
+    out_list = []
+    for section, values in last.items():
+        for key, value in values.items():
+            old = was.get(section, {}).get(key)
+            if key in explicit.get(section, {}) or old == value:
+                continue
+            if (section, key) in PATH_FIELDS and old and value and _same_path(str(old), str(value)):
+                continue
+            out_list.append(f"{section}.{key} = {value!r} (the checkpoint's: {old!r})")
+    return sorted(out_list)
+
+
+def _comparable(saved: dict) -> dict:
+    """A saved config's run settings as plait reads them (defaults filled in), without what describes
+    one invocation (the layout, `PER_INVOCATION`) or where it writes (train.out)."""
+    cfg = config_from_dict({s: v for s, v in _known(saved).items() if s not in PER_INVOCATION_SECTIONS}).to_dict()
+    for section, key in (*PER_INVOCATION, ("train", "out")):
+        cfg.get(section, {}).pop(key, None)
+    return {s: v for s, v in cfg.items() if s not in PER_INVOCATION_SECTIONS}
 
 
 def _known(saved: dict) -> dict:
@@ -84,6 +125,15 @@ def resumed_config(saved: dict, explicit: dict) -> tuple[Config, list[str]]:
     for section, key in PER_INVOCATION:
         base.get(section, {}).pop(key, None)
     was = config_from_dict(base)
+    replaced = []
+    for (section, key), (other_section, other) in REPLACES:
+        # given now, it replaces the saved field it excludes: both set were refused as a contradiction
+        # (or the saved global batch overrode the accumulation given), though only one was typed
+        if key in explicit.get(section, {}) and base.get(other_section, {}).get(other):
+            base[other_section].pop(other)
+            if other not in explicit.get(other_section, {}):
+                replaced.append(f"{other_section}.{other} {getattr(getattr(was, other_section), other)!r} -> "
+                                f"{getattr(getattr(Config(), other_section), other)!r} ({section}.{key} replaces it)")
     model_explicit = explicit.get("model", {})
     if "preset" in model_explicit and str(model_explicit["preset"]) != str(base.get("model", {}).get("preset")):
         base.pop("model", None)
@@ -99,10 +149,13 @@ def resumed_config(saved: dict, explicit: dict) -> tuple[Config, list[str]]:
             per_invocation = section in PER_INVOCATION_SECTIONS or (section, key) in PER_INVOCATION
             if not per_invocation and (section, key) != ("train", "out") and old != new:
                 changed.append(f"{section}.{key} {old!r} -> {new!r}")
-    return cfg, sorted(changed)
+    return cfg, sorted(changed + replaced)
 
 
 PATH_FIELDS = (("data", "path"), ("train", "init_from"))
+# (given now, saved field it replaces): pairs a run sets one of
+REPLACES = ((("data", "mix"), ("data", "path")), (("data", "path"), ("data", "mix")),
+            (("train", "grad_accum"), ("train", "global_batch")), (("parallel", "microbatches"), ("train", "global_batch")))
 
 
 def _same_path(a: str, b: str) -> bool:
@@ -132,7 +185,7 @@ def check_model_shape(model: ModelConfig, folder: Path, given: dict | None = Non
                                 "without --preset (the run's saved config already has its shape), or train into "
                                 "a new --out")
             how = ("resume without the --model options that change it (the run's saved config already has "
-                   "its shape)" if name in given else "the run's config.toml says so: restore it")
+                   "its shape)" if name in given else "the run's saved config says so: restore it")
             raise bad_value(f"model.{name}", new, f"but the checkpoint {folder} holds a {saved.preset!r} model with "
                             f"{name} = {old!r}; {how}, or train into a new --out")
     return saved
@@ -145,8 +198,8 @@ FUNCTION_FIELDS = ("rope_theta", "rope_scaling", "rope_low_freq_factor", "rope_h
 
 def model_changes(model: ModelConfig, saved: ModelConfig, given: dict | None = None) -> list[str]:
     """The model fields other than its shape that differ from `saved` (what the checkpoint trained
-    with: `check_model_shape` returns it): any that no flag given now sets (an edited config.toml,
-    which resumed in silence), and those given that change what the same weights compute (RoPE,
+    with: `check_model_shape` returns it): any that no flag given now sets (a saved config that is
+    not the checkpoint's), and those given that change what the same weights compute (RoPE,
     norm epsilon: on purpose when a run extends its context, a silent wrong model otherwise)."""
     given = given or {}
     return [f"model.{f.name} = {getattr(model, f.name)!r} (trained with {getattr(saved, f.name)!r})"

@@ -41,7 +41,8 @@ def test_resume_continues_with_the_runs_config_and_names_what_the_flags_change(c
     # nothing but --out and --resume: the micro model, the data and the schedule come from the run
     assert main(["train", "--out", str(run), "--resume", "--train.max_steps_this_run", "1"]) == 0
     err = capfd.readouterr().err
-    assert f"resuming with the config saved in {run / 'config.toml'}\n" in err  # no flag changed anything
+    # the config its newest checkpoint was trained with; no flag changed anything
+    assert f"resuming with the config saved in {run / 'checkpoints' / 'step_00000002' / 'train_state.json'}\n" in err
     assert [r["step"] for r in _rows(run)] == [1, 2, 3]
     assert full_weights(run / "checkpoints" / "step_00000003")["embed.weight"].shape == (256, 64)
     assert "dim = 64" in (run / "config.toml").read_text()
@@ -71,23 +72,57 @@ def test_a_checkpoint_of_another_shape_is_refused_before_anything_runs(corpus, t
         assert [r["step"] for r in _rows(run)] == [1, 2]
 
 
-def test_an_edited_config_toml_is_named_on_resume(corpus, tmp_path, capfd):
-    """A shape edited in config.toml is refused naming the file (it said to drop --model options no
-    one gave); another model field edited there resumed in silence: the same weights then compute
-    another function. It is said, in one line."""
+def test_a_start_that_saved_nothing_leaves_its_options_to_no_later_resume(corpus, tmp_path, capfd):
+    """A resume that stopped before its next checkpoint (a trial at a 10x learning rate, a test run
+    with checkpoint.at_end false) rewrote config.toml, and the next plain --resume took those values
+    over in silence: it trained at the trial's rate, or saved no checkpoint at all. The run
+    continues with the config its checkpoint was trained with, and names what config.toml holds
+    beyond it in one line; an edit of config.toml is named the same way."""
     run = tmp_path / "r"
-    assert main(_first_run(corpus, run, steps=2)) == 0
+    assert main(_first_run(corpus, run, steps=4, extra=["--train.max_steps_this_run", "2"])) == 0
+    trial = ["--train.lr", "0.02", "--checkpoint.at_end", "false", "--train.max_steps_this_run", "1"]
+    assert main(["train", "--out", str(run), "--resume", *trial]) == 0  # step 3, then stops: nothing saved
+    assert "lr = 0.02" in (run / "config.toml").read_text()
+    assert [p.name for p in sorted((run / "checkpoints").iterdir())] == ["step_00000002"]
     capfd.readouterr()
-    text = (run / "config.toml").read_text()
-    (run / "config.toml").write_text(text.replace("n_layers = 2", "n_layers = 3"))
-    assert main(["train", "--out", str(run), "--resume", "--steps", "4"]) == 2
-    line = _error_line(capfd)
-    assert "model.n_layers = 3: but the checkpoint" in line and "the run's config.toml says so: restore it" in line
-    (run / "config.toml").write_text(re.sub(r"rope_theta = .*", "rope_theta = 50000.0", text))
-    assert main(["train", "--out", str(run), "--resume", "--steps", "3"]) == 0
+    assert main(["train", "--out", str(run), "--resume", "--train.max_steps_this_run", "1"]) == 0
     err = capfd.readouterr().err
-    assert "plait: the run's config changes model.rope_theta = 50000.0 (trained with 10000.0) from what " \
-           "step_00000002 was trained with" in err, err
+    assert (f"plait: {run / 'config.toml'} holds checkpoint.at_end = False (the checkpoint's: True), train.lr = 0.02 "
+            "(the checkpoint's: 0.002): a start that saved no checkpoint after step_00000002 set them; the run "
+            "continues with that checkpoint's config (give those options again to keep them)") in err, err
+    assert _rows(run)[-1]["step"] == 3 and _rows(run)[-1]["lr"] <= 0.002  # the run's own rate
+    assert (run / "checkpoints" / "step_00000003").is_dir()  # and its checkpoint at the end
+    assert "lr = 0.002" in (run / "config.toml").read_text()
+    # given again, an option is the command line's change, not a leftover
+    text = (run / "config.toml").read_text()
+    (run / "config.toml").write_text(re.sub(r"rope_theta = .*", "rope_theta = 50000.0", text))
+    assert main(["train", "--out", str(run), "--resume", "--train.max_steps_this_run", "1", "--train.lr", "0.001"]) == 0
+    err = capfd.readouterr().err
+    assert "holds model.rope_theta = 50000.0 (the checkpoint's: 10000.0): a start" in err and "train.lr" not in err.split(
+        "holds")[1].split("\n")[0], err
+    assert "the command line changes train.lr 0.002 -> 0.001" in err
+
+
+def test_a_field_given_on_resume_replaces_the_saved_one_it_excludes(corpus, tmp_path, capfd):
+    """--data.mix on a run saved with data.path was refused as "set beside data.path", and
+    --train.grad_accum on a run saved with train.global_batch was overridden by it in silence: the
+    user typed one field. The one given replaces the saved one, and the line says so."""
+    import shutil
+
+    run = tmp_path / "r"
+    assert main(_first_run(corpus, run, steps=4, extra=["--train.global_batch", "8", "--train.max_steps_this_run", "2"])) == 0
+    capfd.readouterr()
+    assert main(["train", "--out", str(run), "--resume", "--train.grad_accum", "1", "--train.max_steps_this_run", "1"]) == 0
+    line = next(x for x in capfd.readouterr().err.splitlines() if "resuming with the config" in x)
+    assert line.endswith("train.global_batch 8 -> 0 (train.grad_accum replaces it), train.grad_accum 2 -> 1"), line
+    assert "grad_accum = 1" in (run / "config.toml").read_text()
+    other = tmp_path / "copy"
+    shutil.copytree(corpus, other)
+    mix = f"{corpus}:0.5,{other}:0.5"
+    assert main(["train", "--out", str(run), "--resume", "--data.mix", mix, "--train.max_steps_this_run", "1"]) == 0
+    line = next(x for x in capfd.readouterr().err.splitlines() if "resuming with the config" in x)
+    assert f"data.path {str(corpus)!r} -> '' (data.mix replaces it)" in line and f"data.mix '' -> {mix!r}" in line, line
+    assert [r["step"] for r in _rows(run)] == [1, 2, 3, 4]
 
 
 def test_resume_without_a_checkpoint_refuses_and_auto_starts_fresh(corpus, tmp_path, capfd):
@@ -107,6 +142,13 @@ def test_resume_without_a_checkpoint_refuses_and_auto_starts_fresh(corpus, tmp_p
     # a run folder given to --resume (as other tools take it): the line says how plait takes it
     assert main(["train", "--resume", str(empty)]) == 2
     assert f"to continue the run in a folder, give it as --out: --out {empty} --resume" in _error_line(capfd)
+    # a run that saved nothing (a requeued job that died before its first checkpoint) starts over, and says so
+    never = tmp_path / "never"
+    assert main(_first_run(corpus, never, steps=2, extra=["--checkpoint.at_end", "false", "--checkpoint.every", "9"])) == 0
+    capfd.readouterr()
+    assert main(["train", "--out", str(never), "--resume", "auto", "--checkpoint.at_end", "true"]) == 0
+    assert f"plait: {never} holds no checkpoint yet: the run starts again from step 0" in capfd.readouterr().err
+    assert [r["step"] for r in _rows(never)] == [1, 2]
 
 
 def test_a_checkpoint_given_as_the_run_folder_names_the_run_folder(corpus, tmp_path, capfd):

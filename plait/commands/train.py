@@ -82,6 +82,11 @@ def config_from_args(args, extra):
         saved = resume.saved_config(out, log=warn if _first_process() else (lambda m: None))
         if saved is not None:
             cfg, changed = resume.resumed_config(saved[0], raw)
+            later = resume.later_start_changes(out, saved[0], raw) if saved[1].name == "train_state.json" else []
+            if later and _first_process():
+                warn(f"{out / 'config.toml'} holds {', '.join(later)}: a start that saved no checkpoint after "
+                     f"{saved[1].parent.name} set them; the run continues with that checkpoint's config (give "
+                     "those options again to keep them)")
             was = saved[0].get("train", {}).get("init_from", "")
             # (the same folder named another way was put back by resumed_config)
             if "init_from" in given and cfg.train.init_from != was and ckpt.list_checkpoints(out / "checkpoints"):
