@@ -79,7 +79,7 @@ def test_a_variant_the_planner_cannot_read_is_an_error(tmp_path):
 
 def test_every_priced_run_against_the_goals():
     """Issue goal: every recorded run's step within 3% on average and 8% at worst, with each card's
-    shipped profile. The mean holds (2.8% over 251 runs). The worst does not: 8b ZeRO-3 with FP8
+    shipped profile. The mean holds (2.7% over 259 runs). The worst does not: 8b ZeRO-3 with FP8
     linears on 4 GPUs at one and two sequences a GPU, priced 7-11% fast on both cards (with the FP8
     all-gather at one sequence: H100 9.7% and 10.9%; H200, whose FP8 linears are measured since
     2026-11-28, 8.1-11.0%; the forward there is host-bound, bench/README.md); then the interleaved
