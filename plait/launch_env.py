@@ -76,6 +76,16 @@ def detect_launch(env=None) -> LaunchEnv | None:
     return None
 
 
+def one_process(command: str, env=None) -> None:
+    """Refuse (one line) a single-process command that a launcher started on every rank: each
+    process would repeat the whole work and print it again (plait eval, plait generate)."""
+    le = detect_launch(env)
+    if le is not None and le.world_size > 1 and le.launcher != "plait":
+        who = {"slurm": "srun", "env": "RANK / WORLD_SIZE"}.get(le.launcher, le.launcher)
+        raise UserError(f"plait {command} runs in one process, but {who} started it as rank {le.rank} of "
+                        f"{le.world_size} (each would repeat the whole {command}): start it once, without a launcher")
+
+
 def _number(env, name: str, default: int | None = None) -> int:
     """The integer a launcher variable holds (`default` when unset); anything else is one line."""
     raw = env.get(name)

@@ -121,3 +121,20 @@ def test_a_torchrun_restart_after_a_stop_on_sigusr1_does_not_train_on(corpus, tm
         f"plait: torchrun restarted the workers after they stopped on SIGUSR1 at step 45 (saved): not training "
         f"on; continue with `plait train --out {out} --resume`")
     assert sorted(p.name for p in out.iterdir()) == ["stopped.json"]
+
+
+@pytest.mark.parametrize("command", ["eval", "generate"])
+def test_a_one_process_command_under_a_launcher_is_one_line(command, tmp_path, monkeypatch, capsys):
+    """`torchrun -m plait.cli eval` ran the whole evaluation on every rank and printed it once a
+    rank; plait eval and generate run in one process, and say so before loading anything."""
+    _torchrun_env(monkeypatch)
+    assert cli.main([command, "--checkpoint", str(tmp_path / "nowhere")]) == 2
+    assert capsys.readouterr().err.strip() == (f"plait {command}: error: plait {command} runs in one process, but "
+                                               f"torchrun started it as rank 0 of 2 (each would repeat the whole "
+                                               f"{command}): start it once, without a launcher")
+    for key in TORCHRUN:
+        monkeypatch.delenv(key)
+    for key, value in SRUN.items():
+        monkeypatch.setenv(key, value)
+    assert cli.main([command, "--checkpoint", str(tmp_path / "nowhere")]) == 2
+    assert "but srun started it as rank 1 of 2" in capsys.readouterr().err

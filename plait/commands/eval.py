@@ -32,6 +32,9 @@ def add_arguments(p) -> None:
 
 
 def run(args, extra) -> int:
+    from plait.launch_env import one_process
+
+    one_process("eval")
     from plait.data import TokenData
     from plait.errors import bad_value
 

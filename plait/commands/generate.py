@@ -18,6 +18,9 @@ def add_arguments(p) -> None:
 
 
 def run(args, extra) -> int:
+    from plait.launch_env import one_process
+
+    one_process("generate")
     from plait.errors import bad_value
 
     if args.max_new_tokens < 0:
