@@ -8,13 +8,14 @@ Order: matrices first, then the (tiny) norm gains, so weight decay applies to on
 group parameters are laid out in *reverse* registration order, which is roughly the order in which
 backward produces their gradients, so the buckets at the front of the buffer fill first.
 
-Gradients in pieces (`lazy_grads`, one device): the gradient space is cut at the model's units (a
-block, the embedding, the output matrix; the norm gains together) and a unit's piece is allocated
-when backward lands its first gradient, then dropped after the update. A whole buffer held through
+Gradients in pieces (`lazy_grads`: one device, or a tp / pp part without data-parallel peers): the
+gradient space is cut at the model's units (a block, the embedding, the output matrix; the norm
+gains together) and a unit's piece is allocated when backward lands its first gradient, then
+dropped after the update. A whole buffer held through
 the step sits beside the forward's activations at their peak (2 bytes a parameter: 5.6 GB on 8b's
 shape with 8 layers); in pieces, only the output matrix's gradient is there by then, and each
 block's piece takes the place of the activations its backward frees. The update runs over the
-pieces as segments of the flat space. Communicating engines keep the whole buffer: their buckets
+pieces as segments of the flat space. Data-parallel engines keep the whole buffer: their buckets
 and shards are slices of it.
 """
 
@@ -154,7 +155,7 @@ class FlatParams:
         self.settle()
         if self.pieces is None:
             return [(0, self.grad[lo:hi])]
-        assert (lo, hi) == (0, self.padded), "gradients in pieces are read whole (one device)"
+        assert (lo, hi) == (0, self.padded), "gradients in pieces are read whole (no data-parallel shards)"
         return [(a, buf) for (a, _), buf in zip(self.pieces, self._bufs)]
 
     def grad_buffers(self) -> list[torch.Tensor]:

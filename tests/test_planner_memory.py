@@ -298,7 +298,8 @@ def test_screening_a_zbv_layout_places_no_messages(monkeypatch):
 def test_one_devices_gradients_are_at_its_peak_only_with_accumulation():
     """One device's gradient pieces are allocated by the backward (plait/flat.py): with one
     micro-batch a step none exists at the forward's peak; with two, the first backward's pieces are
-    there at the second forward's. Several GPUs keep whole gradient buffers (DDP's buckets)."""
+    there at the second forward's. Data-parallel peers keep whole gradient buffers (DDP's buckets);
+    a tensor-parallel part without them has pieces too."""
     from plait.planner.hardware import cluster
     from plait.planner.inputs import model_dims
     from plait.planner.layout import Layout
@@ -311,3 +312,7 @@ def test_one_devices_gradients_are_at_its_peak_only_with_accumulation():
     assert one == 0 and two == whole > 0
     ddp = predict(d, Layout(micro_batch=4, dp_shard=2), cluster("h200", 1, 2), 8).memory_bytes["gradients"]
     assert ddp == whole
+    # a tensor-parallel part with no data-parallel peer runs the same engine, its pieces a tp share
+    tp = predict(d, Layout(micro_batch=4, tp=2), cluster("h200", 1, 2), 4).memory_bytes["gradients"]
+    tp_dp = predict(d, Layout(micro_batch=4, tp=2, dp_shard=2), cluster("h200", 1, 4), 8).memory_bytes["gradients"]
+    assert tp == 0 and 0 < tp_dp < whole

@@ -84,10 +84,13 @@ def _body(dims, corpus, root):
     for entry in SCHEDULE:
         name = entry[r // 2] if isinstance(entry, tuple) else entry
         comm = groups.comm(RUNS[name][0])
-        mem = {}
+        mem, after = {}, {}
         res = train(_config(corpus, name), comm, root / name,
-                    before_step=lambda e, mem=mem: mem or mem.update(measure_memory(e)))
-        res["memory"] = mem
+                    before_step=lambda e, mem=mem: mem or mem.update(measure_memory(e)),
+                    engine_hook=lambda e, after=after: after.update(
+                        engine=type(e).__name__, held=len(e.opt.flat.grad_buffers())
+                        if getattr(getattr(e.opt, "flat", None), "pieces", None) is not None else -1))
+        res["memory"], res["after_step"] = mem, after
         results.setdefault(name, res)
     return results
 
@@ -234,6 +237,21 @@ def test_memory_equals_the_formula(runs, name):
         want = memory_formula(zero, mem, _dp(layout), 4, 4)
         assert {k: mem[k] for k in want} == want
         assert mem["reachable"] == mem["listed"] == sum(want.values())
+
+
+def test_a_tensor_parallel_part_without_data_parallel_peers_keeps_its_gradients_in_pieces(runs):
+    """With dp 1 there is nothing to all-reduce: the engine is the one-device one with its gradient
+    pieces (plait/flat.py), which the update drops (2 bytes a parameter over tp away from the next
+    forward's peak); with data-parallel peers the engines keep their whole buffers."""
+    per_rank, _, _ = runs
+    for res in per_rank:
+        for name, (layout, *_rest) in RUNS.items():
+            if name in res:
+                got = res[name]["after_step"]
+                if layout == "tp-dp":
+                    assert got["engine"] != "Local", name
+                else:
+                    assert got == {"engine": "Local", "held": 0}, (name, got)
 
 
 @pytest.mark.parametrize("tp, sp", [(2, "off"), (2, "on"), (4, "off"), (4, "on")])

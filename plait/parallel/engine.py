@@ -271,10 +271,14 @@ def _views(segments, ranges) -> list[torch.Tensor]:
 
 
 class Local(Engine):
-    """One device: FlatAdamW over the whole flat space, no communication. Its gradients may lie in
-    pieces that exist only from backward to the update (`plait.flat`)."""
+    """FlatAdamW over the whole flat space with no data-parallel peer: one device, or a tensor /
+    pipeline part whose comm carries only the tp sums, the tied matrix's sum and the statistics. Its
+    gradients may lie in pieces that exist only from backward to the update (`plait.flat`)."""
 
     def step(self, lr, loss_sum):
+        if self.tied_params and self.pp_size > 1:
+            self.opt.flat.settle()  # every tied copy's gradient in place (zeros where none came)
+            self._sum_tied()
         out = self._finish(lr, loss_sum)
         self.opt.zero_grad()
         return out

@@ -87,8 +87,9 @@ def rank_memory(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, sc: Stag
         st = memory.state_bytes(sc.rank_params[r], lay.zero, shard, prec, shard_is_master=True)  # plait's ZeRO-3
         units, held = held_layers(sched_name, pp, m, v, r, wfrac, sc, exact)
         grads, gathered, kept = st.grads, 0.0, 0.0
-        if lay.n_gpus == 1 and m == 1 and not lay.grads_whole:
-            grads = 0.0  # one device's gradient pieces come with the backward, after the forward's peak (plait.flat)
+        local = lay.n_gpus == 1 or (lay.grad_group == 1 and lay.zero == 0)  # the engine without dp peers
+        if local and m == 1 and not lay.grads_whole:
+            grads = 0.0  # its gradient pieces come with the backward, after the forward's peak (plait.flat)
         if lay.zero == 3 and shard > 1:
             grads, gathered = _zero3_peak(sc.rank_params[r], sc.root_params[r], layer_w, st.grads, prec, pp, m,
                                           1.0 if lay.zero3_fp8_gather else prec.param_bytes)
