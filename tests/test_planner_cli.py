@@ -152,6 +152,9 @@ def test_v100_plans_at_its_fp16_rate(capsys):
     (["--tp", "8", "--link.nvlink-gbps", "0"], "--link.nvlink-gbps = '0': must be a positive number"),
     # named by the flag given (it was blamed on --gpu.matmul-efficiency)
     (["--tp", "8", "--gpu.efficiency", "2"], "--gpu.efficiency = '2': must be in (0, 1]"),
+    (["--tp", "8", "--gpu.efficiency", "nan"], "--gpu.efficiency = 'nan': expected a finite number"),
+    (["--tp", "8", "--gpu.reserved-gib", "100"], "--gpu.reserved-gib = 100.0: must be less than the H100 SXM 80GB's "
+                                                 "80 GiB of memory (or give a larger --gpu.hbm-gib)"),
     (["--tp", "8", "--gpu.hbm-efficiency", "0"], "--gpu.hbm-efficiency = '0': must be in (0, 1]"),
 ])
 def test_zero_or_negative_counts_are_refused(capsys, argv, flag):

@@ -77,6 +77,20 @@ def test_a_variant_the_planner_cannot_read_is_an_error(tmp_path):
         recorded.load(tmp_path)
 
 
+@pytest.mark.parametrize("text, says", [("not json", "is not a readable JSON result (Expecting value"),
+                                        ('{"benchmark": "tensor_parallel"', "is not a readable JSON result"),
+                                        ("[1, 2]", "holds a JSON list, not a benchmark's result object")])
+def test_a_file_that_is_no_result_is_one_line(tmp_path, capsys, text, says):
+    """A half-written result (a benchmark stopped while writing it) ended `plan --check` in a
+    JSONDecodeError traceback."""
+    from plait.cli import main
+
+    (tmp_path / "x.json").write_text(text)
+    assert main(["plan", "--check", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--check {tmp_path}: x.json {says}" in err[0], err
+
+
 def test_every_priced_run_against_the_goals():
     """Issue goal: every recorded run's step within 3% on average and 8% at worst, with each card's
     shipped profile. The mean holds (2.7% over 259 runs). The worst does not: 8b ZeRO-3 with FP8

@@ -178,3 +178,17 @@ def test_config_refuses_an_infinite_learning_rate(tmp_path):
     f.write_text("[train]\nlr = inf\n")
     with pytest.raises(UserError, match="train.lr = inf: must be a finite number"):
         validate_config(build_config(load_toml(f)))
+
+
+def test_the_breakdown_says_whose_traffic_and_why_fp8_mfu_passes_100(capsys):
+    """The traffic rows are pipeline rank 0's (its layers' tp / cp bytes): with uneven stages the
+    lines beside them (the fullest rank's memory, the busiest rank's time) read as the same rank's.
+    An FP8 plan printed MFU 106% without a word: the convention's bf16 peak."""
+    assert main(["plan", "--model", "8b", "--gpu", "h100", "--nodes", "4", "--global-batch", "64", "--pp", "4",
+                 "--cp", "8", "--cp-impl", "ulysses", "--zero", "1", "--stage-layers", "2,10,10,10"]) == 0
+    assert "traffic per step, per device (pipeline rank 0: a rank with more layers sends more)" in capsys.readouterr().out
+    assert main(["plan", "--model", "70b", "--gpu", "h100", "--nodes", "8", "--global-batch", "1024", "--fp8",
+                 "tensorwise", "--zero", "3", "--zero3-fp8-gather", "--dp", "64"]) == 0
+    out = capsys.readouterr().out
+    mfu = float(out.split("MFU ")[1].split("%")[0])
+    assert mfu > 100 and "FP8 matmuls can take it past 100%" in out

@@ -25,7 +25,11 @@ it). With equal stages on 4 ranks it idles 5.9% of the step at m = 8 (1F1B: 27.3
 Costs matter because the head makes the last stage several layers heavier than the others.
 Measured on 4 x H200 (bench/README.md): 1.07x (1b) and 1.11x (8b) ZB-H1's tokens/s at m = 4, even
 at m = 8, 0.96-0.97x at m = 32, where the activation bound holds new micro-batches back (with 1.5x
-the bound the planner prices 1b at m = 32 even with ZB-H1).
+the bound the planner prices 1b at m = 32 even with ZB-H1). Where B takes twice F or more (full
+recomputation, long sequences) the bound holds them back in the steady state too: at pp = 2,
+m = 64, (F, B, W) = (1, 2, 1) this order idles 19.8% of the step, ZB-H1 0.8%. Not solved here:
+the planner prices every schedule from its lists, so its search ranks ZB-H1 and interleaving
+above it there.
 """
 
 from __future__ import annotations

@@ -168,6 +168,7 @@ class Cluster:
         if self.reserved_gib < 0:
             raise bad_value("--gpu.reserved-gib", self.reserved_gib, "must be zero or more")
 
+
     @property
     def n_gpus(self) -> int:
         return self.nodes * self.gpus_per_node
@@ -205,9 +206,11 @@ def _number(key: str, value, positive: bool = False) -> float:
         x = float(value)
     except (TypeError, ValueError):
         raise bad_value(f"--{key}", value, "expected a number") from None
+    if x != x or x in (float("inf"), float("-inf")):  # nan / inf: no message about its sign fits it
+        raise bad_value(f"--{key}", value, "expected a finite number")
     if positive and not x > 0:  # one message for -5 and 0 (was "zero or more", then "positive")
         raise bad_value(f"--{key}", value, "must be a positive number")
-    if x < 0 or x != x:
+    if x < 0:
         raise bad_value(f"--{key}", value, "must be zero or more")
     return x
 
@@ -243,6 +246,9 @@ def apply_overrides(c: Cluster, overrides: dict[str, str]) -> Cluster:
         else:
             raise UserError(f"unknown override --{key}: use --link.<link>-gbps, --link.<link>-latency-us "
                             f"or --gpu.<field> (e.g. --link.nvlink-gbps 370)")
+    if c.reserved_gib >= c.gpu.hbm_gib:  # nothing would fit, and every plan would just say so (after all overrides)
+        raise bad_value("--gpu.reserved-gib", c.reserved_gib, f"must be less than the {c.gpu.name}'s "
+                        f"{c.gpu.hbm_gib:g} GiB of memory (or give a larger --gpu.hbm-gib)")
     return c
 
 

@@ -198,6 +198,20 @@ def variant_spans_all(lay: dict) -> bool:
     return lay.get("tp", 1) * lay.get("pp", 1) * lay.get("dp", 1) * lay.get("cp", 1) > 1
 
 
+def _read(path: Path, folder: Path) -> dict:
+    """A result file's JSON object; one line naming the file where it is none (a benchmark stopped
+    while writing it, a file of something else)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise UserError(f"--check {folder}: {path.name} is not a readable JSON result ({str(e).splitlines()[0]}); "
+                        "fix it or move it out of the folder") from None
+    if not isinstance(data, dict):
+        raise UserError(f"--check {folder}: {path.name} holds a JSON {type(data).__name__}, not a benchmark's "
+                        "result object; move it out of the folder")
+    return data
+
+
 def load(folder: str | Path) -> list[Run]:
     """Every plait row of every recorded training benchmark in `folder`, one Run per (file, variant);
     a variant measured in more than one call keeps the median of its step times."""
@@ -206,7 +220,7 @@ def load(folder: str | Path) -> list[Run]:
         raise UserError(f"--check {folder}: not a folder; point it at plait's bench/results")
     runs: dict[str, list[Run]] = {}
     for path in sorted(folder.glob("*.json")):
-        data = json.loads(path.read_text())
+        data = _read(path, folder)
         bench, config = data.get("benchmark"), data.get("config") or {}
         card = data.get("card")
         if bench not in BENCHES or card_key(card) is None:

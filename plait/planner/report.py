@@ -113,8 +113,11 @@ def breakdown_text(p: Prediction, explain: bool = False) -> str:
     total, cap = p.memory_total_bytes, p.capacity_bytes
     verdict = (f"fits, {p.headroom_bytes / GIB:.2f} GiB free" if p.fits
                else f"does not fit by {-p.headroom_bytes / GIB:.2f} GiB")
+    # per-layer and per-parameter traffic (tp, cp, the ZeRO dims) is rank 0's stage's: with uneven
+    # stages another rank sends in proportion to its own layers
+    where = " (pipeline rank 0: a rank with more layers sends more)" if lay.pp > 1 else ""
     lines += [f"  {'total':<42}{_gib(total)} of {cap / GIB:.2f}  -> {verdict}", "",
-              "traffic per step, per device"]
+              f"traffic per step, per device{where}"]
     if not p.traffic:
         lines.append("  (none: a single GPU)")
     for t in p.traffic.values():
@@ -131,6 +134,9 @@ def breakdown_text(p: Prediction, explain: bool = False) -> str:
               f"bubble      {p.bubble:.2%} of all pipeline ranks' time ({how}); the busiest rank idles "
               f"{idle:.2%} of the step" if lay.pp > 1 else "bubble      none (one pipeline stage)",
               f"throughput  {p.tokens_per_s:,.0f} tokens/s; MFU {p.mfu:.1%} (HFU {p.hfu:.1%})"]
+    if lay.fp8 != "off" and p.mfu > 0.7:  # the convention's bf16 peak: FP8 GEMMs run up to twice it
+        lines += ["            MFU is over the card's dense bf16 peak (the convention, to compare with bf16 "
+                  "runs): FP8 matmuls can take it past 100%"]
     if p.masked_share >= 0.1:  # long sequences: the convention's count is well above the kernels' work
         lines += ["            MFU and HFU count causal attention over the whole T x T square (PaLM's and "
                   "torchtitan's convention, to compare with theirs);",
