@@ -153,6 +153,11 @@ def test_v100_plans_at_its_fp16_rate(capsys):
     # named by the flag given (it was blamed on --gpu.matmul-efficiency)
     (["--tp", "8", "--gpu.efficiency", "2"], "--gpu.efficiency = '2': must be in (0, 1]"),
     (["--tp", "8", "--gpu.efficiency", "nan"], "--gpu.efficiency = 'nan': expected a finite number"),
+    # knobs of something the layout does not run were priced as if never given
+    (["--tp", "8", "--cp-impl", "ulysses"], "--cp-impl = 'ulysses': chooses how context parallelism splits attention: "
+                                            "it needs --cp > 1 (without it, drop --cp-impl)"),
+    (["--tp", "8", "--validate-steps", "3"], "--validate-steps = 3: counts the steps of a --validate run: add "
+                                             "--validate, or drop --validate-steps"),
     (["--tp", "8", "--gpu.reserved-gib", "100"], "--gpu.reserved-gib = 100.0: must be less than the H100 SXM 80GB's "
                                                  "80 GiB of memory (or give a larger --gpu.hbm-gib)"),
     (["--tp", "8", "--gpu.hbm-efficiency", "0"], "--gpu.hbm-efficiency = '0': must be in (0, 1]"),

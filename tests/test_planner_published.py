@@ -125,7 +125,8 @@ def test_plan_published_prints_the_table(capsys):
 
     assert main(["plan", "--published", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["schema"] == "plait.plan/1" and len(data["published"]["runs"]) == len(published.RUNS)
+    assert data["schema"] == "plait.plan/1" and data["mode"] == "published"
+    assert len(data["published"]["runs"]) == len(published.RUNS)
     row = data["published"]["runs"][0]
     assert row["tokens_per_s_per_gpu"]["measured"] == published.RUNS[0].tokens_per_s_per_gpu
     assert data["published"]["error"]["worst"] == max(abs(r["tokens_per_s_per_gpu"]["error"])

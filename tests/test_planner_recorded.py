@@ -363,3 +363,18 @@ def test_fp8_runs_are_priced_from_the_measured_fp8_linears():
     # without the groups the planner does not answer for these steps: shown, left out of the statistics
     assert all(c.unmeasured for c in blind) and not recorded.priced(blind)
     assert not any(c.unmeasured for c in checks) and len(recorded.priced(checks)) == len(timed)
+
+
+def test_check_as_json_names_its_mode(tmp_path, capsys):
+    """Every `plan --json` document names its `mode` (the docs say so); --check's had none."""
+    import json
+
+    from plait.cli import main
+
+    rows = [{"variant": "plait-1gpu", "step_s_median": 0.5, "peak_mem_gb": 20.0}]
+    (tmp_path / "dp.json").write_text(json.dumps({"benchmark": "data_parallel", "card": "NVIDIA H100 80GB HBM3",
+                                                  "gpus": 4, "config": {"preset": "1b", "seq": 2048, "micro_batch": 1},
+                                                  "rows": rows}))
+    assert main(["plan", "--check", str(tmp_path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["mode"] == "check" and len(data["check"]["runs"]) == 1

@@ -77,7 +77,7 @@ def add_arguments(p) -> None:
                         "--json: under \"placement\")")
     o.add_argument("--validate", action="store_true",
                    help="run the layout here for a few steps and print predicted vs measured (data-parallel layouts)")
-    o.add_argument("--validate-steps", type=int, default=6, help="steps of the --validate run")
+    o.add_argument("--validate-steps", type=int, default=None, help="steps of the --validate run (default 6)")
     o.add_argument("--validate-device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where the --validate run trains (auto: the GPUs if there are any)")
     o.add_argument("--check", metavar="DIR",
@@ -122,7 +122,7 @@ def run(args, extra) -> int:
                             f"bench/results")
         checks = recorded.check(runs, {g: prof for g, (prof, _) in profiles.items()} or None)
         if args.json:
-            print(report.to_json({"schema": report.SCHEMA, "check": recorded.rows(checks)}))
+            print(report.to_json({"schema": report.SCHEMA, "mode": "check", "check": recorded.rows(checks)}))
             return 0
         print(recorded.table(checks))
         print("\npipeline bubbles: measured on the run, the planner's for the split that ran, the textbook's\n"
@@ -140,7 +140,7 @@ def run(args, extra) -> int:
         from plait.planner import published
 
         checks = published.check()
-        print(report.to_json({"schema": report.SCHEMA, "published": published.rows(checks)}) if args.json
+        print(report.to_json({"schema": report.SCHEMA, "mode": "published", "published": published.rows(checks)}) if args.json
               else published.table(checks))
         return 0
     c = inputs.make_cluster(args.gpu, args.nodes, args.gpus_per_node, inputs.parse_overrides(extra))
@@ -186,6 +186,12 @@ def run(args, extra) -> int:
     if args.schedule is not None and given and (args.pp or 1) == 1:  # 1f1b too: asked for, it is not the default
         raise bad_value("--schedule", args.schedule, "orders a pipeline's stages: it needs --pp > 1 (without a "
                         "pipeline, drop --schedule)")
+    if args.cp_impl is not None and given and (args.cp or 1) == 1 and not args.search:  # priced as if never given
+        raise bad_value("--cp-impl", args.cp_impl, "chooses how context parallelism splits attention: it needs "
+                        "--cp > 1 (without it, drop --cp-impl)")
+    if args.validate_steps is not None and not args.validate:
+        raise bad_value("--validate-steps", args.validate_steps, "counts the steps of a --validate run: add "
+                        "--validate, or drop --validate-steps")
     if args.validate:
         return _validate(args, d, c, knobs, head)
     if given and not args.search:
@@ -284,6 +290,8 @@ def _validate(args, d, c, knobs, head) -> int:
 
     if args.arch != "llama":
         raise bad_value("--arch", args.arch, "--validate runs plait's own (llama) model; use --arch llama")
+    if args.validate_steps is None:
+        args.validate_steps = 6
     if args.validate_steps < 1:
         raise bad_value("--validate-steps", args.validate_steps, "must be at least 1")
     if not any(getattr(args, k) is not None for k in ("tp", "pp", "dp", "cp")):
