@@ -85,6 +85,9 @@ def later_start_changes(out: Path, saved: dict, explicit: dict) -> list[str]:
         was, last = _comparable(saved), _comparable(toml)
     except (UserError, ValueError, TypeError) as e:  # an edit plait cannot read: said, not applied
         return [f"values it cannot read ({str(e).splitlines()[0] if str(e) else type(e).__name__})"]
+    if was["train"].get("global_batch") or last["train"].get("global_batch"):
+        for cfg in (was, last):  # derived from the batch at each start's layout (config.toml: a comment)
+            cfg["train"].pop("grad_accum", None)
     out_list = []
     for section, values in last.items():
         for key, value in values.items():

@@ -110,8 +110,12 @@ def test_a_field_given_on_resume_replaces_the_saved_one_it_excludes(corpus, tmp_
     import shutil
 
     run = tmp_path / "r"
-    assert main(_first_run(corpus, run, steps=4, extra=["--train.global_batch", "8", "--train.max_steps_this_run", "2"])) == 0
+    assert main(_first_run(corpus, run, steps=5, extra=["--train.global_batch", "8", "--train.max_steps_this_run", "2"])) == 0
     capfd.readouterr()
+    # resumed with the saved global batch, nothing is a leftover: config.toml writes the accumulation
+    # the batch derives as a comment, the checkpoint as a value
+    assert main(["train", "--out", str(run), "--resume", "--train.max_steps_this_run", "1"]) == 0
+    assert "holds" not in capfd.readouterr().err
     assert main(["train", "--out", str(run), "--resume", "--train.grad_accum", "1", "--train.max_steps_this_run", "1"]) == 0
     line = next(x for x in capfd.readouterr().err.splitlines() if "resuming with the config" in x)
     assert line.endswith("train.global_batch 8 -> 0 (train.grad_accum replaces it), train.grad_accum 2 -> 1"), line
@@ -122,7 +126,7 @@ def test_a_field_given_on_resume_replaces_the_saved_one_it_excludes(corpus, tmp_
     assert main(["train", "--out", str(run), "--resume", "--data.mix", mix, "--train.max_steps_this_run", "1"]) == 0
     line = next(x for x in capfd.readouterr().err.splitlines() if "resuming with the config" in x)
     assert f"data.path {str(corpus)!r} -> '' (data.mix replaces it)" in line and f"data.mix '' -> {mix!r}" in line, line
-    assert [r["step"] for r in _rows(run)] == [1, 2, 3, 4]
+    assert [r["step"] for r in _rows(run)] == [1, 2, 3, 4, 5]
 
 
 def test_resume_without_a_checkpoint_refuses_and_auto_starts_fresh(corpus, tmp_path, capfd):
