@@ -11,10 +11,10 @@ backward produces their gradients, so the buckets at the front of the buffer fil
 Gradients in pieces (`lazy_grads`: one device, or a tp / pp part without data-parallel peers): the
 gradient space is cut at the model's units (a block, the embedding, the output matrix; the norm
 gains together) and a unit's piece is allocated when backward lands its first gradient, then
-dropped after the update. A whole buffer held through
-the step sits beside the forward's activations at their peak (2 bytes a parameter: 5.6 GB on 8b's
-shape with 8 layers); in pieces, only the output matrix's gradient is there by then, and each
-block's piece takes the place of the activations its backward frees. The update runs over the
+dropped after the update. A whole buffer held through the step sits beside the forward's
+activations at their peak (2 bytes a parameter: 5.6 GB on 8b's shape with 8 layers); in pieces,
+none is there by then, and each block's piece takes the place of the activations its backward
+frees. The update runs over the
 pieces as segments of the flat space. Data-parallel engines keep the whole buffer: their buckets
 and shards are slices of it.
 """

@@ -3,8 +3,8 @@ checks that a checkpoint fits the run about to continue it.
 
 `plait train --out RUN --resume` starts from RUN's own config (the one its newest valid checkpoint
 was trained with; else RUN/config.toml, written when the run last started), not from the defaults,
-so continuing a `small` run needs no `--model.preset small`. Options given on the command line (or in `--config`)
-override it, and the run names the ones that change something in one line. What describes this
+so continuing a `small` run needs no `--model.preset small`. Options given on the command line (or
+in `--config`) override it, and the run names the ones that change something in one line. What describes this
 invocation rather than the run starts from the defaults again, as for any command: the layout
 ([parallel]: processes, degrees, ZeRO stage; a checkpoint loads at any layout, so it is chosen for
 the machine at hand) and `PER_INVOCATION`'s fields. `--train.global_batch` keeps the batch when the
@@ -101,12 +101,20 @@ def later_start_changes(out: Path, saved: dict, explicit: dict) -> list[str]:
 
 
 def _comparable(saved: dict) -> dict:
-    """A saved config's run settings as plait reads them (defaults filled in), without what describes
-    one invocation (the layout, `PER_INVOCATION`) or where it writes (train.out)."""
-    cfg = config_from_dict({s: v for s, v in _known(saved).items() if s not in PER_INVOCATION_SECTIONS}).to_dict()
-    for section, key in (*PER_INVOCATION, ("train", "out")):
-        cfg.get(section, {}).pop(key, None)
+    """A saved config's run settings as plait reads them (defaults filled in), without where it
+    writes (train.out)."""
+    cfg = config_from_dict(_run_settings(saved)).to_dict()
+    cfg["train"].pop("out", None)
     return {s: v for s, v in cfg.items() if s not in PER_INVOCATION_SECTIONS}
+
+
+def _run_settings(saved: dict) -> dict:
+    """The saved sections and fields that describe the run, not one invocation of it (the layout,
+    `PER_INVOCATION`): fresh dicts, safe to edit."""
+    base = {s: v for s, v in _known(saved).items() if s not in PER_INVOCATION_SECTIONS}
+    for section, key in PER_INVOCATION:
+        base.get(section, {}).pop(key, None)
+    return base
 
 
 def _known(saved: dict) -> dict:
@@ -124,9 +132,7 @@ def resumed_config(saved: dict, explicit: dict) -> tuple[Config, list[str]]:
     explicit model fields), not the saved shape with a new label: the shape check then says whether
     the checkpoint fits it.
     """
-    base = {s: v for s, v in _known(saved).items() if s not in PER_INVOCATION_SECTIONS}
-    for section, key in PER_INVOCATION:
-        base.get(section, {}).pop(key, None)
+    base = _run_settings(saved)
     was = config_from_dict(base)
     replaced = []
     for (section, key), (other_section, other) in REPLACES:
