@@ -205,7 +205,6 @@ def _bubble(a, variant, row, spans, sched) -> None:
 
 def _one_count(a, variant, dims, device, built) -> dict:
     """Rank 0's row for one micro-batch count `a.microbatches`; `built` holds plait's model across counts."""
-    import torch
     import torch.distributed as dist
 
     from plait.comm import Comm, Ledger
@@ -232,9 +231,12 @@ def _one_count(a, variant, dims, device, built) -> dict:
     spans = [s[:3] for s in spans]
     if runner is not None and dims.rank == 0 and all(s[1] for s in spans):
         _bubble(a, variant, row, spans, runner.schedule(a.microbatches))
-    peak = torch.tensor([row["peak_mem_gb"]], dtype=torch.float64, device=device)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    row["peak_mem_gb_max_rank"] = peak.item()
+    # every rank's peak: a schedule's ranks hold different things (the head, pending W's), and the
+    # planner prices each rank
+    peaks = [None] * dims.world_size
+    dist.all_gather_object(peaks, row["peak_mem_gb"])
+    row["peak_mem_gb_per_rank"] = peaks
+    row["peak_mem_gb_max_rank"] = max(peaks)
     return row
 
 

@@ -102,8 +102,8 @@ def _torch_step(a, lay, dims, device):
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, {
             "attn_norm": SequenceParallel(),
-            "attn": PrepareModuleInput(input_layouts=(Shard(1), None, None, None),  # x, cos, sin, kv cache
-                                       desired_input_layouts=(Replicate(), None, None, None)),
+            "attn": PrepareModuleInput(input_layouts=(Shard(1), None, None, None, None),  # x, cos, sin, kv, docs
+                                       desired_input_layouts=(Replicate(), None, None, None, None)),
             "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
             "attn.wo": RowwiseParallel(output_layouts=Shard(1)),
             "mlp_norm": SequenceParallel(),
