@@ -93,7 +93,8 @@ def run_workers(cfg, attempt_fn) -> list:
 
     limit = cfg.train.max_restarts
     root = Path(cfg.train.out).expanduser() / "checkpoints"
-    env = {"PLAIT_ATTEMPT": "0"}
+    # one id for every attempt of this invocation (`invocation`)
+    env = {"PLAIT_ATTEMPT": "0", "PLAIT_INVOCATION": f"{os.getpid()}-{time.time_ns()}"}
     for attempt in range(limit + 1):
         try:
             return attempt_fn(cfg, env)
@@ -110,7 +111,7 @@ def run_workers(cfg, attempt_fn) -> list:
             cfg = copy.deepcopy(cfg)
             if not cfg.checkpoint.resume:
                 cfg.checkpoint.resume = "auto"  # no checkpoint yet: start over
-            env = {"PLAIT_ATTEMPT": str(attempt + 1), "PLAIT_RESTART": json.dumps(note)}
+            env = {**env, "PLAIT_ATTEMPT": str(attempt + 1), "PLAIT_RESTART": json.dumps(note)}
     raise AssertionError("unreachable")
 
 
@@ -171,19 +172,41 @@ def restarted(env=None) -> bool:
     return int(env.get("PLAIT_ATTEMPT") or 0) > 0 or outer_restart(env) is not None
 
 
-def planned_end(out: Path, end: int, is_main: bool) -> int:
-    """The step this invocation stops at. `end`: the attempt's own (its start + max_steps_this_run).
-    A restart resumes from an older checkpoint than its first attempt started at plus the steps it
-    made, and counting max_steps_this_run from there again ran past the stop the first attempt
-    planned (a job sized to its allocation then overran it): a restart keeps the first attempt's."""
+def invocation(env=None) -> str:
+    """Which invocation this worker belongs to, the same on every restart inside it: the SLURM job
+    (a requeue keeps its id), torchrun's named rendezvous, plait's own launcher's, or else the
+    process that started this one (torchrun's agent under a static rendezvous, whose id "none" is
+    every job's). Read on the main rank only: `planned_end`'s caller shares its answer."""
+    env = os.environ if env is None else env
+    if env.get("SLURM_JOB_ID"):
+        return f"slurm:{env['SLURM_JOB_ID']}"
+    if rid := _job_id(env):
+        return f"torchrun:{rid}"
+    if env.get("PLAIT_INVOCATION"):
+        return f"plait:{env['PLAIT_INVOCATION']}"
+    import socket
+
+    return f"parent:{socket.gethostname()}:{os.getppid()}"
+
+
+def planned_end(out: Path, end: int, env=None) -> int:
+    """The step this invocation stops at (the main rank's answer; the caller broadcasts it). `end`:
+    the attempt's own (its start + max_steps_this_run). A restart resumes from an older checkpoint
+    than its first attempt started at plus the steps it made, and counting max_steps_this_run from
+    there again ran past the stop the first attempt planned (a job sized to its allocation then
+    overran it): a restart keeps the first attempt's. The record names its invocation: a file left
+    by an earlier invocation (whose first attempt died before writing this one's) planned another
+    run's stop, and a restart that took it ended at once, at that older step."""
     path = Path(out) / END_FILE
-    if restarted():
+    me = invocation(env)
+    if restarted(env):
         try:
-            return int(json.loads(path.read_text())["end"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return end  # the first attempt ended before it wrote one: it had made no step
-    if is_main:
-        ckpt.write_atomic(path, json.dumps({"end": end}) + "\n")
+            rec = json.loads(path.read_text())
+            if rec.get("invocation") == me:
+                return int(rec["end"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass  # the first attempt ended before it wrote one: it had made no step
+    ckpt.write_atomic(path, json.dumps({"end": end, "invocation": me}) + "\n")
     return end
 
 

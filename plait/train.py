@@ -221,7 +221,11 @@ def _train(cfg: Config, dims, stop: StopRequest) -> dict:
     peak = peak_flops(device, dtype)
     end = t.steps if not t.max_steps_this_run else min(t.steps, start + t.max_steps_this_run)
     if t.max_steps_this_run:  # a restart stops where the invocation's first attempt planned to
-        end = supervise.planned_end(out, end, is_main)
+        end = supervise.planned_end(out, end) if is_main else 0
+        if comm is not None and world > 1:  # the main rank's answer: every rank stops at one step
+            agreed = torch.tensor([end], dtype=torch.int64, device=device)
+            comm.broadcast(agreed, "world", src=0)
+            end = int(agreed.item())
     bar = Progress(end, start, enabled=is_main, bar=t.progress)
     if is_main:
         bar.message(f"plait: {cfg.model.preset} model, {param_count(cfg.model) / 1e6:.2f}M parameters, "

@@ -132,6 +132,29 @@ def test_a_restart_by_torchrun_or_slurm_resumes_by_itself_and_is_logged(tmp_path
            "--max-restarts 2" in capsys.readouterr().err
 
 
+def test_a_restart_stops_where_its_own_invocation_planned_not_where_an_older_one_did(tmp_path):
+    """end_step.json names its invocation: a restart whose first attempt died before writing it
+    found an earlier invocation's stop there, and ended at once at that older step."""
+    from plait.supervise import END_FILE, planned_end
+
+    first = {"PLAIT_ATTEMPT": "0", "PLAIT_INVOCATION": "a"}
+    assert planned_end(tmp_path, 10, first) == 10
+    assert planned_end(tmp_path, 15, {**first, "PLAIT_ATTEMPT": "1"}) == 10  # a restart of the same one
+    # the next invocation's restart, its first attempt gone before it wrote the file: its own plan
+    assert planned_end(tmp_path, 20, {"PLAIT_ATTEMPT": "1", "PLAIT_INVOCATION": "b"}) == 20
+    assert planned_end(tmp_path, 25, {"PLAIT_ATTEMPT": "2", "PLAIT_INVOCATION": "b"}) == 20
+    # a SLURM requeue keeps its job id: it stops where the job's first allocation planned to
+    slurm = {"SLURM_JOB_ID": "7", "PLAIT_INVOCATION": "c"}
+    assert planned_end(tmp_path, 30, slurm) == 30
+    assert planned_end(tmp_path, 38, {**slurm, "SLURM_RESTART_COUNT": "1", "PLAIT_INVOCATION": "d"}) == 30
+    assert planned_end(tmp_path, 40, {"SLURM_JOB_ID": "8", "SLURM_RESTART_COUNT": "1"}) == 40
+    # torchrun's named rendezvous; its static one ("none") is every job's and names nothing
+    assert planned_end(tmp_path, 50, {"TORCHELASTIC_RUN_ID": "job1"}) == 50
+    assert planned_end(tmp_path, 55, {"TORCHELASTIC_RUN_ID": "job1", "TORCHELASTIC_RESTART_COUNT": "1"}) == 50
+    (tmp_path / END_FILE).write_text('{"end": 3}\n')  # written before the file named its invocation
+    assert planned_end(tmp_path, 60, {"TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_RESTART_COUNT": "1"}) == 60
+
+
 def test_a_killed_rank_without_restarts_ends_in_one_line_that_says_how_to_continue(corpus, tmp_path, monkeypatch,
                                                                                  capfd):
     monkeypatch.setenv("PLAIT_FAULTS", "kill@rank=1,step=4")
