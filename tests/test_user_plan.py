@@ -192,3 +192,29 @@ def test_the_breakdown_says_whose_traffic_and_why_fp8_mfu_passes_100(capsys):
     out = capsys.readouterr().out
     mfu = float(out.split("MFU ")[1].split("%")[0])
     assert mfu > 100 and "FP8 matmuls can take it past 100%" in out
+
+
+def test_search_keeps_a_given_dp_and_refuses_degrees_that_cannot_fill_the_cluster(capsys):
+    """`--search --tp 2 --pp 2 --dp 2` on 8 GPUs was refused ("--dp is implied"), though it names a
+    layout that fills them; --dp now pins the search like --tp does. Pins that fill no layout were
+    searched to "no layout fits: of 0 considered, ": one line now, naming the degrees."""
+    base = ["--model", "8b", "--gpu", "h100", "--nodes", "1", "--gpus-per-node", "8", "--search", "--json"]
+
+    def degrees(out):
+        return {(r["layout"]["tp"], r["layout"]["pp"], r["layout"]["cp"],
+                 r["layout"]["dp_replicate"] * r["layout"]["dp_shard"]) for r in json.loads(out)["ranked"]}
+
+    rc, out, _ = _plan(capsys, *base, "--tp", "2", "--pp", "2", "--dp", "2")
+    assert rc == 0 and degrees(out) == {(2, 2, 1, 2)}
+    rc, out, _ = _plan(capsys, *base, "--dp", "4")
+    found = degrees(out)
+    assert rc == 0 and found and {dp for *_, dp in found} == {4} and {t * p * c for t, p, c, _ in found} == {2}
+    for pins, want in ((["--tp", "4", "--pp", "4"], "--tp 4 --pp 4: their product, 16, does not divide the "
+                        "cluster's 8 GPUs"),
+                       (["--tp", "2", "--pp", "2", "--cp", "1", "--dp", "1"], "their product is 4, but the cluster "
+                        "has 8 GPUs: give --dp 2 or leave --dp out"),
+                       (["--dp", "0"], "--dp = 0: must be a positive integer")):
+        rc, _, err = _plan(capsys, *base[:-1], *pins)
+        assert rc == 2 and want in err and len(err.strip().splitlines()) == 1, err
+    rc, out, _ = _plan(capsys, *base[:-1], "--dp", "8", "--micro-batch", "3", "--global-batch", "8")
+    assert rc == 1 and "no layout to consider" in out and "of 0 considered" not in out

@@ -207,13 +207,12 @@ def run(args, extra) -> int:
         if args.placement:
             print("\n" + place(lay.sizes(), c.nodes, c.gpus_per_node).table())
         return 0
-    if args.dp is not None:
-        raise UserError("--dp is implied by the other degrees when searching; drop it or leave out --search")
+    _check_degrees(args, c.n_gpus)  # --dp pins the search like the others
     for knob in ("zero3_cast_once", "zero3_fp8_gather"):
         if knobs.pop(knob, False):
             raise bad_value(f"--{knob.replace('_', '-')}", True, "it prices a given layout, the search does not try "
                             "it: give the layout (--dp, --tp, ...) without --search")
-    space = inputs.make_space(tp=args.tp, pp=args.pp, cp=args.cp, dp_replicate=args.dp_replicate, **knobs)
+    space = inputs.make_space(tp=args.tp, pp=args.pp, cp=args.cp, dp=args.dp, dp_replicate=args.dp_replicate, **knobs)
     res = search(d, c, args.global_batch, args.precision, space, top=args.top, progress=_search_progress())
     best = res.best if res.ranked else None
     if args.json:
@@ -231,6 +230,25 @@ def run(args, extra) -> int:
     if args.placement and best:
         print("\nbest layout's placement:\n" + place(best.layout.sizes(), c.nodes, c.gpus_per_node).table())
     return 0 if res.ranked else 1
+
+
+def _check_degrees(args, n: int) -> None:
+    """The degrees a search pins must fit the cluster together: one line, before searching for none."""
+    from plait.errors import UserError
+    from plait.planner.inputs import check_positive
+
+    given = {k: getattr(args, k) for k in ("tp", "pp", "cp", "dp") if getattr(args, k) is not None}
+    check_positive(**given)
+    used = 1
+    for v in given.values():
+        used *= v
+    flags = " ".join(f"--{k} {v}" for k, v in given.items())
+    if n % used:
+        raise UserError(f"{flags}: their product, {used}, does not divide the cluster's {n} GPUs: pick degrees "
+                        f"whose product divides {n}, or leave one out for the search to choose")
+    if len(given) == 4 and used != n:
+        raise UserError(f"{flags}: their product is {used}, but the cluster has {n} GPUs: give --dp "
+                        f"{n * given['dp'] // used} or leave --dp out")
 
 
 def _check_counts(args) -> None:

@@ -119,11 +119,11 @@ def make_layout(c: Cluster, tp=None, pp=None, dp=None, cp=None, dp_replicate=Non
 
 def make_space(tp=None, pp=None, cp=None, dp_replicate=None, zero=None, v=None, schedule=None,
                micro_batch=None, recompute=None, sp=True, compile=True, cp_impl=None, stage_split=None,
-               fp8="off") -> Space:
+               fp8="off", dp=None) -> Space:
     """The search space with every flag the user gave pinned."""
-    check_positive(tp=tp, pp=pp, cp=cp, dp_replicate=dp_replicate, v=v, micro_batch=micro_batch)
+    check_positive(tp=tp, pp=pp, cp=cp, dp=dp, dp_replicate=dp_replicate, v=v, micro_batch=micro_batch)
     s = Space(sp=sp, compile=compile, fp8=fp8)
-    pins = {"tp": tp, "pp": pp, "cp": cp, "dp_replicate": dp_replicate, "zero": zero, "v": v,
+    pins = {"tp": tp, "pp": pp, "cp": cp, "dp": dp, "dp_replicate": dp_replicate, "zero": zero, "v": v,
             "schedule": schedule, "micro_batch": micro_batch, "recompute": recompute, "stage_split": stage_split,
             "cp_impl": cp_impl}
     from dataclasses import replace

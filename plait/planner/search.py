@@ -33,6 +33,8 @@ class Space:
     tp: tuple[int, ...] | None = None
     pp: tuple[int, ...] | None = None
     cp: tuple[int, ...] | None = None
+    dp: tuple[int, ...] | None = None
+    """Data-parallel degree(s) to keep; None: whatever the other degrees leave of the GPUs."""
     dp_replicate: tuple[int, ...] | None = None
     zero: tuple[int, ...] = (0, 1, 2, 3)
     v: tuple[int, ...] = (2, 4)
@@ -93,6 +95,8 @@ def candidates(d: ModelDims, c: Cluster, global_batch: int, space: Space = Space
                 if n % (tp * cp * pp):
                     continue
                 dp = n // (tp * cp * pp)
+                if space.dp and dp not in space.dp:
+                    continue
                 for zero in space.zero:
                     if zero > 0 and dp * cp == 1:
                         continue  # nothing to shard over
@@ -176,6 +180,9 @@ def _share(p: Prediction) -> str:
 def explain_ranking(res: SearchResult, n: int = 5) -> list[str]:
     """Why the winners win: each one's time budget, and for each runner-up the parts that cost it
     the most relative to the winner."""
+    if not res.considered:
+        return ["no layout to consider: the choices given leave none on this cluster (the degrees must multiply "
+                "to its GPU count, and the global batch must split into the data-parallel ranks' micro-batches)"]
     if not res.ranked:
         lines = [f"no layout fits: of {res.considered} considered, "
                  + ", ".join(f"{v} rejected: {k}" for k, v in res.rejected.items())]
