@@ -19,8 +19,10 @@ def test_bench_comm_writes_nccl_tests_style_results(tmp_path):
     assert {(r["op"], r["impl"]) for r in rows} == {(o, i) for o in ("all_reduce", "all_gather", "reduce_scatter")
                                                    for i in ("torch", "ring", "ring-2")} | {("send_recv", "torch")}
     assert {r["bytes"] for r in rows} == {1024, 2048} and all(r["correct"] for r in rows)
-    # the calls each row timed, as they ran (the config's 0 means "by size"; it was the only record)
+    # the calls each row timed, as they ran; the config names no count it did not run (it wrote the 0
+    # that asks for the defaults)
     assert {(r["iters"], r["warmup"]) for r in rows} == {(20, 1)}
+    assert res["config"]["iters"] == res["config"]["warmup"] == "per row"
     for r in rows:  # nccl-tests: busbw = algbw x 2(N-1)/N for all-reduce, x (N-1)/N for the others (N = 2);
         # a ring exchange's link carries what each rank sends
         share = {"all_reduce": 1.0, "send_recv": 1.0}.get(r["op"], 0.5)

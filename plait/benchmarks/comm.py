@@ -194,8 +194,10 @@ def bench_rank(opts: dict) -> dict | None:
         path = opts["json"] if opts["json"] != "auto" else _auto_path(header, n)
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(path, "w") as f:
-            json.dump(dict(header, config={k: v for k, v in opts.items() if k != "json"}, results=rows,
-                           summary=summary["ratios"]), f, indent=1)
+            # 0 asked for the defaults, which depend on the size: each row has the counts it ran
+            config = {k: ("per row" if k in ("iters", "warmup") and not v else v) for k, v in opts.items()
+                      if k != "json"}
+            json.dump(dict(header, config=config, results=rows, summary=summary["ratios"]), f, indent=1)
         say(f"# wrote {path}")
     return {"ok": ok}
 
