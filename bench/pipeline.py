@@ -192,6 +192,7 @@ def _bubble(a, variant, row, spans, sched) -> None:
     pp, v = len(spans), sched.v
     row.update(tl.report(flat, sched, [spans[r][2][c] for r, c in map(sched.place, range(pp * v))]))
     row["host_share"] = tl.host_share([acts for _, acts, _ in spans])  # >= ~1: that rank was launch-bound
+    row["held_after_action"] = tl.held([acts for _, acts, _ in spans])  # each rank's fullest point between actions
     if a.png_dir:  # the measured timeline beside the JSON
         try:
             png = Path(a.png_dir) / f"{variant}-m{a.microbatches}.png"
@@ -376,9 +377,10 @@ def main(argv=None) -> int:
     card = torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu"
     name = f"pp-{card_slug(card)}-{a.gpus}gpu" + (f"-{a.tag}" if a.tag else "")
     out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"{name}.json"
-    from plait.planner.recorded import GRADS_RUNTIME, HEAD_RUNTIME, LOSS_RUNTIME, HEAD_WGRAD
+    from plait.planner.recorded import GRADS_RUNTIME, HEAD_RUNTIME, HEAD_WGRAD, LOSS_RUNTIME, WGRAD_RUNTIME
 
-    result = {"benchmark": "pipeline", "head": HEAD_RUNTIME, "grads": GRADS_RUNTIME, "loss": LOSS_RUNTIME, "card": card, "gpus": a.gpus, "torch": torch.__version__,
+    result = {"benchmark": "pipeline", "head": HEAD_RUNTIME, "grads": GRADS_RUNTIME, "loss": LOSS_RUNTIME,
+              "wgrad": WGRAD_RUNTIME, "card": card, "gpus": a.gpus, "torch": torch.__version__,
               "nccl": ".".join(map(str, torch.cuda.nccl.version())) if a.device == "cuda" else None,
               "date": time.strftime("%Y-%m-%d"), "command": " ".join(["python", "bench/pipeline.py"] + (argv or sys.argv[1:])),
               "config": {"preset": a.preset, "model": a.model, "seq": a.seq, "micro_batch": a.micro_batch,

@@ -101,6 +101,18 @@ def host_share(actions_by_rank) -> list[float]:
     return out
 
 
+def held(actions_by_rank) -> list[dict | None]:
+    """Per rank: the most bytes its allocator held once an action was issued, and that action (kind,
+    micro-batch, chunk), from `Timeline`'s record; None where nothing was counted (a CPU run). The
+    level between actions: a schedule's activations in flight and deferred W inputs, not the
+    transient peak inside an action."""
+    out = []
+    for acts in actions_by_rank:
+        top = max(acts, key=lambda a: a[6], default=None) if acts and len(acts[0]) > 6 else None
+        out.append({"bytes": top[6], "action": list(top[:3])} if top is not None and top[6] else None)
+    return out
+
+
 def textbook(name: str, pp: int, m: int, v: int = 1) -> float | None:
     """The closed-form bubble of GPipe / 1F1B, (p - 1) / (m + p - 1), and of interleaving, with v m:
     idle over the whole step when F and B take the same time on every rank (ZB has none)."""

@@ -339,6 +339,23 @@ def test_a_result_file_says_how_one_device_held_its_gradients(tmp_path):
     assert m_old - m_new == pytest.approx(2 * param_count(model_dims("1b")) / 1e9, rel=1e-6)
 
 
+def test_a_zero_bubble_run_before_w_added_each_gradient_as_formed_is_priced_as_it_ran():
+    """On 2 x H200 (8b, 16 layers, m = 8) both schedules held 45.09 GB on the 9-layer rank between
+    actions, but ZB-H1 peaked 3.9 GB higher: its W formed the chunk's 63 weight gradients before
+    adding any. A pipeline file without `"wgrad": WGRAD_RUNTIME` is priced with that (and lands
+    within 1%); today's W adds each as formed, and the same run is priced at 1F1B's peak."""
+    import dataclasses
+
+    runs = [r for r in recorded.load(RESULTS) if r.source.startswith("pp-h200-2gpu-16l-held.json:")]
+    (zb,), (f1b,) = ([r for r in runs if f"plait-{s}@" in r.source] for s in ("zb", "1f1b"))
+    assert zb.layout["wgrad_batched"]
+    old, ones = recorded.check([zb, f1b])
+    assert abs(old.memory_error) < 0.01 and abs(ones.memory_error) < 0.01
+    today = recorded.check([dataclasses.replace(zb, layout={**zb.layout, "wgrad_batched": False})])[0]
+    assert today.predicted_peak_gb == pytest.approx(ones.predicted_peak_gb)
+    assert old.predicted_peak_gb - today.predicted_peak_gb == pytest.approx(9 * 218.1e6 * 2 / 1e9, rel=0.01)
+
+
 def test_fp8_runs_are_priced_from_the_measured_fp8_linears():
     """The recorded FP8 runs (`train.fp8` tensorwise and rowwise, one GPU; ZeRO-3 on 4 GPUs with the
     16-bit and the FP8 gather) are priced with the H100 profile's FP8 linear groups: one-GPU steps

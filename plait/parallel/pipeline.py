@@ -80,7 +80,10 @@ class Timeline:
         return mark(self._cuda)
 
     def record(self, action, start) -> None:
-        self.current.append((action.kind, action.microbatch, action.chunk, start, self.now()))
+        # the allocator's bytes once the action is issued (a host counter: no synchronisation): what
+        # the rank holds between actions, activations in flight and deferred W's inputs among them
+        held = torch.cuda.memory_allocated() if self._cuda else 0
+        self.current.append((action.kind, action.microbatch, action.chunk, start, self.now(), held))
 
     def end(self) -> None:
         end = self.now()[0]
@@ -89,8 +92,8 @@ class Timeline:
             since = lambda ev: self._t0[0].elapsed_time(ev) / 1e3  # noqa: E731
         else:
             since = lambda t: t - self._t0[0]  # noqa: E731
-        # (kind, micro-batch, chunk, device start, device end, host seconds issuing it)
-        acts = [(k, mb, c, since(a[0]), since(b[0]), b[1] - a[1]) for k, mb, c, a, b in self.current]
+        # (kind, micro-batch, chunk, device start, device end, host seconds issuing it, bytes held after)
+        acts = [(k, mb, c, since(a[0]), since(b[0]), b[1] - a[1], held) for k, mb, c, a, b, held in self.current]
         self.steps.append({"actions": acts, "step_s": since(end)})
 
 
@@ -250,7 +253,8 @@ class PipelineRunner:
         counts = [ranks[r]["layers"][c] for r, c in (place(self.name, self.pp, self.v, s) for s in range(self.S))]
         out = {"schedule": self.name, "pp": self.pp, "v": self.v, "microbatches": m,
                **tl.report(spans, self.schedule(m), counts), "step_s": max(r["steps"][-1]["step_s"] for r in ranks),
-               "host_share": tl.host_share([r["steps"][-1]["actions"] for r in ranks])}
+               "host_share": tl.host_share([r["steps"][-1]["actions"] for r in ranks]),
+               "held_after_action": tl.held([r["steps"][-1]["actions"] for r in ranks])}
         (folder / "pipeline.json").write_text(json.dumps({**out, "spans": spans}, indent=1))
         try:
             tl.draw(spans, self.pp, self.v, folder / "pipeline.png",

@@ -492,11 +492,12 @@ def _rendezvous_rounds(sched: Schedule) -> int:
                                 f"deadlocks: {stuck}")
 
 
-def _running_peaks(acts, split: bool, w_fraction: float, chunk_weights=None) -> tuple[int, int, float]:
-    """(peak held F->B, peak waiting B->W, peak of held + w_fraction * waiting), counts in
-    chunk-micro-batches; the last weighted by `chunk_weights[chunk]` when given."""
+def _running_peaks(acts, split: bool, w_fraction: float, chunk_weights=None) -> tuple[int, int, float, float]:
+    """(peak held F->B, peak waiting B->W, peak of held + w_fraction * waiting, that level's peak as a
+    W starts, its own inputs still held), counts in chunk-micro-batches; the last two weighted by
+    `chunk_weights[chunk]` when given."""
     fb = bw = peak_fb = peak_bw = 0
-    held = waiting = peak = 0.0
+    held = waiting = peak = at_w = 0.0
     for a in acts:
         w = chunk_weights[a.chunk] if chunk_weights is not None else 1.0
         if a.kind == "F":
@@ -506,10 +507,11 @@ def _running_peaks(acts, split: bool, w_fraction: float, chunk_weights=None) -> 
             if split:
                 bw, waiting = bw + 1, waiting + w
         else:
+            at_w = max(at_w, held + w_fraction * waiting)
             bw, waiting = bw - 1, waiting - w
         peak_fb, peak_bw = max(peak_fb, fb), max(peak_bw, bw)
         peak = max(peak, held + w_fraction * waiting)
-    return peak_fb, peak_bw, peak
+    return peak_fb, peak_bw, peak, at_w
 
 
 def in_flight(sched: Schedule, rank: int) -> tuple[int, int]:
@@ -517,7 +519,7 @@ def in_flight(sched: Schedule, rank: int) -> tuple[int, int]:
 
     The first number is what 1F1B bounds (pp - rank) and GPipe does not (m): the activations a
     rank must hold. The second counts weight-gradient passes waiting (zero unless split)."""
-    fb, bw, _ = _running_peaks(sched.compute_actions(rank), sched.split_backward, 0.0)
+    fb, bw, _, _ = _running_peaks(sched.compute_actions(rank), sched.split_backward, 0.0)
     return fb, bw
 
 
@@ -528,7 +530,19 @@ def peak_activation_units(name: str, pp: int, microbatches: int, v: int, rank: i
     differ in size and it admits micro-batches by what they hold.
 
     A waiting W keeps its layers' inputs and output gradients, `w_fraction` of a full set."""
+    return _units(name, pp, microbatches, v, rank, w_fraction, costs, chunk_layers)[0]
+
+
+def units_as_w_starts(name: str, pp: int, microbatches: int, v: int, rank: int,
+                      w_fraction: float, costs: tuple | None = None, chunk_layers=None) -> float:
+    """`peak_activation_units`' level at its fullest as a W starts (0 where no W runs): what a W's
+    own transient memory lands on."""
+    return _units(name, pp, microbatches, v, rank, w_fraction, costs, chunk_layers)[1]
+
+
+def _units(name, pp, microbatches, v, rank, w_fraction, costs, chunk_layers) -> tuple[float, float]:
     if check_args(name, pp, microbatches, v) == "gpipe":  # every forward before any backward, no W
-        return float(microbatches)
+        return float(microbatches), 0.0
     acts = compute_order(name, pp, microbatches, v, costs)[rank]
-    return _running_peaks(acts, check_args(name, pp, microbatches, v) in SPLIT_BACKWARD, w_fraction, chunk_layers)[2]
+    peaks = _running_peaks(acts, check_args(name, pp, microbatches, v) in SPLIT_BACKWARD, w_fraction, chunk_layers)
+    return peaks[2], peaks[3]

@@ -81,6 +81,10 @@ class Layout:
     as plait did before one device's gradients came in pieces that backward allocates (`plait.flat`;
     recorded runs: `plait.planner.recorded`)."""
 
+    wgrad_batched: bool = False
+    """A zero-bubble W formed all of a chunk's weight gradients before adding any, as plait did before
+    it added each as formed (`plait.parallel.wgrad`; recorded runs: `plait.planner.recorded`)."""
+
     zero3_cast_once: bool = False
     """ZeRO-3 keeps each unit's 16-bit chunk from its first gather of a step to the update
     (`parallel.zero3_cast_once`): one cast a unit a step instead of one a gather, and 2 bytes a

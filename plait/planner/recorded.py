@@ -47,6 +47,10 @@ LOSS_RUNTIME = "logits-freed"
 """What a benchmark's result file says of the fused loss (its "loss"): a chunk's logits freed once its
 gradient is formed (`plait.loss`). A file without it kept them beside the output matrix's gradient
 GEMM (`Layout.loss_logits_held`)."""
+WGRAD_RUNTIME = "one-at-a-time"
+"""What a pipeline result file says of a zero-bubble W (its "wgrad"): each weight gradient added as it
+is formed (`plait.parallel.wgrad`). A file without it formed a micro-batch's chunk of them all before
+adding any (`Layout.wgrad_batched`)."""
 BENCHES = ("train_step", "data_parallel", "tensor_parallel", "pipeline", "context_parallel", "layouts")
 # Runs made before the fused loss dropped each chunk before forming the next (plait/loss.py): they
 # held a finished chunk while forming the next one and while casting the weight gradient.
@@ -258,6 +262,8 @@ def load(folder: str | Path) -> list[Run]:
                 lay = {**lay, "grads_whole": True}
             if data.get("loss") != LOSS_RUNTIME:
                 lay = {**lay, "loss_logits_held": True}
+            if bench == "pipeline" and data.get("wgrad") != WGRAD_RUNTIME:
+                lay = {**lay, "wgrad_batched": True}
             if "embedding_rows" not in lay and config.get("embedding_rows") != "auto":
                 lay = {**lay, "embedding_rows": "off"}  # recorded before DDP could send the embedding as rows
             if path.name in ZERO3_WHOLE_ROOT and lay.get("zero") == 3:
