@@ -3,7 +3,10 @@ past `parallel.timeout_s` or fails a collective, the launcher's elastic agent st
 plait then starts them all again from the newest valid checkpoint, up to K times.
 
 What is not restarted, because the same would happen again or a person should look first: a user
-error (a bad value, a full or read-only disk, `train.max_bad_steps` reached) and a replica mismatch.
+error (a bad value, a full or read-only disk, `train.max_bad_steps` reached), a replica mismatch,
+and an error of the program's own kind (ValueError, TypeError, ... : a shape that does not split,
+a bug) - a fault that a restart cures kills a process, times out a collective, or fails in the
+device or its links (RuntimeError, out of memory included).
 
 Each restart is reported twice: one line on stderr when it happens, and in metrics.jsonl a
 `"restart"` object in the first step record the restarted run logs - {"count", "max", "cause",
@@ -31,7 +34,9 @@ from pathlib import Path
 from plait import checkpoint as ckpt
 from plait.errors import UserError
 
-NOT_RESTARTED = ("ReplicaMismatch",)
+# a SpawnError's message starts with the worker's exception type: these end the run at once
+NOT_RESTARTED = ("ReplicaMismatch", "ValueError", "TypeError", "AssertionError", "NotImplementedError", "KeyError",
+                 "IndexError", "AttributeError", "ZeroDivisionError", "NameError")
 OUTER = (("TORCHELASTIC_RESTART_COUNT", "torchrun"), ("SLURM_RESTART_COUNT", "SLURM"))
 
 

@@ -6,7 +6,7 @@ Each failure is one `UserError` line: the field, the value, and what to do inste
 from __future__ import annotations
 
 from plait.config import PRESETS, Config
-from plait.errors import bad_value
+from plait.errors import UserError, bad_value
 from plait.parallel import rules
 
 
@@ -124,13 +124,39 @@ def validate_pipeline(cfg: Config) -> None:
             raise bad_value("parallel.microbatches", p.microbatches, f"contradicts train.global_batch = "
                             f"{t.global_batch}, which makes {t.grad_accum} micro-batches a step here: give one of them")
         t.grad_accum = p.microbatches
-    p.schedule = check_args(p.schedule, p.pp, t.grad_accum, p.v, field=rules.run_field)
+    try:
+        p.schedule = check_args(p.schedule, p.pp, t.grad_accum, p.v, field=rules.run_field)
+    except UserError as e:
+        if p.microbatches or not str(e).startswith("parallel.microbatches = "):
+            raise
+        raise _derived_microbatches(cfg, str(e)) from None  # the user gave the batch, not the count
     counts = resolve_counts(p.stage_layers, m, t.seq_len, p.pp * p.v, p.schedule)
     if counts is not None:
         check_ranks_hold_parameters(counts, p.pp, p.v, p.schedule, p.stage_layers)
     if counts is None and m.n_layers % (p.pp * p.v) and p.v > 1:
         raise bad_value("parallel.v", p.v, f"pp x v = {p.pp * p.v} stages do not divide the {m.n_layers} layers "
                         "evenly; give --parallel.stage_layers balance (split by cost) or a count per stage, or another v")
+
+
+def _derived_microbatches(cfg: Config, why: str) -> UserError:
+    """A micro-batch count the schedule refuses, where the user gave train.global_batch or
+    train.grad_accum rather than parallel.microbatches: the line names the field they set, and its
+    fix is a value of that field (--microbatches would contradict a global batch)."""
+    p, t = cfg.parallel, cfg.train
+    m = t.grad_accum
+    reason = why.split(": ", 1)[1]
+    if p.schedule == "interleaved" and m % p.pp:  # the one count rule a schedule has past the limits
+        near = max(p.pp, round(m / p.pp) * p.pp)
+        reason = f"the interleaved schedule runs micro-batches in groups of pp = {p.pp}"
+    else:
+        near = None
+    if t.global_batch:
+        per = t.global_batch // m  # micro_batch x dp
+        fix = f": use a global batch of {near * per} ({near} micro-batches)" if near else ""
+        return bad_value("train.global_batch", t.global_batch, f"makes {m} micro-batches a step (global_batch / "
+                         f"(micro_batch x dp = {per})); {reason}{fix}")
+    fix = f": use {near} (or --microbatches {near})" if near else ""
+    return bad_value("train.grad_accum", m, f"is the pipeline's micro-batches a step; {reason}{fix}")
 
 
 def derive_grad_accum(cfg: Config, dp: int) -> None:
@@ -206,7 +232,8 @@ def validate_parallel(cfg: Config):
 
         check_args(p.schedule, p.pp, p.pp, p.v, field=rules.run_field)  # any valid micro-batch count: v only
     rules.check_split(heads=m.n_heads, kv_heads=m.n_kv_heads, ffn=m.ffn_dim, layers=m.n_layers,
-                      seq=cfg.train.seq_len, tp=p.tp, pp=p.pp, v=p.v, cp=p.cp, sp=p.sp, cp_impl=p.cp_impl)
+                      seq=cfg.train.seq_len, tp=p.tp, pp=p.pp, v=p.v, cp=p.cp, sp=p.sp, cp_impl=p.cp_impl,
+                      micro_batch=cfg.train.micro_batch)
     # Under torchrun/srun the world is what they started; locally it is nproc, all on this node, so
     # the TP-inside-a-node check uses the real processes per node rather than parallel.gpus_per_node.
     world, per_node = planned_world(p)

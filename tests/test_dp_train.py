@@ -59,9 +59,12 @@ def test_train_resume_at_another_layout_and_generate(corpus, tmp_path, capfd):
 @pytest.mark.parametrize("extra, needle", [
     (["--nproc", "3", "--dp", "2"], "dp_shard=2"),
     (["--nproc", "2", "--tp", "2"], "parallel.tp = 2: must divide the 3 attention heads; choose one of 1, 3"),
-    (["--tp", "3", "--model.ffn_dim", "114"], "parallel.tp = 3: needs 3 processes (one per GPU) but one would run: add --nproc 3"),
+    (["--tp", "3", "--model.ffn_dim", "114", "--train.seq_len", "48"], "parallel.tp = 3: needs 3 processes (one per GPU) but one would run: add --nproc 3"),
     (["--nproc", "2", "--sp"], "parallel.sp = 'on': sequence parallelism shards what tensor parallelism replicates"),
     (["--nproc", "3", "--cp", "3"], "parallel.cp = 3: the causal load balance splits each sequence into 2 x cp chunks"),
+    # it failed in the first step's reduce-scatter, and --train.max_restarts restarted into it again
+    (["--nproc", "3", "--tp", "3", "--model.ffn_dim", "114", "--train.micro_batch", "1", "--train.seq_len", "32"],
+     "parallel.sp = 'auto': sequence parallelism splits a micro-batch's 1 x 32 = 32 tokens over tp = 3 ranks"),
     (["--nproc", "2", "--zero", "1", "--parallel.reduce_dtype", "fp32"], "parallel.reduce_dtype = 'fp32': needs --zero 2 or 3"),
     (["--nproc", "2", "--zero", "4"], "parallel.zero = 4"),
 ])

@@ -155,6 +155,32 @@ def test_a_restart_stops_where_its_own_invocation_planned_not_where_an_older_one
     assert planned_end(tmp_path, 60, {"TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_RESTART_COUNT": "1"}) == 60
 
 
+def test_an_error_of_the_programs_own_kind_is_not_restarted(tmp_path, capsys):
+    """A ValueError in a worker (a shape that does not split, a bug) happens again on every restart:
+    --train.max_restarts 2 ran it three times and then advised running it again. A fault a restart
+    cures (a process killed, a collective timed out, the device) is still restarted."""
+    from plait.config import build_config
+    from plait.launch import SpawnError
+    from plait.supervise import run_workers
+
+    cfg = build_config({"train": {"out": str(tmp_path / "run"), "max_restarts": 2}})
+    (tmp_path / "run").mkdir()
+    for message, tries in (("ValueError: reduce-scatter along axis 0: size 255 is not divisible", 1),
+                           ("TypeError: unsupported operand", 1),
+                           ("TimeoutError: rank 1 still running after 60 s", 3),
+                           ("process ended with signal SIGKILL and recorded no Python error", 3)):
+        calls = []
+
+        def attempt(cfg, env, message=message):
+            calls.append(env["PLAIT_ATTEMPT"])
+            raise SpawnError(1, message, {1: ""}, {1: 1})
+
+        with pytest.raises(SpawnError):
+            run_workers(cfg, attempt)
+        assert len(calls) == tries, (message, calls)
+    capsys.readouterr()
+
+
 def test_a_killed_rank_without_restarts_ends_in_one_line_that_says_how_to_continue(corpus, tmp_path, monkeypatch,
                                                                                  capfd):
     monkeypatch.setenv("PLAIT_FAULTS", "kill@rank=1,step=4")

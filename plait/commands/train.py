@@ -131,7 +131,9 @@ def failure_line(cfg, e) -> str:
     # any other failure ends the run only once the supervisor's restarts are spent
     tried = f" after {cfg.train.max_restarts} restart(s)" if cfg.train.max_restarts and not final else ""
     auto = "" if final or cfg.train.max_restarts else "; --train.max_restarts K restarts it by itself"
-    return f"{e}{tried}; {how_to_continue(cfg)}{auto}"
+    program = final and not str(e.message).startswith("ReplicaMismatch")  # a replica mismatch has its own advice
+    repeats = "; a restart meets it again: fix its cause first" if program else ""
+    return f"{e}{tried}{repeats}; {how_to_continue(cfg)}{auto}"
 
 
 def _peer_loss_line(e: BaseException) -> str | None:

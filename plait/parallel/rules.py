@@ -90,11 +90,12 @@ def sequence_parallel(sp: str | bool, tp: int) -> bool:
 
 
 def check_split(*, heads: int, kv_heads: int, ffn: int, layers: int, seq: int, tp: int = 1, pp: int = 1,
-                v: int = 1, cp: int = 1, sp: str | bool = "auto", cp_impl: str = "ring",
+                v: int = 1, cp: int = 1, sp: str | bool = "auto", cp_impl: str = "ring", micro_batch: int = 1,
                 field: Callable[[str], str] = run_field) -> None:
     """Can the model be cut this way? Heads and the MLP split over tp; key/value heads split when
     there are at least tp of them and are replicated (tp a multiple of them) otherwise; stages need a
-    layer each; causal load balancing cuts a sequence into 2 x cp chunks."""
+    layer each; causal load balancing cuts a sequence into 2 x cp chunks; sequence parallelism cuts
+    a micro-batch's tokens (on this cp rank) into tp equal parts."""
     if isinstance(sp, str) and sp not in SP_MODES:
         raise bad_value(field("sp"), sp, f"choose {', '.join(SP_MODES)}")
     if sp in (True, "on") and tp == 1:
@@ -118,6 +119,14 @@ def check_split(*, heads: int, kv_heads: int, ffn: int, layers: int, seq: int, t
     if cp > 1 and seq % (2 * cp):
         raise bad_value(field("cp"), cp, f"the causal load balance splits each sequence into 2 x cp chunks: "
                         f"the sequence length {seq} must be a multiple of {2 * cp}")
+    tokens = micro_batch * seq // cp
+    if sequence_parallel(sp, tp) and (cp == 1 or seq % (2 * cp) == 0) and tokens % tp:
+        why = (f"sequence parallelism splits a micro-batch's {micro_batch} x {seq // cp} = {tokens} tokens"
+               f"{' (on each cp rank)' if cp > 1 else ''} over tp = {tp} ranks, which does not divide them: make "
+               f"that a multiple of {tp} (the sequence length or the micro-batch), or ")
+        if field("sp") == "--sp":  # plan and schedule take it as --no-sp
+            raise bad_value(field("tp"), tp, why + "add --no-sp")
+        raise bad_value(field("sp"), sp, why + f"use {field('sp').replace('parallel.', '--')} off")
     if cp_impl not in CP_IMPLS:
         raise bad_value(field("cp_impl"), cp_impl, f"choose {' or '.join(CP_IMPLS)}")
     if cp_impl == "ulysses" and cp > 1:

@@ -196,7 +196,7 @@ def check_layout(d: ModelDims, lay: Layout, c: Cluster, global_batch: int) -> in
                         f"equal the number of GPUs")
     rules.check_split(heads=d.heads, kv_heads=d.kv_heads, ffn=d.ffn, layers=d.layers, seq=d.seq, tp=lay.tp,
                       pp=lay.pp, v=lay.v, cp=lay.cp, sp="auto" if lay.sp else "off", cp_impl=lay.cp_impl,
-                      field=rules.flag_field)
+                      micro_batch=lay.micro_batch, field=rules.flag_field)
     rules.check_tp_in_node(lay.tp, c.gpus_per_node, field=rules.flag_field)
     if lay.micro_batch > 1 and lay.dp * lay.micro_batch > global_batch:
         # the micro-batch is what is too large: --global-batch's default of 512 was never given
