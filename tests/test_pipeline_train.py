@@ -87,6 +87,13 @@ def test_schedule_png(tmp_path, capsys):
     (["--nproc", "2", "--pp", "2", "--schedule", "fifo"], "parallel.schedule = 'fifo': choose one of gpipe, 1f1b"),
     (["--nproc", "2", "--pp", "2", "--schedule", "interleaved", "--parallel.v", "2", "--microbatches", "3"],
      "parallel.microbatches = 3: the interleaved schedule runs micro-batches in groups of pp = 2"),
+    # the count came from the batch: the line named --microbatches, whose fix then contradicted it
+    (["--nproc", "2", "--pp", "2", "--schedule", "interleaved", "--parallel.v", "2", "--train.global_batch", "6"],
+     "train.global_batch = 6: makes 3 micro-batches a step (global_batch / (micro_batch x dp = 2)); the "
+     "interleaved schedule runs micro-batches in groups of pp = 2: use a global batch of 8 (4 micro-batches)"),
+    (["--nproc", "2", "--pp", "2", "--schedule", "interleaved", "--parallel.v", "2", "--train.grad_accum", "3"],
+     "train.grad_accum = 3: is the pipeline's micro-batches a step; the interleaved schedule runs micro-batches "
+     "in groups of pp = 2: use 4 (or --microbatches 4)"),
     (["--nproc", "2", "--pp", "2", "--schedule", "interleaved", "--parallel.v", "2", "--microbatches", "2",
       "--model.n_layers", "6"], "parallel.v = 2: pp x v = 4 stages do not divide the 6 layers"),
     (["--nproc", "2", "--pp", "2", "--parallel.stage_layers", "3,4"], "parallel.stage_layers = '3,4': must be counts"),

@@ -218,3 +218,22 @@ def test_search_keeps_a_given_dp_and_refuses_degrees_that_cannot_fill_the_cluste
         assert rc == 2 and want in err and len(err.strip().splitlines()) == 1, err
     rc, out, _ = _plan(capsys, *base[:-1], "--dp", "8", "--micro-batch", "3", "--global-batch", "8")
     assert rc == 1 and "no layout to consider" in out and "of 0 considered" not in out
+
+
+def test_search_pins_a_schedule_to_pipelines_and_refuses_a_pipeline_deeper_than_the_model(capsys):
+    """`--search --schedule zbv` ranked layouts without a pipeline first (no schedule at all), and
+    `--search --pp 8` on a 4-layer model ended in a KeyError from the stage split."""
+    base = ["--model", "tiny", "--gpu", "h100", "--nodes", "1", "--gpus-per-node", "8", "--global-batch", "8",
+            "--search"]
+    for pins, schedules in ((["--schedule", "zbv"], {"zbv"}), (["--v", "2"], {"zbv", "interleaved"}),
+                            (["--schedule", "1f1b"], {"1f1b"})):
+        rc, out, _ = _plan(capsys, *base, "--json", *pins)
+        ranked = json.loads(out)["ranked"]
+        assert rc == 0 and ranked, pins
+        assert all(r["layout"]["pp"] > 1 for r in ranked), pins
+        assert {r["layout"]["schedule"] for r in ranked} <= schedules, pins
+    for pins, want in ((["--pp", "8"], "--pp = 8: pp x v = 8 stages exceed the model's 4 layer(s)"),
+                       (["--v", "4", "--schedule", "zb"], "--v = 4: only the interleaved and zbv schedules have "
+                        "virtual stages")):
+        rc, _, err = _plan(capsys, *base, *pins)
+        assert rc == 2 and want in err and len(err.strip().splitlines()) == 1, err

@@ -208,11 +208,18 @@ def run(args, extra) -> int:
             print("\n" + place(lay.sizes(), c.nodes, c.gpus_per_node).table())
         return 0
     _check_degrees(args, c.n_gpus)  # --dp pins the search like the others
+    _check_pins(args, d)
     for knob in ("zero3_cast_once", "zero3_fp8_gather"):
         if knobs.pop(knob, False):
             raise bad_value(f"--{knob.replace('_', '-')}", True, "it prices a given layout, the search does not try "
                             "it: give the layout (--dp, --tp, ...) without --search")
     space = inputs.make_space(tp=args.tp, pp=args.pp, cp=args.cp, dp=args.dp, dp_replicate=args.dp_replicate, **knobs)
+    if args.schedule is not None or args.v is not None:  # they order a pipeline: pp = 1 has neither
+        import dataclasses
+
+        with_v = ("interleaved", "zbv") if args.v == 2 else ("interleaved",)  # the schedules with virtual stages
+        space = dataclasses.replace(space, pipeline_only=True,
+                                    schedule=space.schedule if args.schedule is not None or args.v is None else with_v)
     res = search(d, c, args.global_batch, args.precision, space, top=args.top, progress=_search_progress())
     best = res.best if res.ranked else None
     if args.json:
@@ -230,6 +237,20 @@ def run(args, extra) -> int:
     if args.placement and best:
         print("\nbest layout's placement:\n" + place(best.layout.sizes(), c.nodes, c.gpus_per_node).table())
     return 0 if res.ranked else 1
+
+
+def _check_pins(args, d) -> None:
+    """The model must split at the degrees a search pins, as a priced layout must: one line (a
+    pipeline pinned deeper than the layers ended in a traceback of the stage split)."""
+    from plait.parallel import rules
+
+    if args.v is not None and args.schedule not in (None, "interleaved", "zbv"):
+        from plait.parallel.schedules import check_args
+
+        check_args(args.schedule, max(2, args.pp or 2), max(2, args.pp or 2), args.v, field=rules.flag_field)
+    rules.check_split(heads=d.heads, kv_heads=d.kv_heads, ffn=d.ffn, layers=d.layers, seq=d.seq, tp=args.tp or 1,
+                      pp=args.pp or 1, v=args.v or 1, cp=args.cp or 1, sp="off", cp_impl=args.cp_impl or "ring",
+                      field=rules.flag_field)
 
 
 def _check_degrees(args, n: int) -> None:

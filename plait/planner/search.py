@@ -50,6 +50,8 @@ class Space:
     stage_split: tuple[str, ...] = ("", "balance")
     """Pipeline splits to try (pp > 1): as even as possible, and lighter last stage."""
     max_cp: int = 8
+    pipeline_only: bool = False
+    """A schedule or virtual stages were asked for: only layouts with a pipeline (pp > 1) have them."""
 
 
 @dataclass
@@ -92,7 +94,7 @@ def candidates(d: ModelDims, c: Cluster, global_batch: int, space: Space = Space
             if n % (tp * cp):
                 continue
             for pp in space.pp or tuple(p for p in _divisors(n // (tp * cp)) if p <= d.layers):
-                if n % (tp * cp * pp):
+                if n % (tp * cp * pp) or (pp == 1 and space.pipeline_only):
                     continue
                 dp = n // (tp * cp * pp)
                 if space.dp and dp not in space.dp:
