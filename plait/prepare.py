@@ -323,19 +323,22 @@ def _chunks(sources: list[Source], text_field: str, val_fraction: float, counts:
 
 
 def prepare(inputs: list[str], out: str | Path, tokenizer, val_fraction: float = 0.01,
-            quiet: bool = False, *, text_field: str = "text", workers: int = 1) -> Path:
+            quiet: bool = False, *, text_field: str = "text", workers: int = 1,
+            field: tuple[str, str] | None = None) -> Path:
     """Tokenize documents into shards in `out` (written to a temp folder, then renamed into place).
 
     The shards are byte-identical for any `workers`: chunks are encoded in parallel but written in
-    input order.
+    input order. `field`: (name, value) the errors about `out` name (default --out and `out`): the
+    default corpus's folder is one the user named by data.cache_dir.
     """
     out = Path(out).expanduser()
+    name, shown = field or ("--out", str(out))
     if out.exists() and not out.is_dir():  # else iterdir below raises NotADirectoryError
-        raise bad_value("--out", str(out), "is a file; give a new folder for the shards")
+        raise bad_value(name, shown, "is a file; give a new folder for the shards")
     if (out / META).exists():
-        raise bad_value("--out", str(out), "already holds prepared data; choose another folder or delete it")
+        raise bad_value(name, shown, "already holds prepared data; choose another folder or delete it")
     if out.exists() and any(out.iterdir()):
-        raise bad_value("--out", str(out), "exists and is not empty; choose a new folder")
+        raise bad_value(name, shown, "exists and is not empty; choose a new folder")
     repeated: list[str] = []
     sources = collect_sources(inputs, repeated)
     if repeated and not quiet:
@@ -354,7 +357,7 @@ def prepare(inputs: list[str], out: str | Path, tokenizer, val_fraction: float =
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     except OSError as e:
-        raise bad_value("--out", str(out), f"cannot write there ({e.strerror}); choose a writable folder") from None
+        raise bad_value(name, shown, f"cannot write there ({e.strerror}); choose a writable folder") from None
     try:
         meta = _write_shards(tmp, sources, tokenizer, dtype, val_fraction, text_field, workers, quiet, inputs)
     except OSError as e:  # a full disk was a traceback from the shard writer
@@ -362,7 +365,7 @@ def prepare(inputs: list[str], out: str | Path, tokenizer, val_fraction: float =
         writing = e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG) or (
             e.filename and str(Path(e.filename).resolve()).startswith(str(tmp.resolve())))
         if writing:
-            raise bad_value("--out", str(out), f"could not be written ({e.strerror}); nothing was kept: free "
+            raise bad_value(name, shown, f"could not be written ({e.strerror}); nothing was kept: free "
                             "space there or choose another folder") from None
         raise bad_value("--input", str(e.filename or " ".join(inputs)), f"could not be read ({e.strerror})") from None
     except BaseException:
@@ -466,8 +469,11 @@ def default_corpus_dir(cache_dir: str, val_fraction: float) -> Path:
         from plait.tokenizer import ByteTokenizer
 
         print(f"preparing the default corpus (Python standard library at {stdlib}) into {out}", file=sys.stderr)
+        cache = Path(cache_dir).expanduser()
+        if cache.exists() and not cache.is_dir():
+            raise bad_value("data.cache_dir", cache_dir, "is a file; give a folder for plait's prepared corpus")
         try:
-            prepare([str(stdlib)], out, ByteTokenizer(), val_fraction, quiet=False)
+            prepare([str(stdlib)], out, ByteTokenizer(), val_fraction, quiet=False, field=("data.cache_dir", cache_dir))
         except UserError:
             if not (out / META).exists():  # another process may have prepared it meanwhile
                 raise

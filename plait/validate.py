@@ -34,6 +34,21 @@ def validate_model(m) -> None:
     _positive("model.norm_eps", m.norm_eps)
     _positive("model.init_std", m.init_std)
     _positive("model.rope_scaling", m.rope_scaling, allow_zero=True)
+    # Llama-3's rescaling band (plait.model.rope_frequencies): wavelengths between old/hi and old/lo
+    # are blended, so a zero divides by zero and hi <= lo inverts or empties the band
+    _positive("model.rope_low_freq_factor", m.rope_low_freq_factor)
+    _positive("model.rope_high_freq_factor", m.rope_high_freq_factor)
+    _positive("model.rope_original_max_len", m.rope_original_max_len)
+    if m.rope_scaling > 0 and not m.rope_high_freq_factor > m.rope_low_freq_factor:
+        raise bad_value("model.rope_high_freq_factor", m.rope_high_freq_factor, f"must exceed "
+                        f"model.rope_low_freq_factor = {m.rope_low_freq_factor} (Llama 3 uses 4 and 1)")
+
+
+def check_seed(name: str, seed) -> None:
+    """A seed numpy's and torch's generators both take (numpy refuses negatives, torch more than 64 bits):
+    it failed only once the run had started, in the data's first batch."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise bad_value(name, seed, f"must be an integer from 0 to {2**63 - 1}")
 
 
 def _heads_near(m) -> str:
@@ -56,6 +71,7 @@ def validate_config(cfg: Config) -> Config:
     """Check everything in `cfg`; returns it (normalised: `parallel.sp` true/false -> on/off)."""
     validate_model(cfg.model)
     t = cfg.train
+    check_seed("train.seed", t.seed)
     for name in ("steps", "micro_batch", "grad_accum", "seq_len", "eval_batches"):
         _positive(f"train.{name}", getattr(t, name))
     for name in ("lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip", "eps", "eval_every",

@@ -70,6 +70,16 @@ def test_a_folder_given_as_config_is_named_a_folder(tmp_path):
     # NaN passed `value < 0`: the run trained with a NaN learning rate to a NaN loss
     ({"train": {"lr": "nan"}}, "train.lr = nan: must be zero or more"),
     ({"model": {"norm_eps": float("nan")}}, "model.norm_eps = nan: must be a positive number"),
+    # a user's: each got past every check, then failed in the first batch (numpy's generator) or
+    # divided by zero building RoPE's table - or trained a model other than the one described
+    ({"train": {"seed": -1}}, "train.seed = -1: must be an integer from 0 to 9223372036854775807"),
+    ({"train": {"seed": 2**70}}, f"train.seed = {2**70}: must be an integer from 0"),
+    ({"model": {"rope_scaling": 8.0, "rope_low_freq_factor": 0.0}}, "model.rope_low_freq_factor = 0.0: must be a "
+     "positive number"),
+    ({"model": {"rope_high_freq_factor": "nan"}}, "model.rope_high_freq_factor = nan: must be a positive number"),
+    ({"model": {"rope_original_max_len": 0}}, "model.rope_original_max_len = 0: must be a positive number"),
+    ({"model": {"rope_scaling": 8.0, "rope_low_freq_factor": 4.0}}, "model.rope_high_freq_factor = 4.0: must "
+     "exceed model.rope_low_freq_factor = 4.0"),
 ])
 def test_bad_input_is_one_line_naming_field_and_fix(raw, needle):
     with pytest.raises(UserError) as e:

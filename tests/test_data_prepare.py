@@ -173,6 +173,18 @@ def test_the_default_corpus_refuses_val_fraction_zero(tmp_path):
         data_mod.default_corpus_dir(str(tmp_path / "cache"), 0.0)
     assert not (tmp_path / "cache").exists()  # refused before any preparing
 
+
+def test_an_unusable_cache_dir_is_named_as_data_cache_dir(tmp_path):
+    """The default corpus's folder was reported as `--out = '<cache>/stdlib-...'`: the user's --out was
+    fine, the folder they named was data.cache_dir."""
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(UserError, match=r"data.cache_dir = '.*afile': is a file; give a folder"):
+        data_mod.default_corpus_dir(str(tmp_path / "afile"), 0.01)
+    blocked = tmp_path / "blocked"
+    blocked.write_text("x")  # a file where the cache's parent folder should be
+    with pytest.raises(UserError, match=r"data.cache_dir = '.*blocked/cache': cannot write there"):
+        data_mod.default_corpus_dir(str(blocked / "cache"), 0.01)
+
 def test_a_folder_prepared_before_document_files_still_loads(tmp_path):
     folder = tmp_path / "old"
     folder.mkdir()

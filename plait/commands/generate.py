@@ -29,6 +29,9 @@ def run(args, extra) -> int:
         raise bad_value("--temperature", args.temperature, "must be zero (greedy) or a positive number")
     if args.top_k < 0:
         raise bad_value("--top-k", args.top_k, "must be zero (off) or more")
+    from plait.validate import check_seed
+
+    check_seed("--seed", args.seed)
     from plait.generate import sample
     from plait.train import model_from_checkpoint
 
