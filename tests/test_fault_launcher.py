@@ -22,6 +22,10 @@ from plait.cli import main
 STEPS = 30
 
 
+# the layout `_start` runs, which the line's resume command repeats (a resume takes the run's config, not its layout)
+LAYOUT = "--nproc 2 --dp 2 --zero 3 --parallel.timeout_s 20.0"
+
+
 def _start(corpus, run, marker, **kw) -> subprocess.Popen:
     """`plait train --nproc 2` in a session of its own, rank 0 burning a second of CPU a step (workers
     that ignored a stop would go on training), once it has logged step 3."""
@@ -105,7 +109,7 @@ def test_ctrl_c_stops_every_worker_at_once_and_says_where_to_continue(corpus, tm
     assert code == 130 and took < 10, (code, took, err)
     last = err.strip().splitlines()[-1]
     assert last.startswith("plait train: interrupted; the newest valid checkpoint is step_0000000") and \
-        last.endswith(f"continue with `plait train --out {run} --resume`") and "Traceback" not in err, err
+        last.endswith(f"continue with `plait train --out {run} --resume {LAYOUT}`") and "Traceback" not in err, err
     assert len(rows(run)) < STEPS and not with_marker(marker)
 
 
@@ -127,7 +131,7 @@ def test_sigusr1_saves_the_step_every_rank_is_at_and_stops(corpus, tmp_path, to)
     assert code == 143 and took < 10 and stopped < STEPS, (code, took, err)
     assert f"plait: SIGUSR1: stopped after step {stopped}, its checkpoint saved" in err, err
     assert err.strip().splitlines()[-1] == (f"plait train: stopped by SIGUSR1; the newest valid checkpoint is "
-                                            f"step_{stopped:08d}: continue with `plait train --out {run} --resume`")
+                                            f"step_{stopped:08d}: continue with `plait train --out {run} --resume {LAYOUT}`")
     assert ckpt.verify(step_dir(run, stopped)) is None and not with_marker(marker)
     # what a torchrun restart of these workers reads, so as not to train on (tests/test_user_launch.py)
     assert json.loads((run / "stopped.json").read_text()) == {"signal": "SIGUSR1", "step": stopped}

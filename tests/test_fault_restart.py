@@ -193,7 +193,8 @@ def test_a_killed_rank_without_restarts_ends_in_one_line_that_says_how_to_contin
     # the peer may or may not have failed too before the launcher stopped it ("1 other rank(s) failed after it")
     assert lines[0].startswith("plait train: error: rank 1 failed: process ended with signal SIGKILL") and \
         lines[0].endswith("; the newest valid checkpoint is step_00000002: continue with "
-                          f"`plait train --out {run} --resume`; --train.max_restarts K restarts it by itself"), lines[0]
+                          f"`plait train --out {run} --resume --nproc 2 --dp 2 --zero 2 --parallel.timeout_s 20.0`; "
+                          "--train.max_restarts K restarts it by itself"), lines[0]
     assert_no_workers_left()
     monkeypatch.delenv("PLAIT_FAULTS")
     with bounded(90):  # what the line says to do works

@@ -77,8 +77,11 @@ def test_a_flipped_bit_in_one_replica_is_caught_at_the_next_check(corpus, tmp_pa
     assert code == 1 and last.startswith(
         "plait train: error: rank 0 failed: ReplicaMismatch: replica check at step 4: rank(s) [1] hold "
         "parameters that differ from ranks [0, 2]"), err
-    assert f"the newest valid checkpoint is step_00000002: continue with `plait train --out {run} --resume`" in last
+    assert f"the newest valid checkpoint is step_00000002: continue with `plait train --out {run} --resume --nproc 3 --dp 3 --parallel.timeout_s 20.0`" in last
     assert "restart" not in err.replace("max_restarts", "")  # a corrupted replica is not restarted over
+    # the line says what to do: the ranks' stacks go to the run folder, not 40 lines above it
+    assert "Traceback" not in err and f"(each failed rank's traceback: {run / 'failure-tracebacks.txt'})" in last
+    assert "--- rank 0 ---\nTraceback" in (run / "failure-tracebacks.txt").read_text()
     assert [x["step"] for x in rows(run)] == [1, 2, 3]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000002"]  # none after the flip
     assert_no_workers_left()

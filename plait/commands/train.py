@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 NAME = "train"
@@ -120,11 +121,52 @@ def how_to_continue(cfg) -> str:
     folder = ckpt.latest_valid(out / "checkpoints", log=lambda m: None) if (out / "checkpoints").is_dir() else None
     if folder is None:
         return "no checkpoint was saved: run the command again"
-    return f"the newest valid checkpoint is {folder.name}: continue with `plait train --out {out} --resume`"
+    return (f"the newest valid checkpoint is {folder.name}: continue with "
+            f"`plait train --out {out} --resume{layout_flags(cfg)}`")
 
 
-def failure_line(cfg, e) -> str:
-    """What failed, and how the run goes on from what it saved."""
+def layout_flags(cfg) -> str:
+    """The layout as flags (' --nproc 2 --dp 2 --zero 3'): a resume takes the run's config but not its
+    layout, and without them the suggested command went on in one process at a smaller batch."""
+    from dataclasses import fields
+
+    from plait.config import ParallelConfig
+
+    if os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID"):
+        return ""  # the launcher holds the layout's processes; its own command starts them again
+    short = {key: flag for flag, (section, key) in ALIASES.items() if section == "parallel"}
+    default = ParallelConfig()
+    out = []
+    for f in fields(ParallelConfig):
+        value = getattr(cfg.parallel, f.name)
+        if value != getattr(default, f.name):
+            flag = short.get(f.name, f"parallel.{f.name}")
+            out.append(f" --{flag} {str(value).lower() if isinstance(value, bool) else value}")
+    return "".join(out)
+
+
+# failures whose line says all a user acts on: a timed-out or broken collective, a replica check, a
+# rank the watchdog found still running (their stacks go to the run folder, not the terminal)
+SAYS_ENOUGH = ("CollectiveError", "ReplicaMismatch", "TimeoutError: rank", "DistNetworkError")
+TRACEBACKS = "failure-tracebacks.txt"
+
+
+def keep_tracebacks(cfg, e) -> str:
+    """Write every failed rank's traceback into the run folder; returns where, for the error line."""
+    from pathlib import Path
+
+    if not any(e.tracebacks.values()):
+        return ""
+    path = Path(cfg.train.out).expanduser() / TRACEBACKS
+    try:
+        path.write_text("".join(f"--- rank {r} ---\n{tb.rstrip()}\n" for r, tb in sorted(e.tracebacks.items()) if tb))
+    except OSError:  # a full or read-only disk: the line says the rest
+        return ""
+    return f" (each failed rank's traceback: {path})"
+
+
+def failure_line(cfg, e, kept: str = "") -> str:
+    """What failed, and how the run goes on from what it saved (`kept`: where the tracebacks went)."""
     from plait.supervise import NOT_RESTARTED
 
     final = str(e.message).startswith(NOT_RESTARTED)  # the supervisor does not restart over these
@@ -133,7 +175,7 @@ def failure_line(cfg, e) -> str:
     auto = "" if final or cfg.train.max_restarts else "; --train.max_restarts K restarts it by itself"
     program = final and not str(e.message).startswith("ReplicaMismatch")  # a replica mismatch has its own advice
     repeats = "; a restart meets it again: fix its cause first" if program else ""
-    return f"{e}{tried}{repeats}; {how_to_continue(cfg)}{auto}"
+    return f"{e}{kept}{tried}{repeats}; {how_to_continue(cfg)}{auto}"
 
 
 def _peer_loss_line(e: BaseException) -> str | None:
@@ -163,9 +205,10 @@ def run(args, extra) -> int:
         print(f"plait {NAME}: stopped by {e.signame}; {how_to_continue(cfg)}", file=sys.stderr)
         return 143
     except SpawnError as e:  # a worker died or raised: not the user's input, but one report, not the launcher's stack
-        if e.traceback:
+        kept = keep_tracebacks(cfg, e)
+        if e.traceback and not str(e.message).startswith(SAYS_ENOUGH):
             print(e.traceback.rstrip(), file=sys.stderr)  # a Python error: where it came from
-        print(f"plait {NAME}: error: {failure_line(cfg, e)}", file=sys.stderr)
+        print(f"plait {NAME}: error: {failure_line(cfg, e, kept)}", file=sys.stderr)
         return 1
     except Exception as e:  # noqa: BLE001 - only a peer's loss is turned into a line; anything else is re-raised
         line = _peer_loss_line(e)
