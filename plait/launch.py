@@ -104,6 +104,8 @@ def init_distributed(parallel, device_type: str = "cpu", env=None, agree: dict |
     from plait.parallel.dims import ParallelDims
 
     le = detect_launch(env)
+    if le is not None and le.world_size > 1:
+        _resolvable(le, env)  # before srun's address is published as MASTER_ADDR below
     if le is None:
         if parallel.nproc > 1:
             raise bad_value("parallel.nproc", parallel.nproc, "this process was not started by a launcher; "
@@ -170,6 +172,22 @@ def init_distributed(parallel, device_type: str = "cpu", env=None, agree: dict |
     dims.build_mesh(device_type, parallel.timeout_s)
     dims.device = device
     return dims
+
+
+def _resolvable(le, env=None) -> None:
+    """Rank 0's host must resolve: a name that does not (a typo, a node list cut short) waited the whole
+    parallel.timeout_s in the rendezvous, printing native stack frames, and then blamed ranks that
+    "did not all come"."""
+    import socket
+
+    try:
+        socket.getaddrinfo(le.master_addr, le.master_port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as e:
+        given = "MASTER_ADDR" in (os.environ if env is None else env)
+        where = f"MASTER_ADDR = {le.master_addr!r}" if given else (
+            f"rank 0's host {le.master_addr!r} (the first of the SLURM node list)")
+        raise UserError(f"{where}: no such host ({getattr(e, 'strerror', None) or e}); set MASTER_ADDR to rank 0's "
+                        "hostname or IP address") from None
 
 
 def _shared_gpu(procs: int, gpus: int) -> UserError:

@@ -79,6 +79,30 @@ def _torchrun_env(monkeypatch, **extra):
         monkeypatch.setenv(k, v)
 
 
+@pytest.mark.parametrize("extra, says", [
+    (dict(MASTER_ADDR="no-such-host.invalid"), "MASTER_ADDR = 'no-such-host.invalid': no such host"),
+    # srun without MASTER_ADDR: the node list's first host, here a list cut short
+    (dict(SRUN, SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_STEP_NODELIST="gpu[01-04"),
+     "rank 0's host 'gpu[01-04' (the first of the SLURM node list): no such host"),
+])
+def test_a_host_that_does_not_resolve_is_one_line_not_a_timeout(corpus, tmp_path, monkeypatch, capsys, extra, says):
+    """It waited the whole parallel.timeout_s in the rendezvous, printing native stack frames, and
+    then said the other ranks "did not all come"."""
+    import time
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PLAIT_SPAWNED",
+              "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", *SRUN):
+        monkeypatch.delenv(k, raising=False)
+    env = extra if "SLURM_PROCID" in extra else dict(TORCHRUN, **extra)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    t0 = time.perf_counter()
+    assert cli.main(cli_train(corpus, tmp_path / "run", {}, extra=["--parallel.timeout_s", "30"])) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0], err
+    assert time.perf_counter() - t0 < 20
+
+
 def test_nproc_under_torchrun_is_refused_before_the_run_folder_is_made(corpus, tmp_path, monkeypatch, capsys):
     # it was refused only once every rank had passed preflight: `--out` was left holding a .lock
     _torchrun_env(monkeypatch)
