@@ -94,7 +94,12 @@ class MetricsLog:
         if folder is None:
             return
         folder = Path(folder)
-        self.file = open(folder / "metrics.jsonl", "a", buffering=1)
+        try:
+            self.file = open(folder / "metrics.jsonl", "a", buffering=1)
+        except OSError as e:  # a folder of that name, a read-only file: one line, not a traceback per rank
+            from plait.checkpoint import file_write_error
+
+            raise file_write_error(folder / "metrics.jsonl", e) from None
         self.trackers.append(f"metrics.jsonl ({folder / 'metrics.jsonl'})")
         if tensorboard:
             try:

@@ -199,3 +199,12 @@ def test_a_full_disk_under_the_metrics_is_one_line_and_not_restarted(corpus, tmp
     assert rc == 2 and f"cannot write {run / 'metrics.jsonl'}: No space left on device [errno 28]" in line, err
     assert "restart" not in err.replace("--resume", "")
     assert_no_workers_left()
+
+
+def test_a_folder_where_the_metrics_file_goes_is_one_line(corpus, tmp_path, capfd):
+    """metrics.jsonl made a folder (by hand, by a sync tool): an IsADirectoryError traceback."""
+    run = tmp_path / "run"
+    (run / "metrics.jsonl").mkdir(parents=True)
+    assert main(train_args(corpus, run, 2)) == 2
+    line = _one_error_line(capfd.readouterr().err)
+    assert f"cannot write {run / 'metrics.jsonl'}: Is a directory [errno 21]" in line, line
