@@ -216,7 +216,7 @@ class ParallelConfig:
     cp_impl: str = "ring"
     """How context-parallel attention sees the other ranks' tokens: ring (K/V blocks pass around the cp ranks, overlapped with attention; any head count) or ulysses (all-to-all from sequence to heads and back around a fused attention kernel; needs the heads per tensor-parallel rank divisible by cp)."""
     gpus_per_node: int = 8
-    """GPUs per node, used to keep tensor-parallel groups inside a node."""
+    """GPUs per node for `plait mesh` and `plait plan` (a run's nodes are what its launcher started: processes per node)."""
     allow_cross_node_tp: bool = False
     """Warn instead of refusing when a tensor-parallel group would span nodes."""
     bind_cpus: str = "auto"

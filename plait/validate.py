@@ -261,8 +261,8 @@ def validate_parallel(cfg: Config):
             need *= max(1, getattr(p, n)) if n != "dp_shard" or p.dp_shard != -1 else 1
         raise bad_value(f"parallel.{name}", deg, f"needs {need} processes (one per GPU) but one would run: "
                         f"add --nproc {need}")
-    if not p.allow_cross_node_tp:
-        rules.check_tp_in_node(p.tp, p.gpus_per_node)
+    # a run's nodes are what its launcher started (processes per node), not parallel.gpus_per_node: that
+    # field refused `--nproc 2 --tp 2 --parallel.gpus_per_node 1`, whose group sits in one machine
     dims = ParallelDims.from_config(p, world)
     dims.check_placement(per_node, p.allow_cross_node_tp)  # refuses; a permitted crossing warns in the workers
     return dims

@@ -77,7 +77,8 @@ def test_an_hf_export_evaluates_like_its_checkpoint(run, corpus, tmp_path, capsy
     ("wide_vocab", "has vocabulary 300, larger than the model's 256"),
     ("other_tokenizer", "was prepared with another tokenizer than the checkpoint's"),
     ("long", "--seq-len = 70: exceeds the model's max_seq_len 64"),
-    ("negative", "--batches = -1: must be positive"),
+    ("negative", "--batches = -1: must be a positive integer"),
+    ("zero", "--batch-size = 0: must be a positive integer (leave it out for the run's value)"),  # was the default
     ("no_val", "has no validation split (prepared with --val-fraction 0)"),
     # a device torch does not know, or one plait does not run on, was a traceback from deep in torch
     ("unknown_device", "--device = 'foo': is not a device; use cpu, cuda or cuda:N"),
@@ -104,6 +105,8 @@ def test_eval_errors_are_one_line(run, corpus, tmp_path, capsys, case, needle):
         extra = ["--seq-len", "70"]
     elif case == "negative":
         extra = ["--batches", "-1"]
+    elif case == "zero":
+        extra = ["--batch-size", "0"]
     elif case in ("unknown_device", "mps"):
         extra = ["--device", {"unknown_device": "foo"}.get(case, case)]
     elif case == "no_val":

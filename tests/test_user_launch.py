@@ -103,6 +103,20 @@ def test_a_host_that_does_not_resolve_is_one_line_not_a_timeout(corpus, tmp_path
     assert time.perf_counter() - t0 < 20
 
 
+def test_tensor_parallel_groups_are_placed_by_the_processes_each_node_runs(corpus, tmp_path, monkeypatch, capsys):
+    """A TP group across nodes is refused by where the launcher put the ranks; parallel.gpus_per_node
+    (the planner's and `plait mesh`'s) refused `--nproc 4 --tp 4 --parallel.gpus_per_node 2`, one
+    machine's four processes, and with --parallel.allow_cross_node_tp the run gave no warning."""
+    from plait.config import build_config
+    from plait.validate import validate_config
+
+    validate_config(build_config({"parallel": {"nproc": 4, "tp": 4, "gpus_per_node": 2}}))
+    _torchrun_env(monkeypatch, WORLD_SIZE="4", LOCAL_WORLD_SIZE="2")  # two nodes of two
+    assert cli.main(cli_train(corpus, tmp_path / "run", {}, extra=["--tp", "4"])) == 2
+    assert ("parallel.tp = 4: 1 tensor-parallel group(s) span nodes of 2 GPUs (e.g. ranks [0, 1, 2, 3])"
+            in capsys.readouterr().err)
+
+
 def test_nproc_under_torchrun_is_refused_before_the_run_folder_is_made(corpus, tmp_path, monkeypatch, capsys):
     # it was refused only once every rank had passed preflight: `--out` was left holding a .lock
     _torchrun_env(monkeypatch)

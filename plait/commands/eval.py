@@ -24,9 +24,9 @@ def add_arguments(p) -> None:
                    help="a step_XXXXXXXX folder, a run folder (newest valid checkpoint) or a HuggingFace Llama folder")
     p.add_argument("--data", default="", help="a folder made by `plait data prepare`; its validation split is read "
                    "(default: the data the checkpoint's run trained on)")
-    p.add_argument("--batches", type=int, default=0, help="batches to average (default: the run's validation set, train.eval_batches global batches)")
-    p.add_argument("--batch-size", type=int, default=0, help="sequences per batch (default: the run's train.micro_batch)")
-    p.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (default: the run's train.seq_len; an HF folder's: "
+    p.add_argument("--batches", type=int, default=None, help="batches to average (default: the run's validation set, train.eval_batches global batches)")
+    p.add_argument("--batch-size", type=int, default=None, help="sequences per batch (default: the run's train.micro_batch)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the run's train.seq_len; an HF folder's: "
                    "256, or its max_position_embeddings if shorter)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
 
@@ -38,9 +38,11 @@ def run(args, extra) -> int:
     from plait.data import TokenData
     from plait.errors import bad_value
 
-    for flag in ("batches", "batch_size", "seq_len"):
-        if getattr(args, flag) < 0:
-            raise bad_value(f"--{flag.replace('_', '-')}", getattr(args, flag), "must be positive (0 = the run's value)")
+    for flag in ("batches", "batch_size", "seq_len"):  # 0 read as "the run's value" where a user typed it
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise bad_value(f"--{flag.replace('_', '-')}", getattr(args, flag), "must be a positive integer (leave it "
+                            "out for the run's value)")
+        setattr(args, flag, getattr(args, flag) or 0)
     path = args.data or run_data(args.checkpoint)
     data = TokenData(path, field="--data")  # before the model: a wrong folder costs no loading
     r = evaluate(args.checkpoint, data, batches=args.batches, batch_size=args.batch_size,
