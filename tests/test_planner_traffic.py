@@ -158,3 +158,21 @@ def test_alpha_beta():
     assert t == pytest.approx(3 * 5e-6 + 0.75e9 / 100e9)
     assert collective_time_s("all_reduce", 1e9, 1, link) == 0
     assert math.isclose(collective_time_s("send_recv", 0, 2, link), 5e-6)
+
+
+def test_the_ring_is_timed_for_the_bytes_its_traffic_table_counts():
+    """The ring's backward passes the K/V blocks again and the fp32 dK/dV accumulators, one hop further
+    (the traffic table's two rows); its time was priced as twice the K/V blocks' alone (at cp 2 in
+    bf16: 2 units of a block against 5). On a link so slow that attention hides nothing, the time
+    is the table's bytes over the link."""
+    import dataclasses
+
+    from plait.planner import inputs
+    from plait.planner.hardware import cluster
+    from plait.planner.predict import predict
+
+    c = cluster("h100", 1, 2)
+    c = dataclasses.replace(c, intra=dataclasses.replace(c.intra, gbps=0.5, latency_us=0.0))
+    p = predict(inputs.model_dims("1b", seq=8192), inputs.make_layout(c, cp=2, micro_batch=1), c, 2, "mixed")
+    t = p.traffic["cp"]
+    assert p.time_s["cp"] == pytest.approx(sum(x.time_s(t.link) for x in t.collectives), rel=0.02)

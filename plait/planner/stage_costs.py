@@ -242,7 +242,10 @@ def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, m: int =
     else:
         cp_s = Collective("send_recv", kv_chunk, cp, cp - 1, "").time_s(links["cp"][0]) if cp > 1 else 0.0
         cp_f = sum(hide((("send_recv", cp_s),), lt.attention_forward_s, c, cp))
-        cp_b = sum(hide((("send_recv", 2 * cp_s),), 2.5 * lt.attention_forward_s, c, cp))  # K/V again plus dK/dV
+        # backward: the K/V blocks again, and the dK/dV accumulators (fp32) beside them, which travel one
+        # hop further, home (plait/parallel/context.py; the traffic table counts the same bytes)
+        dkv_s = Collective("send_recv", kv_chunk * 4 / e, cp, cp, "").time_s(links["cp"][0]) if cp > 1 else 0.0
+        cp_b = sum(hide((("send_recv", cp_s + dkv_s),), 2.5 * lt.attention_forward_s, c, cp))
         if cp > 1:  # the ring's own element-wise work: merges, accumulators, copies (plait/parallel/context.py)
             from plait.parallel.context import bookkeeping_bytes
 
