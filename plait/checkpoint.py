@@ -129,9 +129,15 @@ def _verify(folder: Path, hash_files: bool) -> str | None:
     if not manifest.is_file():
         return "manifest.json missing (save did not finish)"
     try:
-        entries = json.loads(manifest.read_text())["files"]
+        doc = json.loads(manifest.read_text())
+        entries = doc["files"]
     except (ValueError, KeyError, TypeError):
         return "manifest.json unreadable"
+    named = _STEP_DIR.match(Path(folder).name)
+    # the newest is found by the folder's name: a renamed folder (step_25 holding step 15) was resumed
+    # as the newest, and the steps after its own redone
+    if named and isinstance(doc, dict) and isinstance(doc.get("step"), int) and doc["step"] != int(named.group(1)):
+        return f"its folder is named for step {int(named.group(1))} but it holds step {doc['step']} (renamed?)"
     # a hand-edited manifest ({"files": {}}, an entry without its size) passed, or raised a KeyError
     if not isinstance(entries, dict) or not entries or not all(
             isinstance(i, dict) and isinstance(i.get("bytes"), int) and isinstance(i.get("sha256"), str)

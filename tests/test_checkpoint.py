@@ -35,6 +35,19 @@ def test_truncated_and_altered_are_detected_and_skipped(tmp_path):
     assert len(msgs) == 2 and all("\n" not in m and "skipped" in m for m in msgs)
 
 
+def test_a_renamed_checkpoint_is_not_taken_for_a_newer_one(tmp_path):
+    """The newest is found by the folder's name: step_25 holding step 15 was resumed as the newest
+    (and the steps after 20 redone)."""
+    saver = Saver(tmp_path, keep_last=5)
+    for step in (15, 20):
+        _save(saver, step)
+    (tmp_path / "step_00000015").rename(tmp_path / "step_00000025")
+    msgs = []
+    assert latest_valid(tmp_path, log=msgs.append) == tmp_path / "step_00000020"
+    assert msgs == [f"checkpoint {tmp_path / 'step_00000025'} skipped: its folder is named for step 25 but it "
+                    "holds step 15 (renamed?)"]
+
+
 def test_a_damaged_newer_checkpoint_does_not_count_as_kept(tmp_path):
     """Resuming past a damaged step 30 with keep_last 1 and saving step 25: step 25 is kept (the
     damaged one counted as the one kept, and the step resumed from and the new save were deleted)."""
