@@ -7,10 +7,12 @@ rotate-half layout as HF Llama, so weights map one to one with no permutation.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from plait.config import ModelConfig
@@ -30,6 +32,8 @@ _LAYER_MAP = {  # HF suffix under model.layers.{i}. -> plait suffix under layers
 _TOP_MAP = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
             "lm_head.weight": "output.weight"}
 MAX_SHARD_BYTES = 5 * 1024**3
+_AGAIN = "download the model again (a plait export: run `plait hf export` again)"
+"""The fix for a damaged file of an HF folder: a download or copy cut short, or an edit gone wrong."""
 
 
 def hf_to_plait_name(name: str) -> str | None:
@@ -76,7 +80,7 @@ def write_special_tokens(out: Path, tokenizer) -> None:
             {"tokenizer_class": "PreTrainedTokenizerFast", **{k: v for k, v in names.items() if v is not None}}, indent=1))
 
 
-def tokenizer_of(path: str | Path, vocab_size: int):
+def tokenizer_of(path: str | Path, vocab_size: int, field: str = "--checkpoint"):
     """The tokenizer of an HF folder: its tokenizer.json, or bytes where plait's export said so (or
     the vocabulary is bytes' 256); None when the folder does not say (it was taken for bytes, and
     `generate` decoded a 32k model's ids as garbage, silently)."""
@@ -85,7 +89,7 @@ def tokenizer_of(path: str | Path, vocab_size: int):
     p = Path(path)
     if (p / "tokenizer.json").is_file():
         return HFTokenizer(p / "tokenizer.json")
-    if json.loads((p / "config.json").read_text()).get(BYTE_LEVEL) == "bytes" or vocab_size == 256:
+    if _read_json(p / "config.json", path, field).get(BYTE_LEVEL) == "bytes" or vocab_size == 256:
         return ByteTokenizer()
     return None
 
@@ -102,42 +106,128 @@ def is_hf_dir(path: str | Path) -> bool:
     return (Path(path) / "config.json").is_file()
 
 
+_JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
+               type(None): "null"}
+
+
+def _read_json(f: Path, path: str | Path, field: str) -> dict:
+    """The JSON object in file `f` of the folder `path`; a file that is not one (cut short, not JSON,
+    an array...) is one line naming `field`, not a JSONDecodeError or AttributeError traceback."""
+    try:
+        c = json.loads(f.read_bytes())  # bytes: json finds the UTF encoding itself
+    except OSError as e:
+        raise bad_value(field, str(path), f"has a {f.name} that cannot be read ({e.strerror or e}); make it "
+                        "readable by this user") from None
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError both
+        raise bad_value(field, str(path), f"{f.name} is not valid JSON ({e}): the file is damaged or cut short; "
+                        f"{_AGAIN}") from None
+    if not isinstance(c, dict):
+        raise bad_value(field, str(path), f"{f.name} holds {_JSON_KINDS.get(type(c), 'a value')}, not the JSON object "
+                        f"a {f.name} is: the file is damaged; {_AGAIN}")
+    return c
+
+
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+"""The keys of every Llama config.json (transformers writes them all); the others have defaults."""
+
+
+def _setting(c: dict, key: str, path, field: str, default=None, whole: bool = True, file: str = "config.json"):
+    """`c[key]`, a positive whole number (or any positive number), `default` where absent or null; a
+    value of another kind is one line, not a TypeError traceback (or a string model built)."""
+    v = c.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int if whole else (int, float)) or not 0 < v < math.inf:
+        kind = "positive whole number" if whole else "positive number"
+        raise bad_value(field, str(path), f"{file} has {key} = {v!r} where a {kind} belongs: the file is damaged "
+                        f"or was edited wrongly; correct it, or {_AGAIN}")
+    return v
+
+
 def config_from_hf(path: str | Path, field: str = "--hf") -> ModelConfig:
+    """The model config.json describes, checked as far as plait builds it: a damaged folder (config.json
+    or tokenizer.json cut short, a key missing or of another kind) is one line naming `field`."""
     p = Path(path)
     if not (p / "config.json").is_file():
         raise bad_value(field, str(path), "holds no config.json; give a HuggingFace Llama model folder")
-    c = json.loads((p / "config.json").read_text())
+    c = _read_json(p / "config.json", path, field)
     if c.get("model_type") not in ("llama", None):
         raise bad_value(field, str(path), f"is a {c.get('model_type')!r} model; plait loads Llama-architecture models")
     if c.get("hidden_act", "silu") != "silu" or c.get("attention_bias") or c.get("mlp_bias"):
         raise bad_value(field, str(path), "uses biases or a non-SiLU activation, which plait's Llama does not have")
-    heads = c["num_attention_heads"]
-    if c.get("head_dim") not in (None, c["hidden_size"] // heads):
+    missing = [k for k in _REQUIRED if c.get(k) is None]  # a null one too
+    if missing:
+        raise bad_value(field, str(path), f"config.json lacks {', '.join(map(repr, missing))}, which every Llama "
+                        f"config.json has: the file is damaged or not a model's config; {_AGAIN}")
+    n = {k: _setting(c, k, path, field) for k in _REQUIRED}
+    heads = n["num_attention_heads"]
+    if _setting(c, "head_dim", path, field) not in (None, n["hidden_size"] // heads):
         raise bad_value(field, str(path), f"has head_dim {c['head_dim']} != hidden_size/heads; not supported")
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-    theta = c.get("rope_theta", rope.get("rope_theta", 10000.0))
+    if not isinstance(rope, dict):
+        raise bad_value(field, str(path), f"config.json has rope_parameters/rope_scaling = {rope!r} where an object "
+                        f"belongs: the file is damaged or was edited wrongly; correct it, or {_AGAIN}")
+    # rope_theta beside rope_parameters (transformers 4.x) or inside it (5.x); null counts as absent
+    theta = _setting(c, "rope_theta", path, field, None, whole=False) or _setting(
+        rope, "rope_theta", path, field, 10000.0, whole=False, file="config.json's rope_parameters")
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ("default", "llama3"):
         raise bad_value(field, str(path), f"uses RoPE type {kind!r}; plait supports default and llama3")
-    m = ModelConfig(preset="custom", vocab_size=c["vocab_size"], dim=c["hidden_size"],
-                    n_layers=c["num_hidden_layers"], n_heads=heads,
-                    n_kv_heads=c.get("num_key_value_heads") or heads, ffn_dim=c["intermediate_size"],
-                    max_seq_len=c.get("max_position_embeddings", 2048), rope_theta=float(theta),
-                    norm_eps=c.get("rms_norm_eps", 1e-5), tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-                    init_std=c.get("initializer_range", 0.02))
+    tie = c.get("tie_word_embeddings", False)
+    if not isinstance(tie, (bool, type(None))):  # bool("false") is True: a string tied the weights
+        raise bad_value(field, str(path), f"config.json has tie_word_embeddings = {tie!r} where true or false "
+                        f"belongs: the file is damaged or was edited wrongly; correct it, or {_AGAIN}")
+    m = ModelConfig(preset="custom", vocab_size=n["vocab_size"], dim=n["hidden_size"],
+                    n_layers=n["num_hidden_layers"], n_heads=heads,
+                    n_kv_heads=_setting(c, "num_key_value_heads", path, field, heads), ffn_dim=n["intermediate_size"],
+                    max_seq_len=_setting(c, "max_position_embeddings", path, field, 2048),
+                    rope_theta=float(theta),
+                    norm_eps=float(_setting(c, "rms_norm_eps", path, field, 1e-5, whole=False)),
+                    tie_embeddings=bool(tie),
+                    init_std=float(_setting(c, "initializer_range", path, field, 0.02, whole=False)))
     if kind == "llama3":
-        m.rope_scaling = float(rope["factor"])
-        m.rope_low_freq_factor = float(rope["low_freq_factor"])
-        m.rope_high_freq_factor = float(rope["high_freq_factor"])
-        m.rope_original_max_len = int(rope["original_max_position_embeddings"])
+        where = "config.json's rope_parameters"
+        gone = [k for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+                if rope.get(k) is None]
+        if gone:
+            raise bad_value(field, str(path), f"{where} (rope_type llama3) lacks {', '.join(map(repr, gone))}: the "
+                            f"file is damaged; {_AGAIN}")
+        m.rope_scaling = float(_setting(rope, "factor", path, field, whole=False, file=where))
+        m.rope_low_freq_factor = float(_setting(rope, "low_freq_factor", path, field, whole=False, file=where))
+        m.rope_high_freq_factor = float(_setting(rope, "high_freq_factor", path, field, whole=False, file=where))
+        m.rope_original_max_len = _setting(rope, "original_max_position_embeddings", path, field, file=where)
+    _check_tokenizer_file(p, field)
     return m
+
+
+def _check_tokenizer_file(p: Path, field: str) -> None:
+    """A tokenizer.json that `tokenizers` cannot read, said under `field`. Checked here, where every
+    command passes the field the user gave (`tokenizer_of`'s callers do not): `HFTokenizer`'s own
+    line named --tokenizer, a flag the user never gave. Costs a second read of the file (~0.3 s for
+    a 128k vocabulary), small beside the weights."""
+    f = p / "tokenizer.json"
+    if not f.is_file():
+        return
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:  # `tokenizer_of` says to install it
+        return
+    try:
+        Tokenizer.from_file(str(f))
+    except Exception as e:  # the library raises a plain Exception on a bad file
+        raise bad_value(field, str(p), f"has a tokenizer.json the tokenizers library cannot read ({e}): the file "
+                        f"is damaged or cut short; {_AGAIN}") from None
 
 
 def _weight_files(path: str | Path, field: str) -> list[Path]:
     p = Path(path)
     index = p / "model.safetensors.index.json"
     if index.is_file():
-        files = [p / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        weight_map = _read_json(index, path, field).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise bad_value(field, str(path), f"{index.name} has no \"weight_map\" of tensor names to file names: "
+                            f"the file is damaged; {_AGAIN}")
+        files = [p / f for f in sorted(set(weight_map.values()))]
         gone = [f.name for f in files if not f.is_file()]
         if gone:  # was a FileNotFoundError traceback from the loader
             raise bad_value(field, str(path), f"has an index naming {', '.join(gone[:3])}, which the folder does not "
@@ -157,6 +247,24 @@ def _check_names(path, names, cfg: ModelConfig, field: str) -> None:
                         "match its config.json")
 
 
+def _damaged(f: Path, path, field: str, e: Exception) -> UserError:
+    """What to say of a safetensors file the library refused (SafetensorError, OSError): was a
+    traceback from inside safetensors."""
+    if isinstance(e, OSError):
+        return bad_value(field, str(path), f"has a {f.name} that cannot be read ({e.strerror or e}); make it "
+                         "readable by this user")
+    try:
+        with open(f, "rb") as fh:
+            lfs = fh.read(64).startswith(b"version https://git-lfs")
+    except OSError:
+        lfs = False
+    if lfs:  # a clone without git-lfs holds pointers: a common way to get a "model" of 130 bytes
+        return bad_value(field, str(path), f"has a {f.name} that is a Git LFS pointer, not the weights: run "
+                         "`git lfs pull` in the folder, or download the model again")
+    return bad_value(field, str(path), f"has a {f.name} that safetensors cannot read ({e}): the file is damaged "
+                     f"or cut short; {_AGAIN}")
+
+
 def check_hf_weights(path: str | Path, cfg: ModelConfig, field: str = "--hf") -> None:
     """That the folder's safetensors hold every tensor `cfg` needs, in the shapes its config.json
     makes, from their headers alone (no tensor is read): said before a run starts, not by its workers
@@ -169,7 +277,11 @@ def check_hf_weights(path: str | Path, cfg: ModelConfig, field: str = "--hf") ->
         want = {n: tuple(t.shape) for n, t in Transformer(cfg).named_parameters()}
     names = []
     for f in _weight_files(path, field):
-        with safe_open(str(f), framework="pt") as fh:
+        try:
+            fh = safe_open(str(f), framework="pt")  # reads and checks the header, and the file's size
+        except (SafetensorError, OSError) as e:
+            raise _damaged(f, path, field, e) from None
+        with fh:
             for hf_name in fh.keys():
                 name = hf_to_plait_name(hf_name)
                 if name is None:
@@ -188,7 +300,11 @@ def load_hf_weights(path: str | Path, cfg: ModelConfig, field: str = "--hf") -> 
     check_hf_weights(path, cfg, field)
     out: dict[str, torch.Tensor] = {}
     for f in _weight_files(path, field):
-        for name, t in load_file(str(f)).items():
+        try:
+            tensors = load_file(str(f))
+        except (SafetensorError, OSError) as e:  # changed since checked: still one line
+            raise _damaged(f, path, field, e) from None
+        for name, t in tensors.items():
             plait_name = hf_to_plait_name(name)
             if plait_name is not None:
                 out[plait_name] = t
