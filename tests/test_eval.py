@@ -151,6 +151,8 @@ def test_a_damaged_newer_checkpoint_is_skipped_and_said_once(run, corpus, tmp_pa
     newest = sorted((r / "checkpoints").glob("step_*"))[-1]
     bad = newest.with_name("step_00000099")
     shutil.copytree(newest, bad)
+    manifest = json.loads((bad / "manifest.json").read_text())
+    (bad / "manifest.json").write_text(json.dumps({**manifest, "step": 99}))  # a newer save, not a renamed one
     f = bad / "model.pt"
     f.write_bytes(bytes(len(f.read_bytes())))  # altered, same size
     assert main(["eval", "--checkpoint", str(r), "--data", str(corpus)]) == 0
