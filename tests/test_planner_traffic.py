@@ -176,3 +176,24 @@ def test_the_ring_is_timed_for_the_bytes_its_traffic_table_counts():
     p = predict(inputs.model_dims("1b", seq=8192), inputs.make_layout(c, cp=2, micro_batch=1), c, 2, "mixed")
     t = p.traffic["cp"]
     assert p.time_s["cp"] == pytest.approx(sum(x.time_s(t.link) for x in t.collectives), rel=0.02)
+
+
+def test_tensor_parallel_is_timed_for_every_collective_its_traffic_table_counts():
+    """The step priced only the layers' TP collectives; those at the model's ends (the vocab-parallel
+    embedding's and loss's regions, the loss's logsumexp gather) and the step's all-reduce of partial
+    gradients were in the traffic table only. On a link too slow for anything to hide, the time is
+    the table's bytes over the link."""
+    import dataclasses
+
+    from plait.planner import inputs
+    from plait.planner.hardware import cluster
+    from plait.planner.predict import predict
+
+    c = cluster("h100", 1, 2)
+    c = dataclasses.replace(c, intra=dataclasses.replace(c.intra, gbps=0.05, latency_us=0.0))
+    for sp in (True, False):
+        p = predict(inputs.model_dims("1b", seq=2048), inputs.make_layout(c, tp=2, micro_batch=2, sp=sp), c, 4,
+                    "mixed")
+        t = p.traffic["tp"]
+        table = sum(x.time_s(t.link) for x in t.collectives)
+        assert p.time_s["tp"] + p.time_s["dp_sync"] == pytest.approx(table, rel=0.01), sp

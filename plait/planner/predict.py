@@ -356,11 +356,16 @@ def predict(d: ModelDims, lay: Layout, c: Cluster, global_batch: int,
     step, dp_exposed, opt_s = 0.0, 0.0, 0.0
     tied = _tied_sum(d, lay, prec)
     tied_s = tied.time_s(sc.links["pp"][0]) if tied is not None else 0.0
+    # the step's all-reduce of TP's partial gradients (SP's norm gains, shared K/V heads) after the
+    # backward, each pipeline rank its layers' share
+    partial = [x for x in (_tp_ends(d, lay, prec, m) if lay.tp > 1 else ()) if x.what.startswith("partial")]
+    partial_s = sum(x.time_s(sc.links["tp"][0]) for x in partial)
     for r in range(pp):
         psi = sc.rank_params[r]
         last_bwd = sum(sc.durations[r * v + ch][1] + sc.durations[r * v + ch][2] for ch in range(v))
         hidden, after = _sync_s(lay, psi, sc.last_params[r], m, prec, sc, _rows(d, lay, m, prec) if r == 0 else None)
         after += tied_s if r in (0, pp - 1) else 0.0
+        after += partial_s * sum(sc.layers[stage_of(lay.schedule, pp, r, ch)] for ch in range(v)) / d.layers
         room = last_bwd * (m if lay.zero == 2 else 1)
         exposed = sum(hide(hidden, room, c, lay.grad_group if lay.zero == 0 else lay.shard_group)) + after
         local = psi / (lay.shard_group if lay.zero >= 1 else 1)
@@ -376,6 +381,7 @@ def predict(d: ModelDims, lay: Layout, c: Cluster, global_batch: int,
     nl = sum(sc.layers[stage_of(lay.schedule, pp, b_rank, ch)] for ch in range(v))
     parts = {k: sc.layer[k] * nl * m for k in ("compute", "tp", "cp", "zero3")}
     parts["zero3"] += sc.root_zero3_s * m if b_rank == 0 else 0.0
+    parts["tp"] += sc.tp_ends_s[b_rank] * m if sc.tp_ends_s else 0.0
     parts["compute"] += busy - sum(parts.values())  # the output head, the embedding's share
     tail = max(0.0, step - makespan)
     # what the host leaves idle once a step (its syncs at the step's ends, its launches): measured

@@ -61,6 +61,9 @@ class StageCosts:
     root_zero3_s: float = 0.0
     """ZeRO-3's transfers exposed at a micro-batch's ends (the root unit's and the first and last
     blocks' gathers and reduce-scatters; what the head unit's leave), on rank 0, without a pipeline."""
+    tp_ends_s: tuple[float, ...] = ()
+    """Per pipeline rank, a micro-batch's TP collectives outside the layers (the vocab-parallel
+    embedding's and loss's regions, the loss's logsumexp gather): exposed, in its durations."""
     lockstep: float = 1.0
     """How much longer the job's GPUs take for their work than one alone, each waiting for the
     slowest at every collective (measured: `HardwareProfile.lockstep_slowdown`); in the durations."""
@@ -292,6 +295,19 @@ def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, m: int =
         rc = 0.0
     # a checkpoint policy that also recomputes some matmuls (another system's: Layout.recompute_matmuls)
     rc += lay.recompute_matmuls * (lt.forward_s - lt.attention_forward_s - lt.pointwise_forward_s)
+    # TP at the model's ends (plait/parallel/tensor.py; the traffic table's `_tp_ends`): the embedding
+    # leaves its vocab-parallel region in the forward (an all-reduce; SP: a reduce-scatter, and an
+    # all-gather in the backward), the loss enters one where the head runs (SP: an all-gather and a
+    # reduce-scatter; else the backward's all-reduce) and gathers each rank's logsumexp and target
+    # logit. Nothing runs beside them: they begin and end the micro-batch's work.
+    if tp > 1:
+        one = Collective("reduce_scatter" if sp else "all_reduce", act, tp, 1, "").time_s(tp_link)
+        other = Collective("all_gather", act, tp, 1, "").time_s(tp_link) if sp else 0.0
+        embed_f, embed_b = one, other  # SP: RS forward, AG backward; else the forward's all-reduce
+        loss_in = one + other
+        lse = Collective("all_gather", 2 * 4 * tokens * tp, tp, 1, "").time_s(tp_link)
+    else:
+        embed_f = embed_b = loss_in = lse = 0.0
     f1 = lt.forward_s + tp_s + cp_f + z3_f
     bi1 = lt.backward_input_s + tp_s + cp_b + z3_b + rc
     bw1 = lt.backward_weight_s
@@ -307,8 +323,11 @@ def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, m: int =
             head = head_f + head_b if last else 0.0
             # a zero-bubble schedule's fused loss defers the output matrix's gradient to W (plait/loss.py)
             head_w = head_wgrad if last and lay.head_wgrad_in_w else 0.0
-            f = n * f1 + (head if lay.head_in_forward else 0.0) + (root_f if st == 0 else 0.0)
-            bi = n * bi1 + (0.0 if lay.head_in_forward else head - head_w) + (root_b if st == 0 else 0.0)
+            ends = (loss_in + lse) if last else 0.0  # in the slot the head runs in
+            f = (n * f1 + (head + ends if lay.head_in_forward else 0.0) + (root_f if st == 0 else 0.0)
+                 + (embed_f if st == 0 else 0.0))
+            bi = (n * bi1 + (0.0 if lay.head_in_forward else head - head_w + ends) + (root_b if st == 0 else 0.0)
+                  + (embed_b if st == 0 else 0.0))
             bw = n * bw1 + head_w
             durs.append((f, bi, bw) if split else (f, bi + bw, 0.0))
     # GPUs that meet at every collective each wait for the slowest (plait/benchmarks/lockstep.py):
@@ -323,6 +342,8 @@ def stage_costs(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, m: int =
     parts = {"compute": lt.forward_s + lt.backward_s + rc - replay_s,
              "tp": 2 * tp_s + replay_s, "cp": cp_f + cp_b, "zero3": z3_f + z3_b}
     parts = {k: x * slow for k, x in parts.items()}
+    ends_s = tuple(((embed_f + embed_b) * (rank_of[0] == r) + (loss_in + lse) * (rank_of[S - 1] == r)) * slow
+                   for r in range(pp))
     return StageCosts(tuple(layers), tuple(durs), parts, tuple(rank_params), tuple(root_params), tp_fwd, tp_replay, kv_chunk, msg,
-                      p2p_s, links, tuple(last_params), (root_f + root_b) * slow, slow,
+                      p2p_s, links, tuple(last_params), (root_f + root_b) * slow, ends_s, slow,
                       stage_work(d, layers, lay.head_wgrad_in_b) if lay.schedule == "zbv" and pp > 1 else None)
