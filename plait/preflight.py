@@ -44,6 +44,10 @@ def preflight(cfg: Config, model_given: dict | None = None) -> Config:
                             and cfg.checkpoint.resume):  # a resumed run's own checkpoint decides its model
         cfg.model = init_model_config(t.init_from, model_given or {})
     validate_config(cfg)
+    if t.device == "cuda":  # before the default corpus is prepared (minutes on a first run) and the folder made
+        from plait.train import resolve_device
+
+        resolve_device(cfg)
     from plait.launch import check_launched, detect_launch
 
     le = detect_launch()

@@ -101,6 +101,11 @@ def test_a_start_refused_after_preflight_leaves_no_run_folder(corpus, tmp_path, 
     assert "train.device = 'cuda': no CUDA device is visible" in line and not (tmp_path / "run").exists()
     (tmp_path / "mine").mkdir()  # a folder the user made is theirs: kept
     assert main(train_args(corpus, tmp_path / "mine", 2, extra=["--train.device", "cuda"])) == 2
+    capfd.readouterr()
+    # the default corpus was prepared first (minutes on a first run), then the device refused
+    assert main(["train", "--out", str(tmp_path / "d"), "--data.cache_dir", str(tmp_path / "cache"),
+                 "--train.device", "cuda"]) == 2
+    assert "train.device = 'cuda'" in _one_error_line(capfd.readouterr().err) and not (tmp_path / "cache").exists()
     assert (tmp_path / "mine").is_dir()
 
 

@@ -234,6 +234,9 @@ def test_search_pins_a_schedule_to_pipelines_and_refuses_a_pipeline_deeper_than_
         assert {r["layout"]["schedule"] for r in ranked} <= schedules, pins
     for pins, want in ((["--pp", "8"], "--pp = 8: pp x v = 8 stages exceed the model's 4 layer(s)"),
                        (["--v", "4", "--schedule", "zb"], "--v = 4: only the interleaved and zbv schedules have "
-                        "virtual stages")):
+                        "virtual stages"),
+                       # every candidate was rejected, exit 1: "of 126 considered, 126 rejected: --tp constraint"
+                       (["--tp", "8", "--nodes", "2", "--gpus-per-node", "4"], "--tp = 8: a tensor-parallel group "
+                        "must fit inside a node of 4 GPUs")):
         rc, _, err = _plan(capsys, *base, *pins)
         assert rc == 2 and want in err and len(err.strip().splitlines()) == 1, err

@@ -208,7 +208,7 @@ def run(args, extra) -> int:
             print("\n" + place(lay.sizes(), c.nodes, c.gpus_per_node).table())
         return 0
     _check_degrees(args, c.n_gpus)  # --dp pins the search like the others
-    _check_pins(args, d)
+    _check_pins(args, d, c)
     for knob in ("zero3_cast_once", "zero3_fp8_gather"):
         if knobs.pop(knob, False):
             raise bad_value(f"--{knob.replace('_', '-')}", True, "it prices a given layout, the search does not try "
@@ -239,7 +239,7 @@ def run(args, extra) -> int:
     return 0 if res.ranked else 1
 
 
-def _check_pins(args, d) -> None:
+def _check_pins(args, d, c) -> None:
     """The model must split at the degrees a search pins, as a priced layout must: one line (a
     pipeline pinned deeper than the layers ended in a traceback of the stage split)."""
     from plait.parallel import rules
@@ -251,6 +251,8 @@ def _check_pins(args, d) -> None:
     rules.check_split(heads=d.heads, kv_heads=d.kv_heads, ffn=d.ffn, layers=d.layers, seq=d.seq, tp=args.tp or 1,
                       pp=args.pp or 1, v=args.v or 1, cp=args.cp or 1, sp="off", cp_impl=args.cp_impl or "ring",
                       field=rules.flag_field)
+    if args.tp is not None:  # every candidate would be rejected for it: "126 rejected: --tp constraint"
+        rules.check_tp_in_node(args.tp, c.gpus_per_node, field=rules.flag_field)
 
 
 def _check_degrees(args, n: int) -> None:
