@@ -347,6 +347,8 @@ def check_new_folder(out: str | Path) -> Path:
         raise bad_value("--out", str(out), "is a file; give a new folder")
     if out.exists() and any(out.iterdir()):
         raise bad_value("--out", str(out), "exists and is not empty; choose a new folder")
+    if not out.exists() and not out.parent.is_dir():  # a typo built a tree of folders, silently
+        raise bad_value("--out", str(out), f"its folder {out.parent} does not exist; create it first")
     return out
 
 

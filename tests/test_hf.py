@@ -92,7 +92,9 @@ def test_an_out_that_cannot_be_the_export_folder_is_one_line(tmp_path, capsys):
     cfg = ModelConfig(preset="custom", vocab_size=50, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48)
     with pytest.raises(UserError, match="is a file; give a new folder"):
         save_hf(dict(build_model(cfg, seed=1).named_parameters()), cfg, tmp_path / "file")
-    for out, needle in (("file", "is a file; give a new folder"), ("full", "exists and is not empty")):
+    for out, needle in (("file", "is a file; give a new folder"), ("full", "exists and is not empty"),
+                        # a typo in --out built the missing folders, silently
+                        ("typo/hf", f"its folder {tmp_path / 'typo'} does not exist; create it first")):
         # no checkpoint there at all: the --out line comes first, so nothing was loaded
         assert main(["hf", "export", "--checkpoint", str(tmp_path / "nope"), "--out", str(tmp_path / out)]) == 2
         err = capsys.readouterr().err
