@@ -186,7 +186,8 @@ def test_the_breakdown_says_whose_traffic_and_why_fp8_mfu_passes_100(capsys):
     An FP8 plan printed MFU 106% without a word: the convention's bf16 peak."""
     assert main(["plan", "--model", "8b", "--gpu", "h100", "--nodes", "4", "--global-batch", "64", "--pp", "4",
                  "--cp", "8", "--cp-impl", "ulysses", "--zero", "1", "--stage-layers", "2,10,10,10"]) == 0
-    assert "traffic per step, per device (pipeline rank 0: a rank with more layers sends more)" in capsys.readouterr().out
+    assert ("traffic per step, per device (pipeline rank 0's, with more layers a rank sends more; pp: the rank that "
+            "sends the most messages)" in capsys.readouterr().out)
     assert main(["plan", "--model", "70b", "--gpu", "h100", "--nodes", "8", "--global-batch", "1024", "--fp8",
                  "tensorwise", "--zero", "3", "--zero3-fp8-gather", "--dp", "64"]) == 0
     out = capsys.readouterr().out

@@ -404,14 +404,30 @@ def predict(d: ModelDims, lay: Layout, c: Cluster, global_batch: int,
     mfu = model_flops / (step * c.n_gpus * peak)
     hfu = hw_flops / (step * c.n_gpus * peak)
     explain = _explain(d, lay, c, prec, global_batch, m, sc, mem_rank, sched_name, makespan, bubble,
-                       dp_exposed, opt_s, step, model_flops, mfu, traffic) if exact else ()
+                       dp_exposed, opt_s, step, model_flops, mfu, traffic, mem) if exact else ()
     masked = d.layers * costs.attention_flops_per_token(d, causal=True) * 3 / costs.model_flops_per_token(d)
     return Prediction(lay, c.n_gpus, m, tokens_step, mem, mem_rank, state, c.gpu.hbm_gib * GIB, traffic, time_s,
                       makespan, bubble, step, model_flops, hw_flops, mfu, hfu, exact, explain, masked)
 
 
+def _peak_state(mem: dict, params: float) -> float:
+    """Model state bytes a parameter at the fullest rank's activation peak (the memory table's)."""
+    return sum(mem.get(k, 0.0) for k in ("parameters", "gradients", "master_weights", "optimizer_states")) / params
+
+
+def _peak_grads(lay: Layout, m: int) -> str:
+    """Why the peak's gradients differ from the update's (`rank_memory`)."""
+    if lay.zero == 3 and lay.shard_group > 1 and lay.pp == 1:
+        return "ZeRO-3's gradient shards exist from the second micro-batch's backward" if m == 1 else \
+            "ZeRO-3's gradient shards from the first micro-batch's backward on"
+    if lay.n_gpus == 1 or (lay.grad_group == 1 and lay.zero == 0):
+        return "one device's gradient pieces come with the backward" if m == 1 and not lay.grads_whole else \
+            "the gradient pieces stay from the first backward to the update"
+    return "the gradient buffer is held through the step"
+
+
 def _explain(d, lay, c, prec, gb, m, sc, mem_rank, sched_name, makespan, bubble, dp_exposed, opt_s,
-             step, model_flops, mfu, traffic) -> tuple[tuple[str, str], ...]:
+             step, model_flops, mfu, traffic, mem) -> tuple[tuple[str, str], ...]:
     """Each quantity with the formula and the numbers that produced it (`plait plan --explain`)."""
     pp, v, cp, b, tp = lay.pp, lay.v, lay.cp, lay.micro_batch, lay.tp
     per_layer = memory.layer_activation_bytes(d, d.seq // cp, b, tp, lay.seq_parallel, lay.recompute,
@@ -425,7 +441,9 @@ def _explain(d, lay, c, prec, gb, m, sc, mem_rank, sched_name, makespan, bubble,
         ("state bytes/param", f"{prec.name}: param {prec.param_bytes:g} + grad {prec.grad_bytes:g} + K {prec.k:g} "
                               f"(master {prec.master_bytes:g} + moments {prec.optim_bytes:g}); ZeRO-{lay.zero} over "
                               f"N_d = {lay.shard_group} -> {memory.bytes_per_param(lay.zero, lay.shard_group, prec, True):.4g}"
-                              f" B/param x {sc.rank_params[mem_rank]:.4g} params on pipeline rank {mem_rank}"),
+                              f" B/param x {sc.rank_params[mem_rank]:.4g} params on pipeline rank {mem_rank} at the "
+                              f"update; at the activation peak {_peak_state(mem, sc.rank_params[mem_rank]):.4g} B/param"
+                              f" (the table's: {_peak_grads(lay, m)})"),
         ("activations", f"{d.arch} per layer (s = {d.seq // cp}, b = {b}, t = {tp}, sp = {lay.seq_parallel}, "
                         f"recompute = {lay.recompute}) = {per_layer / 2**20:.1f} MiB x {held:.3g} layers' worth: "
                         f"{units:.3g} micro-batch chunks in flight of up to "

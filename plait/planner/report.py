@@ -115,7 +115,8 @@ def breakdown_text(p: Prediction, explain: bool = False) -> str:
                else f"does not fit by {-p.headroom_bytes / GIB:.2f} GiB")
     # per-layer and per-parameter traffic (tp, cp, the ZeRO dims) is rank 0's stage's: with uneven
     # stages another rank sends in proportion to its own layers
-    where = " (pipeline rank 0: a rank with more layers sends more)" if lay.pp > 1 else ""
+    where = (" (pipeline rank 0's, with more layers a rank sends more; pp: the rank that sends the most messages)"
+             if lay.pp > 1 else "")
     lines += [f"  {'total':<42}{_gib(total)} of {cap / GIB:.2f}  -> {verdict}", "",
               f"traffic per step, per device{where}"]
     if not p.traffic:
