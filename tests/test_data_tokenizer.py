@@ -32,9 +32,15 @@ def test_train_a_bpe_then_prepare_with_it(tmp_path, capsys):
     tok_file = tmp_path / "tok.json"
     assert main(["data", "tokenizer", "--input", str(src), "--vocab", "320", "--out", str(tok_file),
                  "--text-field", "body"]) == 0
-    assert "wrote" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "wrote" in err
     tok = HFTokenizer(tok_file)
     assert 256 < tok.vocab_size <= 320 and tok.eos_id is not None
+    # a size the text cannot reach is said, not only printed as a number
+    assert ("fewer than the 320 asked" in err) == (tok.vocab_size < 320)
+    assert main(["data", "tokenizer", "--input", str(src), "--vocab", "70000", "--out", str(tmp_path / "big.json"),
+                 "--text-field", "body"]) == 0
+    assert "fewer than the 70000 asked: the text held no more pairs to merge" in capsys.readouterr().err
     # merges were learned from the corpus: its words take fewer tokens than bytes
     text = "shard the mesh by rank, über naïve 日本"
     assert tok.decode(tok.encode(text)) == text

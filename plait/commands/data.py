@@ -64,6 +64,8 @@ def _tokenizer(args) -> int:
     if not collect_sources(args.input):
         raise bad_value("--input", " ".join(args.input), "holds no text, .jsonl or .parquet files")
     tok = train_bpe(iter_texts(args.input, args.text_field), args.vocab, out, show_progress=sys.stderr.isatty())
-    print(f"wrote {out}: byte-level BPE, vocab {tok.vocab_size} (EOS id {tok.eos_id}); "
+    short = (f" - fewer than the {args.vocab} asked: the text held no more pairs to merge (more text reaches it)"
+             if tok.vocab_size < args.vocab else "")
+    print(f"wrote {out}: byte-level BPE, vocab {tok.vocab_size} (EOS id {tok.eos_id}){short}; "
           f"use it with `plait data prepare --tokenizer {out}`", file=sys.stderr)
     return 0
