@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 from plait.errors import UserError, bad_value
@@ -38,12 +39,15 @@ def read_metrics(path: Path) -> list[dict]:
     """
     rows: list[dict] = []
     foreign = False  # a line no metrics.jsonl holds: not a run's file still waiting for its first step
-    for line in path.read_text(errors="replace").splitlines():
+    lines = path.read_text(errors="replace").splitlines()
+    unread = 0
+    for i, line in enumerate(lines):
         try:
             r = json.loads(line)
         except ValueError:
             # a run killed mid-write leaves the start of an entry, "{..."; a TOML or text file holds other lines
             foreign = foreign or (bool(line.strip()) and not line.lstrip().startswith("{"))
+            unread += bool(line.strip()) and i < len(lines) - 1  # the last: a write cut short, expected
             continue
         if not isinstance(r, dict) or not isinstance(r.get("step"), int):
             foreign = True
@@ -56,6 +60,8 @@ def read_metrics(path: Path) -> list[dict]:
                         "`plait train`) or their metrics.jsonl files")
     if not rows:
         raise bad_value("RUN", str(path), "holds no metrics entries yet; plot it once the run has logged a step")
+    if unread:  # a damaged file plots what it can, and says what it left out
+        print(f"plait plot: {path}: skipped {unread} line(s) that are not JSON", file=sys.stderr)
     return rows
 
 
@@ -111,7 +117,8 @@ def render(runs: list[tuple[str, list[dict]]], out: str | Path, x: str = "step")
         ax.set_title(title)
         ax.set_xlabel(x)
         ax.grid(alpha=0.3)
-    axes.flat[0].legend(fontsize="small")
+    if axes.flat[0].get_legend_handles_labels()[0]:  # no loss drawn: matplotlib warns of an empty legend
+        axes.flat[0].legend(fontsize="small")
     fig.tight_layout()
     try:
         fig.savefig(out, dpi=100)

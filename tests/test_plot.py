@@ -142,3 +142,20 @@ def test_without_matplotlib_plot_says_how_to_install_it(tmp_path, monkeypatch):
 
     with pytest.raises(UserError, match=r"plait plot needs matplotlib: pip install 'plait\[plot\]'"):
         render([("a", read_metrics(_run(tmp_path / "a", 3) / "metrics.jsonl"))], tmp_path / "c.png")
+
+
+def test_a_damaged_metrics_file_plots_what_it_can_and_says_what_it_skipped(tmp_path, capsys):
+    """Lines that are not JSON in the middle of a file were skipped without a word, and a run with no
+    loss drawn printed matplotlib's warning about an empty legend."""
+    import warnings
+
+    bad = tmp_path / "metrics.jsonl"
+    bad.write_text('{"step": 1, "loss": "nan"}\ngarbage\n{"step": 2, "loss": 3.0}\n{"step": 3, "lo')
+    assert main(["plot", str(bad), "--out", str(tmp_path / "a.png")]) == 0
+    err = capsys.readouterr().err
+    assert f"plait plot: {bad}: skipped 1 line(s) that are not JSON" in err  # not the last, cut-short one
+    bad.write_text('{"step": 1, "loss": "nan"}\n')
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert main(["plot", str(bad), "--out", str(tmp_path / "b.png")]) == 0
+    assert "skipped" not in capsys.readouterr().err
