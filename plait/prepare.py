@@ -465,16 +465,28 @@ def default_corpus_dir(cache_dir: str, val_fraction: float) -> Path:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     tag = hashlib.sha256(f"{stdlib}:{sys.version}:{val_fraction}".encode()).hexdigest()[:10]
     out = Path(cache_dir).expanduser() / f"stdlib-py{sys.version_info[0]}.{sys.version_info[1]}-{tag}"
-    if not (out / META).exists():
-        from plait.tokenizer import ByteTokenizer
+    if (out / META).exists():
+        return out
+    cache = Path(cache_dir).expanduser()
+    if cache.exists() and not cache.is_dir():
+        raise bad_value("data.cache_dir", cache_dir, "is a file; give a folder for plait's prepared corpus")
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        lock = os.open(cache / f".{out.name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise bad_value("data.cache_dir", cache_dir, f"cannot write there ({e.strerror}); choose a writable folder") \
+            from None
+    import fcntl
 
-        print(f"preparing the default corpus (Python standard library at {stdlib}) into {out}", file=sys.stderr)
-        cache = Path(cache_dir).expanduser()
-        if cache.exists() and not cache.is_dir():
-            raise bad_value("data.cache_dir", cache_dir, "is a file; give a folder for plait's prepared corpus")
-        try:
+    # every rank of a torchrun or srun job prepares the corpus on its first start: one does it, the
+    # others wait here and read it (they raced to rename it into place, and the losers failed)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / META).exists():
+            from plait.tokenizer import ByteTokenizer
+
+            print(f"preparing the default corpus (Python standard library at {stdlib}) into {out}", file=sys.stderr)
             prepare([str(stdlib)], out, ByteTokenizer(), val_fraction, quiet=False, field=("data.cache_dir", cache_dir))
-        except UserError:
-            if not (out / META).exists():  # another process may have prepared it meanwhile
-                raise
+    finally:
+        os.close(lock)  # drops the lock
     return out

@@ -371,3 +371,35 @@ def test_a_text_field_for_text_files_is_one_line(tmp_path, capsys):
         "plait data: error: --text-field = 'body': names a field of JSONL, Parquet or datasets rows, and every "
         "input is a text file (one document each): drop --text-field")
     assert not (tmp_path / "o").exists()
+
+
+def test_ranks_preparing_the_default_corpus_at_once_prepare_it_once(tmp_path, monkeypatch):
+    """Every rank of a torchrun or srun job prepares the default corpus on its first start: they raced
+    to rename it into place, and the losers died ("Directory not empty"), leaving their temp folder."""
+    import threading
+    import time
+
+    calls = []
+
+    def slow_prepare(inputs, out, tokenizer, val_fraction=0.01, quiet=False, **kw):
+        calls.append(out)
+        time.sleep(0.3)  # both ranks are inside at once without the lock
+        out.mkdir(parents=True)
+        (out / data_mod.META).write_text("{}")
+        return out
+
+    monkeypatch.setattr(data_mod, "prepare", slow_prepare)
+    got, errors = [], []
+
+    def rank():
+        try:
+            got.append(data_mod.default_corpus_dir(str(tmp_path / "cache"), 0.01))
+        except Exception as e:  # noqa: BLE001 - the test reports it
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(calls) == 1 and len(set(got)) == 1 and len(got) == 3
