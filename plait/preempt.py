@@ -75,4 +75,6 @@ def relay_to(path: str):
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
     old = signal.signal(STOP, relay)
+    if _EARLY["got"]:  # a notice the launcher held since it started (`catch_early`) is passed on too:
+        open(path, "a").close()  # it was lost, and the run trained to its end
     return lambda: signal.signal(STOP, old)

@@ -221,20 +221,27 @@ workers' exit (143) as a failure and restarts them: without it the restart resum
 right before the scheduler that sent the notice ended the job."""
 
 
-def record_stop(out: Path, signame: str, step: int) -> None:
-    ckpt.write_atomic(Path(out) / STOP_FILE, json.dumps({"signal": signame, "step": step}) + "\n")
+def record_stop(out: Path, signame: str, step: int, env=None) -> None:
+    """Note the stop with the torchrun job that made it (its rendezvous id, where it names one)."""
+    env = os.environ if env is None else env
+    ckpt.write_atomic(Path(out) / STOP_FILE, json.dumps({"signal": signame, "step": step, "job": _job_id(env)}) + "\n")
 
 
 def stopped_before(out: str | Path, env=None) -> dict | None:
     """Under a torchrun restart, the stop its previous attempt made on purpose ({"signal", "step"});
     else None. A first start forgets an older stop (a new invocation continues the run); a SLURM
-    requeue is a new allocation, meant to continue."""
+    requeue is a new allocation, meant to continue. A stop another torchrun job recorded (one that
+    a requeue kept: the requeue counts as restarted) is not this job's: its restart after a crash
+    read it, said it had stopped on SIGUSR1, and ended."""
+    env = os.environ if env is None else env
     path = Path(out).expanduser() / STOP_FILE
     if (outer_restart(env) or ("",))[0] == "torchrun":
         try:
-            return json.loads(path.read_text())
+            rec = json.loads(path.read_text())
         except (OSError, ValueError):
             return None
+        mine = _job_id(env)
+        return rec if not isinstance(rec, dict) or mine is None or rec.get("job") in (None, mine) else None
     if not restarted(env) and path.exists():
         try:
             path.unlink()

@@ -165,10 +165,12 @@ def test_ctrl_c_ends_workers_blocked_inside_a_collective_within_seconds(tmp_path
     assert not with_marker(marker)
 
 
-def test_a_stop_notice_before_training_stops_at_the_first_step_saved(corpus, tmp_path, capfd, monkeypatch):
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_stop_notice_before_training_stops_at_the_first_step_saved(corpus, tmp_path, capfd, monkeypatch, nproc):
     """SIGUSR1 during start-up (import, rendezvous, loading): its default action killed the rank with
     nothing said, and its peers waited out parallel.timeout_s. Now it is held, and the run stops,
-    saved, at the end of its first step."""
+    saved, at the end of its first step. To `plait train --nproc N` before it had started its
+    workers, the notice was held and never passed on: the run trained to its end."""
     from plait import preempt
 
     monkeypatch.setitem(preempt._EARLY, "got", 0)
@@ -178,7 +180,7 @@ def test_a_stop_notice_before_training_stops_at_the_first_step_saved(corpus, tmp
         os.kill(os.getpid(), signal.SIGUSR1)  # as a scheduler's notice would, before train() runs
         run = tmp_path / "run"
         with bounded(60):
-            assert main(train_args(corpus, run, 6)) == 143
+            assert main(train_args(corpus, run, 6, nproc=nproc)) == 143
     finally:
         signal.signal(signal.SIGUSR1, old)
     assert "stopped by SIGUSR1" in capfd.readouterr().err

@@ -147,6 +147,19 @@ def test_torchrun_max_restarts_with_a_store_per_attempt_is_accepted():
     check_launched(4, None, {})  # not launched: plait starts the processes itself
 
 
+def test_a_stop_recorded_by_another_torchrun_job_is_not_this_ones(tmp_path):
+    """A SLURM requeue kept an earlier job's stopped.json (a requeue counts as restarted); a torchrun
+    restart after a crash in the requeued job read it, said it had stopped on SIGUSR1 at that old
+    step, and ended with exit 0 short of train.steps."""
+    from plait.supervise import record_stop, stopped_before
+
+    first = {"TORCHELASTIC_RUN_ID": "job-a", "TORCHELASTIC_RESTART_COUNT": "0"}
+    record_stop(tmp_path, "SIGUSR1", 15, first)
+    assert stopped_before(tmp_path, {**first, "TORCHELASTIC_RESTART_COUNT": "1"})["step"] == 15  # its own restart
+    later = {"TORCHELASTIC_RUN_ID": "job-b", "TORCHELASTIC_RESTART_COUNT": "1", "SLURM_RESTART_COUNT": "1"}
+    assert stopped_before(tmp_path, later) is None
+
+
 def test_a_torchrun_restart_after_a_stop_on_sigusr1_does_not_train_on(corpus, tmp_path, monkeypatch, capsys):
     """torchrun counts the workers' exit after SIGUSR1 (143) as a failure and restarts them: they
     resumed and trained on, right before the scheduler that sent the notice ended the job."""
@@ -176,3 +189,19 @@ def test_a_one_process_command_under_a_launcher_is_one_line(command, tmp_path, m
         monkeypatch.setenv(key, value)
     assert cli.main([command, "--checkpoint", str(tmp_path / "nowhere")]) == 2
     assert "but srun started it as rank 1 of 2" in capsys.readouterr().err
+
+
+def test_the_resume_hint_keeps_the_layout_inside_a_slurm_allocation(monkeypatch):
+    """`plait train --nproc 2 --dp 2 --zero 3` in a batch script (SLURM_JOB_ID set, no srun) was told to
+    continue with a bare `--resume`: one process at a smaller batch. Only a run torchrun or srun
+    started leaves the layout to that launcher's own command."""
+    from plait.commands.train import layout_flags
+    from plait.config import build_config
+
+    cfg = build_config({"parallel": {"nproc": 2, "dp_shard": 2, "zero": 3}})
+    for k in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_STEP_ID", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "999")
+    assert layout_flags(cfg) == " --nproc 2 --dp 2 --zero 3"
+    _torchrun_env(monkeypatch)
+    assert layout_flags(cfg) == ""

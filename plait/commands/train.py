@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
 NAME = "train"
@@ -132,8 +131,15 @@ def layout_flags(cfg) -> str:
 
     from plait.config import ParallelConfig
 
-    if os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID"):
+    from plait.launch_env import detect_launch
+
+    try:
+        le = detect_launch()
+    except Exception:  # noqa: BLE001 - launcher variables it refuses: said elsewhere; suggest the flags
+        le = None
+    if le is not None and le.launcher in ("torchrun", "slurm"):
         return ""  # the launcher holds the layout's processes; its own command starts them again
+    # (plait's own launcher, even inside a SLURM allocation, takes them as flags)
     short = {key: flag for flag, (section, key) in ALIASES.items() if section == "parallel"}
     default = ParallelConfig()
     out = []
