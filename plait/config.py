@@ -128,7 +128,7 @@ class TrainConfig:
     dtype: str = "auto"
     """Compute precision: auto (bf16 on CUDA, fp32 on CPU), fp32 or bf16. Master weights stay fp32."""
     fp8: str = "off"
-    """FP8 matmuls in the blocks' linear layers: off, tensorwise (one scale per tensor: the fastest) or rowwise (one scale per row: more accurate). Needs bf16 compute and FP8 tensor cores (H100/H200) on a GPU; the embedding, attention, output head and master weights keep their precision. Composes with every layout and schedule."""
+    """FP8 matmuls in the blocks' linear layers: off, tensorwise (one scale per tensor: the fastest) or rowwise (one scale per row: more accurate). Needs bf16 compute and FP8 tensor cores (H100/H200) on a GPU (a CPU emulates the FP8 rounding in fp32 matmuls: for tests, not speed); the embedding, attention, output head and master weights keep their precision. Composes with every layout and schedule."""
     device: str = "auto"
     """auto (CUDA when present), cpu or cuda."""
     compile: str = "auto"

@@ -42,6 +42,13 @@ from plait.resume import global_batch_of, restore_record, trim_metrics
 SAMPLE_PROMPT = "def "
 
 
+def _fp8_words(fp8: str, device: torch.device) -> str:
+    """The start line's word on FP8 linears: on a CPU they are emulated (FP8 rounding, fp32 matmuls)."""
+    if fp8 == "off":
+        return ""
+    return f" with FP8 {fp8} linears" + (" (emulated on the CPU)" if device.type == "cpu" else "")
+
+
 def resolve_device(cfg: Config) -> torch.device:
     want = cfg.train.device
     if want == "cuda" and not torch.cuda.is_available():
@@ -229,7 +236,8 @@ def _train(cfg: Config, dims, stop: StopRequest) -> dict:
     bar = Progress(end, start, enabled=is_main, bar=t.progress)
     if is_main:
         bar.message(f"plait: {cfg.model.preset} model, {param_count(cfg.model) / 1e6:.2f}M parameters, "
-                    f"{device.type} {str(dtype).replace('torch.', '')}{describe_layout(cfg, world)}, "
+                    f"{device.type} {str(dtype).replace('torch.', '')}{_fp8_words(t.fp8, device)}"
+                    f"{describe_layout(cfg, world)}, "
                     f"{tokens_per_step:,} tokens/step, steps {start}->{end}, out {out}")
         bar.message(f"plait: {log.describe()}")
     val_loss, losses, stopping = None, [], None

@@ -26,3 +26,15 @@ from plait.validate import validate_config
 def test_the_header_names_the_layout(parallel, world, want):
     cfg = validate_config(build_config({"model": {"preset": "tiny", "n_layers": 8}, "parallel": parallel}))
     assert describe_layout(cfg, world) == want
+
+
+def test_the_header_says_fp8_linears_and_that_a_cpu_emulates_them():
+    """`--train.fp8 tensorwise` on a CPU trained with fp32 matmuls under a header of `cpu float32`
+    alone, though the field's help says FP8 needs a GPU's tensor cores."""
+    import torch
+
+    from plait.train import _fp8_words
+
+    assert _fp8_words("off", torch.device("cpu")) == ""
+    assert _fp8_words("tensorwise", torch.device("cpu")) == " with FP8 tensorwise linears (emulated on the CPU)"
+    assert _fp8_words("rowwise", torch.device("cuda", 0)) == " with FP8 rowwise linears"
