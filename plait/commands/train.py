@@ -130,7 +130,6 @@ def layout_flags(cfg) -> str:
     from dataclasses import fields
 
     from plait.config import ParallelConfig
-
     from plait.launch_env import detect_launch
 
     try:

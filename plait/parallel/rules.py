@@ -120,7 +120,7 @@ def check_split(*, heads: int, kv_heads: int, ffn: int, layers: int, seq: int, t
         raise bad_value(field("cp"), cp, f"the causal load balance splits each sequence into 2 x cp chunks: "
                         f"the sequence length {seq} must be a multiple of {2 * cp}")
     tokens = micro_batch * seq // cp
-    if sequence_parallel(sp, tp) and (cp == 1 or seq % (2 * cp) == 0) and tokens % tp:
+    if sequence_parallel(sp, tp) and tokens % tp:  # (cp's own split was checked just above)
         why = (f"sequence parallelism splits a micro-batch's {micro_batch} x {seq // cp} = {tokens} tokens"
                f"{' (on each cp rank)' if cp > 1 else ''} over tp = {tp} ranks, which does not divide them: make "
                f"that a multiple of {tp} (the sequence length or the micro-batch), or ")

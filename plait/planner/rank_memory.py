@@ -99,7 +99,8 @@ def rank_memory(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, sc: Stag
         comp = {
             "parameters": st.params + kept, "gradients": grads, "master_weights": st.master,
             "optimizer_states": st.optimizer,
-            "activations": held * per_layer + _batched_wgrad(d, lay, sc, prec, sched_name, m, r, wfrac, exact),
+            "activations": held * per_layer + _batched_wgrad(d, lay, sc, prec, sched_name, m, r, wfrac, exact,
+                                                             per_layer, held),
             "zero3_gather": gathered,
             "comm_buckets": 2 * BUCKET_BYTES if (lay.grad_group > 1 and lay.zero < 3) else 0.0,
             # full recomputation rebuilds one layer's complete activations inside its backward
@@ -119,27 +120,22 @@ def rank_memory(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, sc: Stag
 
 
 def _batched_wgrad(d: ModelDims, lay: Layout, sc: StageCosts, prec: Precision, sched_name: str, m: int, rank: int,
-                   wfrac: float, exact: bool) -> float:
-    """Layers' activations that a recorded zero-bubble run's W added to the rank's peak: it formed its
-    chunk's 16-bit weight gradients all before adding any (`Layout.wgrad_batched`), and they sat
-    together on what the rank held as that W started (2 x H200, 8b with 16 layers: 3.9 GB over 1F1B's
-    peak on the rank with 9 layers). Today's W adds each as formed. Returned in bytes over the held
-    peak's (`held_layers`), 0 when the W's level stays below it."""
+                   wfrac: float, exact: bool, per_layer: float, held: float) -> float:
+    """Bytes that a recorded zero-bubble run's W added over the rank's held peak (`held` layers'
+    activations of `per_layer` bytes): it formed its chunk's 16-bit weight gradients all before adding
+    any (`Layout.wgrad_batched`), and they sat together on what the rank held as that W started
+    (2 x H200, 8b with 16 layers: 3.9 GB over 1F1B's peak on the rank with 9 layers). Today's W adds
+    each as formed. 0 when the W's level stays below the peak."""
     if not lay.wgrad_batched or sched_name not in ("zb", "zbv"):
         return 0.0
-    pp, v = lay.pp, lay.v
-    layers = tuple(sc.layers[stage_of(sched_name, pp, rank, ch)] for ch in range(v))
-    mm = saturated(sched_name, pp, m, exact)
+    layers = tuple(sc.layers[stage_of(sched_name, lay.pp, rank, ch)] for ch in range(lay.v))
+    mm = saturated(sched_name, lay.pp, m, exact)
     if sched_name == "zbv":  # its chunks differ in size: each weighed by its layers
-        at_w = units_as_w_starts(sched_name, pp, mm, v, rank, wfrac, sc.order_costs, layers)
+        at_w = units_as_w_starts(sched_name, lay.pp, mm, lay.v, rank, wfrac, sc.order_costs, layers)
     else:
-        at_w = units_as_w_starts(sched_name, pp, mm, v, rank, wfrac, sc.order_costs) * max(layers)
-    _, peak = held_layers(sched_name, pp, m, v, rank, wfrac, sc, exact)
-    per_layer = memory.layer_activation_bytes(d, d.seq // lay.cp, lay.micro_batch, lay.tp, lay.seq_parallel,
-                                              lay.recompute, prec.act_bytes, lay.compile, lay.cp,
-                                              lay.cp_impl == "ulysses", lay.fp8)
+        at_w = units_as_w_starts(sched_name, lay.pp, mm, lay.v, rank, wfrac, sc.order_costs) * max(layers)
     grads = max(layers) * costs.block_linear_share(d, lay.tp) * prec.param_bytes
-    return max(0.0, at_w * per_layer + grads - peak * per_layer)
+    return max(0.0, (at_w - held) * per_layer + grads)
 
 
 def _zero3_peak(params: float, root: float, block: float, grad_shard: float, prec: Precision, pp: int,
