@@ -41,3 +41,13 @@ def test_a_data_parallel_row_at_or_above_one_is_marked_host_bound(tmp_path):
     runs = {r.source.split(":")[1]: r for r in recorded.load(tmp_path)}
     assert runs["plait-zero3"].host_bound and runs["plait-zero3"].host_share == 1.04
     assert not runs["plait-zero1"].host_bound and not runs["plait-ddp"].host_bound
+
+
+def test_held_names_each_ranks_fullest_level_between_actions():
+    """`plait.timeline.held` read ZB-H1's extra 3.9 GB off the timeline: per rank, the most bytes held
+    once an action was issued, and which action; nothing where no bytes were counted (a CPU run)."""
+    from plait.timeline import held
+
+    gpu = [("F", 0, 0, 0.0, 1.0, 0.1, 10), ("F", 1, 0, 1.0, 2.0, 0.1, 30), ("B", 0, 0, 2.0, 4.0, 0.1, 20)]
+    cpu = [("F", 0, 0, 0.0, 1.0, 1.0, 0)]
+    assert held([gpu, cpu, []]) == [{"bytes": 30, "action": ["F", 1, 0]}, None, None]
