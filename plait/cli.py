@@ -54,11 +54,24 @@ def main(argv: list[str] | None = None) -> int:
                             f"(see plait {mod.NAME} --help)")
         return int(mod.run(args, extra) or 0)
     except UserError as e:
-        print(f"plait {mod.NAME}: error: {e}", file=sys.stderr)
+        if not (e.same_everywhere and _another_rank()):
+            print(f"plait {mod.NAME}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"plait {mod.NAME}: interrupted", file=sys.stderr)
         return 130
+
+
+def _another_rank() -> bool:
+    """Whether torchrun or srun started this process as a rank other than the first: a mistake in
+    the command itself is said by rank 0 only, not once per process."""
+    from plait.launch_env import detect_launch
+
+    try:
+        le = detect_launch()
+    except Exception:  # noqa: BLE001 - launcher variables it refuses: every process says so
+        return False
+    return le is not None and le.rank != 0
 
 
 def _near_miss(sub: argparse.ArgumentParser, name: str, extra: list[str], hints: dict[str, str]) -> None:

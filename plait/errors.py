@@ -10,6 +10,13 @@ class UserError(Exception):
 
     def __init__(self, message: str):
         super().__init__(" ".join(message.split()))  # one line, whatever the caller wrote
+        # every process of a torchrun/srun job meets it alike (it comes from the command and its
+        # files, not from this process's node or device): only the first says it
+        self.same_everywhere = False
+
+    def everywhere(self) -> "UserError":
+        self.same_everywhere = True
+        return self
 
 
 def bad_value(field: str, value, fix: str) -> UserError:

@@ -43,7 +43,10 @@ def preflight(cfg: Config, model_given: dict | None = None) -> Config:
     if t.init_from and not (t.out and ckpt.list_checkpoints(Path(t.out).expanduser() / "checkpoints")
                             and cfg.checkpoint.resume):  # a resumed run's own checkpoint decides its model
         cfg.model = init_model_config(t.init_from, model_given or {})
-    validate_config(cfg)
+    try:
+        validate_config(cfg)
+    except UserError as e:
+        raise e.everywhere()
     if t.device == "cuda":  # before the default corpus is prepared (minutes on a first run) and the folder made
         from plait.train import resolve_device
 

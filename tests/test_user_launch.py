@@ -205,3 +205,31 @@ def test_the_resume_hint_keeps_the_layout_inside_a_slurm_allocation(monkeypatch)
     assert layout_flags(cfg) == " --nproc 2 --dp 2 --zero 3"
     _torchrun_env(monkeypatch)
     assert layout_flags(cfg) == ""
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--model.preset", "nope"], "model.preset = 'nope'"),  # the command line itself
+    (["--tp", "3"], "parallel.tp = 3: must divide the 8 attention heads"),  # the config's checks
+])
+def test_a_mistake_in_the_command_is_said_once_under_torchrun(corpus, tmp_path, monkeypatch, capsys, argv, says):
+    """Every torchrun process printed the same refusal: two ranks, two identical lines, eight on a node
+    of eight. Rank 0 says it; the others exit 2 quietly."""
+    for rank, lines in (("0", 1), ("1", 0)):
+        _torchrun_env(monkeypatch, RANK=rank, LOCAL_RANK=rank)
+        assert cli.main(cli_train(corpus, tmp_path / "run", {}, extra=argv)) == 2
+        err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+        assert len(err) == lines and all(says in e for e in err), (rank, err)
+
+
+def test_what_only_one_rank_meets_is_said_by_that_rank(corpus, tmp_path, monkeypatch, capsys):
+    """A refusal that depends on the process (here its launcher variables) is said by whichever rank
+    meets it, or a job whose rank 1 alone failed would stop without a word."""
+    _torchrun_env(monkeypatch, RANK="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")  # a second node's one process
+    assert cli.main(cli_train(corpus, tmp_path / "run", {}, extra=["--parallel.nproc", "4"])) == 2
+    assert "parallel.nproc = 4" in capsys.readouterr().err
+
+
+def test_python_dash_m_plait_is_the_plait_command():
+    out = subprocess.run([sys.executable, "-m", "plait", "train", "--model.preset", "nope"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.startswith("plait train: error: model.preset = 'nope'"), out.stderr

@@ -200,10 +200,14 @@ def run(args, extra) -> int:
     if args.help_config:
         print_config_help()
         return 0
+    from plait.errors import UserError
     from plait.launch import SpawnError, Stopped
     from plait.run import launch_training
 
-    cfg, note, model_given = config_from_args(args, extra)
+    try:
+        cfg, note, model_given = config_from_args(args, extra)
+    except UserError as e:
+        raise e.everywhere()
     try:
         summary = launch_training(cfg, note, model_given)
     except Stopped as e:  # SIGTERM to the launcher: its agent ended the workers (SIGUSR1 is the stop that saves)
