@@ -242,9 +242,9 @@ def main(argv=None) -> int:
     card = torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu"
     name = f"cp-{card_slug(card)}-{a.gpus}gpu" + (f"-{a.tag}" if a.tag else "")
     out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"{name}.json"
-    from plait.planner.recorded import GRADS_RUNTIME, HEAD_RUNTIME, LOSS_RUNTIME
+    from plait.planner.recorded import RUNTIME_MARKS
 
-    result = {"benchmark": "context_parallel", "head": HEAD_RUNTIME, "grads": GRADS_RUNTIME, "loss": LOSS_RUNTIME, "card": card, "gpus": a.gpus, "torch": torch.__version__,
+    result = {"benchmark": "context_parallel", **RUNTIME_MARKS, "card": card, "gpus": a.gpus, "torch": torch.__version__,
               "nccl": ".".join(map(str, torch.cuda.nccl.version())) if a.device == "cuda" else None,
               "date": time.strftime("%Y-%m-%d"),
               "command": " ".join(["python", "bench/context_parallel.py"] + (argv or sys.argv[1:])),

@@ -475,9 +475,9 @@ def main(argv=None) -> int:
     card = torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu"
     nccl = ".".join(map(str, torch.cuda.nccl.version())) if a.device == "cuda" else None
     out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"dp-{card_slug(card)}-{a.gpus}gpu.json"
-    from plait.planner.recorded import GRADS_RUNTIME, HEAD_RUNTIME, LOSS_RUNTIME
+    from plait.planner.recorded import RUNTIME_MARKS
 
-    result = {"benchmark": "data_parallel", "head": HEAD_RUNTIME, "grads": GRADS_RUNTIME, "loss": LOSS_RUNTIME, "card": card, "gpus": a.gpus, "torch": torch.__version__, "nccl": nccl,
+    result = {"benchmark": "data_parallel", **RUNTIME_MARKS, "card": card, "gpus": a.gpus, "torch": torch.__version__, "nccl": nccl,
               "date": time.strftime("%Y-%m-%d"), "config": {"preset": a.preset, "model": a.model, "seq": a.seq, "micro_batch": a.micro_batch,
               "accum": a.accum, "steps": a.steps, "warmup": a.warmup, "bucket_mb": a.bucket_mb, "overlap_ctas": a.overlap_ctas,
               "embedding_rows": "auto (plait-ddp-dense: off; each DDP row says what auto chose)",

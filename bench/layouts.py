@@ -100,9 +100,9 @@ def main(argv=None) -> int:
     search = _plan(a, ["--search", "--top", str(max(a.top * 4, 20))], 120)
     ranked = search["ranked"]
     names = [r["layout_name"] for r in ranked if r["layout"]["pp"] == 1][:a.top] + a.also
-    from plait.planner.recorded import GRADS_RUNTIME, HEAD_RUNTIME, LOSS_RUNTIME
+    from plait.planner.recorded import RUNTIME_MARKS
 
-    result = {"benchmark": "layouts", "head": HEAD_RUNTIME, "grads": GRADS_RUNTIME, "loss": LOSS_RUNTIME, "card": card, "gpus": a.gpus, "torch": torch.__version__,
+    result = {"benchmark": "layouts", **RUNTIME_MARKS, "card": card, "gpus": a.gpus, "torch": torch.__version__,
               "nccl": ".".join(map(str, torch.cuda.nccl.version())), "date": time.strftime("%Y-%m-%d"),
               "command": " ".join(["python", "bench/layouts.py"] + (argv or sys.argv[1:])),
               "config": {"preset": a.model, "model": [f"n_layers={a.layers}"] if a.layers else [], "seq": a.seq, "global_batch": a.global_batch, "hardware": a.hardware,

@@ -377,9 +377,9 @@ def main(argv=None) -> int:
     card = torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu"
     name = f"pp-{card_slug(card)}-{a.gpus}gpu" + (f"-{a.tag}" if a.tag else "")
     out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"{name}.json"
-    from plait.planner.recorded import GRADS_RUNTIME, HEAD_RUNTIME, HEAD_WGRAD, LOSS_RUNTIME, WGRAD_RUNTIME
+    from plait.planner.recorded import HEAD_WGRAD, RUNTIME_MARKS, WGRAD_RUNTIME
 
-    result = {"benchmark": "pipeline", "head": HEAD_RUNTIME, "grads": GRADS_RUNTIME, "loss": LOSS_RUNTIME,
+    result = {"benchmark": "pipeline", **RUNTIME_MARKS,
               "wgrad": WGRAD_RUNTIME, "card": card, "gpus": a.gpus, "torch": torch.__version__,
               "nccl": ".".join(map(str, torch.cuda.nccl.version())) if a.device == "cuda" else None,
               "date": time.strftime("%Y-%m-%d"), "command": " ".join(["python", "bench/pipeline.py"] + (argv or sys.argv[1:])),

@@ -235,9 +235,9 @@ def main(argv=None) -> int:
     nccl = ".".join(map(str, torch.cuda.nccl.version())) if a.device == "cuda" else None
     name = f"tp-{card_slug(card)}-{a.gpus}gpu" + (f"-{a.tag}" if a.tag else "")
     out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"{name}.json"
-    from plait.planner.recorded import GRADS_RUNTIME, HEAD_RUNTIME, LOSS_RUNTIME
+    from plait.planner.recorded import RUNTIME_MARKS
 
-    result = {"benchmark": "tensor_parallel", "head": HEAD_RUNTIME, "grads": GRADS_RUNTIME, "loss": LOSS_RUNTIME, "card": card, "gpus": a.gpus, "torch": torch.__version__, "nccl": nccl,
+    result = {"benchmark": "tensor_parallel", **RUNTIME_MARKS, "card": card, "gpus": a.gpus, "torch": torch.__version__, "nccl": nccl,
               "date": time.strftime("%Y-%m-%d"), "command": " ".join(["python", "bench/tensor_parallel.py"] + (argv or sys.argv[1:])),
               "config": {"preset": a.preset, "model": a.model, "seq": a.seq, "global_batch": a.global_batch,
                          "steps": a.steps, "warmup": a.warmup, "compile": a.compile}, "rows": []}

@@ -17,6 +17,13 @@ none is there by then, and each block's piece takes the place of the activations
 frees. The update runs over the
 pieces as segments of the flat space. Data-parallel engines keep the whole buffer: their buckets
 and shards are slices of it.
+
+A slot without a 16-bit copy (`master_only`, in pieces only): an untied embedding is read a few
+rows a step, so it needs no (vocabulary x dim) 16-bit copy beside its fp32 master (1.05 GB on 8b,
+held through the forward's peak). Its parameter becomes a view of the optimizer's master
+(`attach_master`), `data` has a hole where it lay (the other slots keep their offsets in the flat
+space; `data_view` maps them), and its gradient is handed in by the lookup
+(`plait.parallel.embedding_master`) through `land_outside`.
 """
 
 from __future__ import annotations
@@ -66,10 +73,12 @@ def grad_pieces(slots: list[Slot], n_decay: int) -> list[tuple[int, int]]:
 
 
 class FlatParams:
-    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], pad_to: int = 1, lazy_grads: bool = False):
+    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], pad_to: int = 1, lazy_grads: bool = False,
+                 master_only: str | None = None):
         """`pad_to`: the total length is rounded up to a multiple of this (e.g. the number of ZeRO
         shards), the padding holding zeros that never train. `lazy_grads`: gradients in pieces
-        allocated as backward reaches them (module docstring); `grad` is then None."""
+        allocated as backward reaches them (module docstring); `grad` is then None. `master_only`:
+        the name of a parameter that gets no 16-bit copy (module docstring)."""
         ordered = flat_order(named_params)
         decayed = [(n, p) for n, p in ordered if decays(n, p)]
         if not ordered:
@@ -86,10 +95,20 @@ class FlatParams:
         self.numel = offset  # real elements, without padding
         self.n_decay = sum(p.numel() for _, p in decayed)
         self.padded = -(-offset // pad_to) * pad_to
-        self.data = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
         if lazy_grads and self.padded != self.numel:
             raise ValueError("gradients in pieces need an unpadded flat space")
         self.pieces = grad_pieces(self.slots, self.n_decay) if lazy_grads else None
+        self.hole, self.hole_index, self._hole_init = None, None, None
+        if master_only is not None:
+            i = next((k for k, s in enumerate(self.slots) if s.name == master_only), None)
+            if i is None or self.pieces is None or self.dtype == torch.float32:
+                raise ValueError(f"master_only {master_only!r}: needs a 16-bit parameter of that name, in pieces")
+            hole = (self.slots[i].offset, self.slots[i].offset + self.slots[i].numel)
+            if hole not in self.pieces:  # its gradient is handed in whole, never beside another's
+                raise ValueError(f"master_only {master_only!r}: must be a gradient piece of its own")
+            self.hole, self.hole_index = hole, i
+        gap = self.hole[1] - self.hole[0] if self.hole else 0
+        self.data = torch.zeros(self.padded - gap, dtype=self.dtype, device=self.device)
         self.grad = None if lazy_grads else torch.zeros(self.padded, dtype=self.dtype, device=self.device)
         if lazy_grads:
             piece_of, i = [], 0
@@ -101,8 +120,11 @@ class FlatParams:
             self._bufs: list[torch.Tensor | None] = [None] * len(self.pieces)
         self.params = [p for _, p in ordered]
         with torch.no_grad():
-            for slot, p in zip(self.slots, self.params):
-                self.data[slot.offset:slot.offset + slot.numel].copy_(p.reshape(-1))
+            for i, (slot, p) in enumerate(zip(self.slots, self.params)):
+                if i == self.hole_index:
+                    self._hole_init = p.detach()  # the master's first value (`initial`), then let go
+                else:
+                    self.data_view(slot.offset, slot.offset + slot.numel).copy_(p.reshape(-1))
         self.bind()
         # registered before any engine's hooks, so theirs (DDP's buckets) find the gradient landed
         self._hooks = [p.register_post_accumulate_grad_hook(lambda p, i=i: self._land(p, i))
@@ -116,9 +138,59 @@ class FlatParams:
             self._grads = [self.view(self.grad, slot) for slot in self.slots]  # made once: the hooks reuse them
         else:
             self._grads = [None] * len(self.slots)
-        for slot, p, g in zip(self.slots, self.params, self._grads):
-            p.data = self.view(self.data, slot)
+        for i, (slot, p, g) in enumerate(zip(self.slots, self.params, self._grads)):
+            if i != self.hole_index:  # (the hole's parameter is the master's view: `attach_master`)
+                p.data = self.data_view(slot.offset, slot.offset + slot.numel).view(slot.shape)
             p.grad = g
+
+    def data_view(self, lo: int, hi: int) -> torch.Tensor | None:
+        """The 16-bit parameters of flat range [lo, hi): a view of `data`, or None inside the hole."""
+        if self.hole is None or hi <= self.hole[0]:
+            return self.data[lo:hi]
+        a, b = self.hole
+        if lo >= b:
+            return self.data[lo - (b - a):hi - (b - a)]
+        if a <= lo and hi <= b:
+            return None
+        raise ValueError(f"flat range [{lo}, {hi}) straddles the slot without a 16-bit copy [{a}, {b})")
+
+    def initial(self, lo: int, hi: int) -> list[tuple[int, torch.Tensor]]:
+        """The parameters' values over [lo, hi) as (offset, tensor) pieces, the hole's included
+        (an optimizer's fp32 master starts from them)."""
+        if self.hole is None:
+            return [(lo, self.data[lo:hi])]
+        a, b = self.hole
+        out = [(x, self.data_view(x, y)) for x, y in ((lo, min(hi, a)), (max(lo, b), hi)) if x < y]
+        if self._hole_init is not None and lo < b and a < hi:
+            assert lo <= a and b <= hi, "the slot without a 16-bit copy lies in one optimizer's range"
+            out.append((a, self._hole_init.reshape(-1)))
+        return sorted(out, key=lambda t: t[0])
+
+    def attach_master(self, master: torch.Tensor, lo: int) -> None:
+        """Make the hole's parameter a view of the fp32 `master` (which covers the flat space from
+        `lo`): the lookup reads its rows, and a checkpoint's load reaches it there."""
+        if self.hole is None:
+            return
+        slot = self.slots[self.hole_index]
+        self.params[self.hole_index].data = master[slot.offset - lo:slot.offset - lo + slot.numel].view(slot.shape)
+        self._hole_init = None
+
+    def write_params(self, master: torch.Tensor, lo: int) -> None:
+        """The 16-bit parameters over [lo, lo + len(master)) set from fp32 master values (after a load)."""
+        for off, view in self.initial(lo, lo + master.numel()):
+            if view.dtype == self.dtype and (self.hole is None or off != self.hole[0]):
+                view.copy_(master[off - lo:off - lo + view.numel()])
+
+    def land_outside(self, g: torch.Tensor) -> None:
+        """The hole's gradient, handed in by its lookup's backward (autograd cannot give a 16-bit
+        gradient to the fp32 parameter): the first of a step becomes its piece, later ones add."""
+        i = self.hole_index
+        fresh = self._grads[i] is None
+        if fresh and self._adopt(g, i):
+            return
+        with torch.no_grad():
+            view = self._grad_view(i)
+            view.copy_(g) if fresh else view.add_(g)
 
     def _grad_view(self, i: int) -> torch.Tensor:
         """Parameter i's slot of the gradient; in pieces, its piece allocated on first use (every
@@ -197,6 +269,10 @@ class FlatParams:
         where no backward reached it, and .grad is its view again - also when some code set a
         .grad of its own (torch.nn.Module.zero_grad's None, an assigned tensor)."""
         for i, p in enumerate(self.params):
+            if i == self.hole_index:  # its gradient never is .grad: landed, or zeros
+                if self._grads[i] is None:
+                    self._grad_view(i).zero_()
+                continue
             view = self._grad_view(i)
             if p.grad is None:
                 view.zero_()

@@ -57,10 +57,15 @@ class FlatAdamW:
     def __init__(self, flat, cfg: TrainConfig, lo: int = 0, hi: int | None = None, compile: bool = False):
         self.flat, self.cfg = flat, cfg
         self.lo, self.hi = lo, flat.padded if hi is None else hi
-        shard = flat.data[self.lo:self.hi]
         # fp32 parameters are their own masters: no copy, no extra memory
         self.separate = flat.dtype != torch.float32
-        self.master = shard.detach().float().clone() if self.separate else shard
+        if self.separate:
+            self.master = torch.empty(self.hi - self.lo, dtype=torch.float32, device=flat.device)
+            for off, values in flat.initial(self.lo, self.hi):
+                self.master[off - self.lo:off - self.lo + values.numel()].copy_(values)
+            flat.attach_master(self.master, self.lo)  # a slot without a 16-bit copy reads its master
+        else:
+            self.master = flat.data[self.lo:self.hi]
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
         self.steps = 0
@@ -98,15 +103,15 @@ class FlatAdamW:
         hp = hp.to(self.master.device, non_blocking=True)
         hp = torch.cat([hp[:7], clip.reshape(1).to(hp.dtype)])
         hp_plain = torch.cat([hp[:1], hp[1:2] * 0, hp[2:]])  # no weight decay
-        params = self.flat.data[self.lo:self.hi] if self.separate else None
         for off, g in segments:
             end = off + g.numel()
             # weight decay covers the prefix [0, split) of the range: cut each segment there
             for a, b, h in ((off, min(end, self.split), hp), (max(off, self.split), end, hp_plain)):
                 if a >= b:
                     continue
-                self._update(self.master[a:b], self.exp_avg[a:b], self.exp_avg_sq[a:b], g[a - off:b - off],
-                             params[a:b] if params is not None else None, h)
+                # the 16-bit copy written back (none for fp32, its own master, nor for a master-only slot)
+                out = self.flat.data_view(self.lo + a, self.lo + b) if self.separate else None
+                self._update(self.master[a:b], self.exp_avg[a:b], self.exp_avg_sq[a:b], g[a - off:b - off], out, h)
         return norm
 
     def zero_grad(self) -> None:

@@ -339,6 +339,30 @@ def test_a_result_file_says_how_one_device_held_its_gradients(tmp_path):
     assert m_old - m_new == pytest.approx(2 * param_count(model_dims("1b")) / 1e9, rel=1e-6)
 
 
+def test_a_result_file_says_whether_one_device_held_the_embeddings_16bit_copy(tmp_path):
+    """The benches write `"embed": EMBED_RUNTIME`: an untied embedding is looked up from its fp32
+    master with no 16-bit copy; a file without it held the copy (`Layout.embed_copy`), 2 bytes a
+    table element more. A tied table (1b) keeps its copy either way."""
+    import json
+
+    def run(marks: dict, name: str, preset: str, extra: dict):
+        folder = tmp_path / f"{name}{preset}"
+        folder.mkdir()
+        rows = [{"preset": preset, "seq_len": 2048, "variant": "plait", "micro_batch": 2, "step_s_median": 0.5,
+                 "peak_mem_gb": 40.0, **extra}]
+        (folder / "ts.json").write_text(json.dumps({"benchmark": "train_step", "card": "NVIDIA H200",
+                                                    **recorded.RUNTIME_MARKS, **marks, "rows": rows}))
+        (r,) = recorded.load(folder)
+        return recorded.check([r])[0].predicted_peak_gb, r
+
+    (m_new, new), (m_old, old) = (run(marks, name, "8b", {"n_layers": 8})
+                                  for marks, name in (({}, "new"), ({"embed": "copy"}, "old")))
+    assert not new.layout.get("embed_copy") and old.layout["embed_copy"]
+    assert m_old - m_new == pytest.approx(128256 * 4096 * 2 / 1e9, rel=1e-6)
+    tied = [run(marks, name, "1b", {})[0] for marks, name in (({}, "new"), ({"embed": "copy"}, "old"))]
+    assert tied[0] == tied[1]
+
+
 def test_a_zero_bubble_run_before_w_added_each_gradient_as_formed_is_priced_as_it_ran():
     """On 2 x H200 (8b, 16 layers, m = 8) both schedules held 45.09 GB on the 9-layer rank between
     actions, but ZB-H1 peaked 3.9 GB higher: its W formed the chunk's 63 weight gradients before

@@ -193,9 +193,9 @@ def run(a) -> int:
                                                           "error": (r.stderr.strip().splitlines() or ["?"])[-1][:300]}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    from plait.planner.recorded import GRADS_RUNTIME, HEAD_RUNTIME, LOSS_RUNTIME
+    from plait.planner.recorded import RUNTIME_MARKS
 
-    result = {"benchmark": "train_step", "head": HEAD_RUNTIME, "grads": GRADS_RUNTIME, "loss": LOSS_RUNTIME, "card": torch.cuda.get_device_name(0), "torch": torch.__version__,
+    result = {"benchmark": "train_step", **RUNTIME_MARKS, "card": torch.cuda.get_device_name(0), "torch": torch.__version__,
               "date": time.strftime("%Y-%m-%d"), "rows": rows}
     if a.out:
         os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)

@@ -42,8 +42,14 @@ def apply_data_parallel(model, cfg, comm=None, groups: Groups = Groups(), compil
         # one device, or a tensor / pipeline part with no data-parallel peer: nothing to all-reduce, and
         # the gradient pieces keep 2 bytes a parameter away from the forward's peak (at tp 8, a 70B's
         # 17 GB a GPU); the tp sums and the mesh-wide statistics still run over comm
-        return Local(model, FlatAdamW(FlatParams(named, lazy_grads=True), t, compile=compile), comm, groups,
-                     split=split)
+        from plait.parallel import embedding_master
+
+        table = embedding_master.master_only_name(model, split, p.tp)  # read from its master: no 16-bit copy
+        flat = FlatParams(named, lazy_grads=True, master_only=table)
+        engine = Local(model, FlatAdamW(flat, t, compile=compile), comm, groups, split=split)
+        if table is not None:
+            embedding_master.install(model, flat)
+        return engine
     dtype = named[0][1].dtype
     if p.zero == 0:
         from plait.parallel.ddp import DDP

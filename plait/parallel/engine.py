@@ -227,7 +227,7 @@ class Engine:
     def sync_params(self) -> None:
         """Make the compute parameters equal the masters again (after a load)."""
         if self.opt.separate:
-            self.opt.flat.data[self.opt.lo:self.opt.hi].copy_(self.opt.master)
+            self.opt.flat.write_params(self.opt.master, self.opt.lo)
 
     def memory(self) -> dict[str, list[torch.Tensor]]:
         """The tensors this rank holds for parameters, gradients and optimizer state."""

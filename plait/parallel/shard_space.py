@@ -123,6 +123,22 @@ class OwnedSpace:
     def padded(self) -> int:
         return self.data.numel()
 
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def data_view(self, lo: int, hi: int) -> torch.Tensor:
+        return self.data[lo:hi]
+
+    def initial(self, lo: int, hi: int) -> list[tuple[int, torch.Tensor]]:
+        return [(lo, self.data[lo:hi])]
+
+    def attach_master(self, master: torch.Tensor, lo: int) -> None:
+        """Every owned element has its 16-bit copy (no slot reads its master directly)."""
+
+    def write_params(self, master: torch.Tensor, lo: int) -> None:
+        self.data[lo:lo + master.numel()].copy_(master)
+
     def settle(self) -> None:
         """Nothing to settle: the gradient is the reduced shard, which the engine writes whole."""
 

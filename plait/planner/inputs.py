@@ -87,7 +87,7 @@ def make_layout(c: Cluster, tp=None, pp=None, dp=None, cp=None, dp_replicate=Non
                 stage_split="", head_in_forward=False, recompute_matmuls=0.0, zero3_whole_root=False,
                 zero3_cast_once=False, eager_head=False, fp8="off", zero3_fp8_gather=False,
                 head_wgrad_in_b=False, grad_overlap=True, recompute_whole=False, embedding_rows="auto",
-                grads_whole=False, loss_logits_held=False, wgrad_batched=False) -> Layout:
+                grads_whole=False, loss_logits_held=False, wgrad_batched=False, embed_copy=False) -> Layout:
     """A full layout from the degrees given; dp defaults to what the others leave."""
     check_positive(tp=tp, pp=pp, dp=dp, cp=cp, dp_replicate=dp_replicate, v=v, micro_batch=micro_batch)
     tp, pp, cp = _given(tp), _given(pp), _given(cp)
@@ -114,7 +114,7 @@ def make_layout(c: Cluster, tp=None, pp=None, dp=None, cp=None, dp_replicate=Non
                   zero3_whole_root=zero3_whole_root, zero3_cast_once=zero3_cast_once, eager_head=eager_head, fp8=fp8,
                   zero3_fp8_gather=zero3_fp8_gather, head_wgrad_in_b=head_wgrad_in_b, grad_overlap=grad_overlap,
                   recompute_whole=recompute_whole, embedding_rows=embedding_rows, grads_whole=grads_whole,
-                  loss_logits_held=loss_logits_held, wgrad_batched=wgrad_batched)
+                  loss_logits_held=loss_logits_held, wgrad_batched=wgrad_batched, embed_copy=embed_copy)
 
 
 def make_space(tp=None, pp=None, cp=None, dp_replicate=None, zero=None, v=None, schedule=None,

@@ -81,6 +81,11 @@ class Layout:
     as plait did before one device's gradients came in pieces that backward allocates (`plait.flat`;
     recorded runs: `plait.planner.recorded`)."""
 
+    embed_copy: bool = False
+    """An engine without data-parallel peers held a 16-bit copy of an untied embedding beside its
+    master, as plait did before it looked the rows up from the master (`plait.parallel.embedding_master`;
+    recorded runs: `plait.planner.recorded`)."""
+
     wgrad_batched: bool = False
     """A zero-bubble W formed all of a chunk's weight gradients before adding any, as plait did before
     it added each as formed (`plait.parallel.wgrad`; recorded runs: `plait.planner.recorded`)."""

@@ -7,6 +7,7 @@ places them on the ranks as plait's runtime does (`predict` reports the fullest)
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 from plait.parallel.schedules import compute_order, peak_activation_units, place, stage_of, units_as_w_starts
 from plait.planner import costs, memory
@@ -83,6 +84,7 @@ def rank_memory(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, sc: Stag
                                               lay.fp8)
     layer_w = costs.tp_share(d, tp)[0]
     best: tuple[float, int, dict, dict] = (-1.0, 0, {}, {})
+    first = place(sched_name, pp, v, 0)[0]  # the rank whose stage holds the embedding
     for r in range(pp):
         st = memory.state_bytes(sc.rank_params[r], lay.zero, shard, prec, shard_is_master=True)  # plait's ZeRO-3
         units, held = held_layers(sched_name, pp, m, v, r, wfrac, sc, exact)
@@ -90,6 +92,8 @@ def rank_memory(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, sc: Stag
         local = lay.n_gpus == 1 or (lay.grad_group == 1 and lay.zero == 0)  # the engine without dp peers
         if local and m == 1 and not lay.grads_whole:
             grads = 0.0  # its gradient pieces come with the backward, after the forward's peak (plait.flat)
+        if local and r == first and _table_from_master(d, lay, prec):
+            st = replace(st, params=st.params - d.vocab * d.hidden * prec.param_bytes)
         if lay.zero == 3 and shard > 1:
             grads, gathered = _zero3_peak(sc.rank_params[r], sc.root_params[r], layer_w, st.grads, prec, pp, m,
                                           1.0 if lay.zero3_fp8_gather else prec.param_bytes)
@@ -117,6 +121,13 @@ def rank_memory(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, sc: Stag
                      "optimizer_states": st.optimizer}
             best = (total, r, comp, state)
     return best[1], best[2], best[3]
+
+
+def _table_from_master(d: ModelDims, lay: Layout, prec: Precision) -> bool:
+    """An untied, unsplit embedding on an engine without data-parallel peers is looked up from its
+    fp32 master: no 16-bit copy (`plait.parallel.embedding_master`)."""
+    return (not d.tie_embeddings and lay.tp == 1 and not lay.embed_copy and prec.master_bytes > 0
+            and prec.param_bytes < 4)
 
 
 def _batched_wgrad(d: ModelDims, lay: Layout, sc: StageCosts, prec: Precision, sched_name: str, m: int, rank: int,

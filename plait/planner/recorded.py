@@ -47,6 +47,12 @@ LOSS_RUNTIME = "logits-freed"
 """What a benchmark's result file says of the fused loss (its "loss"): a chunk's logits freed once its
 gradient is formed (`plait.loss`). A file without it kept them beside the output matrix's gradient
 GEMM (`Layout.loss_logits_held`)."""
+EMBED_RUNTIME = "master-rows"
+"""What a benchmark's result file says of an untied embedding on an engine without data-parallel
+peers (its "embed"): looked up from its fp32 master, no 16-bit copy (`plait.parallel.embedding_master`).
+A file without it held the copy (`Layout.embed_copy`)."""
+RUNTIME_MARKS = {"head": HEAD_RUNTIME, "grads": GRADS_RUNTIME, "loss": LOSS_RUNTIME, "embed": EMBED_RUNTIME}
+"""What every benchmark writes into its result file, so that the planner prices it as it ran."""
 WGRAD_RUNTIME = "one-at-a-time"
 """What a pipeline result file says of a zero-bubble W (its "wgrad"): each weight gradient added as it
 is formed (`plait.parallel.wgrad`). A file without it formed a micro-batch's chunk of them all before
@@ -262,6 +268,8 @@ def load(folder: str | Path) -> list[Run]:
                 lay = {**lay, "grads_whole": True}
             if data.get("loss") != LOSS_RUNTIME:
                 lay = {**lay, "loss_logits_held": True}
+            if data.get("embed") != EMBED_RUNTIME:
+                lay = {**lay, "embed_copy": True}
             if bench == "pipeline" and data.get("wgrad") != WGRAD_RUNTIME:
                 lay = {**lay, "wgrad_batched": True}
             if "embedding_rows" not in lay and config.get("embedding_rows") != "auto":
