@@ -23,6 +23,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import sysconfig
@@ -43,6 +44,9 @@ TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".c", ".h", ".cc", ".cpp", ".js",
 RECORD_SUFFIXES = {".jsonl": "jsonl", ".parquet": "parquet"}
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 _CHUNK_DOCS, _CHUNK_CHARS = 512, 1 << 20  # documents handed to a worker at once
+# JSON's "\\ud83d" escape alone (half of a pair, as scraped text cut mid-emoji holds) is a lone
+# surrogate in the str json.loads returns: no UTF-8 encoder or tokenizer takes it
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -105,6 +109,11 @@ def _named_sources(inputs: list[str]) -> list[Source]:
     return sources
 
 
+def mended_note(documents: int) -> str:
+    return (f"replaced unpaired UTF-16 surrogates (a \\ud800-\\udfff escape without its other half) with "
+            f"U+FFFD in {documents:,} JSONL document(s)")
+
+
 def _is_val(key: str, fraction: float) -> bool:
     """Hold a document out by a hash of its name: stable across machines, re-runs and workers."""
     h = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little")
@@ -124,9 +133,11 @@ def _text_field_error(field: str, where: str, fields) -> UserError:
                      "pass --text-field NAME")
 
 
-def read_documents(source: Source, text_field: str = "text") -> Iterator[tuple[str | None, str, float]]:
+def read_documents(source: Source, text_field: str = "text",
+                   counts: dict | None = None) -> Iterator[tuple[str | None, str, float]]:
     """(text, hold-out key, bytes of input it stands for) per document; text None = an unreadable
-    text file (a record whose text is null is an empty document).
+    text file (a record whose text is null is an empty document). A JSONL text's lone surrogates
+    become U+FFFD, and `counts["mended"]` (if given) counts the documents that held any.
 
     Keys name the document (a text file by its name and folder; a record by its file's name
     without suffix, its folder and its row number), so the same document is held out wherever the
@@ -162,6 +173,11 @@ def read_documents(source: Source, text_field: str = "text") -> Iterator[tuple[s
                 if text is not None and not isinstance(text, str):
                     raise bad_value("--text-field", text_field, f"holds {_json_kind(text)}, not text, in "
                                     f"{p} line {line_no}; name a text field")
+                if text and _SURROGATE.search(text):
+                    # one broken character in a scraped row loses it, not the run; the summary says how many
+                    text = _SURROGATE.sub("\ufffd", text)
+                    if counts is not None:
+                        counts["mended"] = counts.get("mended", 0) + 1
                 # a null text is an empty row (it was counted as a skipped non-UTF-8 file, once per row)
                 yield text or "", f"{p.stem}:{p.parent.name}:{row_no}", len(line)
     elif source.kind == "parquet":
@@ -211,10 +227,11 @@ def _read_hf_dataset(source: Source, text_field: str):
             yield text or "", f"{p.name}:{p.parent.name}:{row}", per_row
 
 
-def iter_texts(inputs: list[str], text_field: str = "text") -> Iterator[str]:
-    """The non-empty document texts of the inputs, in order (for training a tokenizer)."""
+def iter_texts(inputs: list[str], text_field: str = "text", counts: dict | None = None) -> Iterator[str]:
+    """The non-empty document texts of the inputs, in order (for training a tokenizer); `counts`
+    as `read_documents`'s."""
     for source in collect_sources(inputs):
-        for text, _, _ in read_documents(source, text_field):
+        for text, _, _ in read_documents(source, text_field, counts):
             if text and text.strip():
                 yield text
 
@@ -301,7 +318,7 @@ def _chunks(sources: list[Source], text_field: str, val_fraction: float, counts:
     hold_out = len(sources) > 1 or sources[0].kind != "text"  # one text file: split its tail instead
     for source in sources:
         used = False
-        for text, key, size in read_documents(source, text_field):
+        for text, key, size in read_documents(source, text_field, counts):
             covered += size
             if text is None:
                 counts["skipped"] += 1
@@ -383,6 +400,8 @@ def prepare(inputs: list[str], out: str | Path, tokenizer, val_fraction: float =
             names = ", ".join(meta["_skipped"][:5]) + (f" and {len(meta['_skipped']) - 5} more"
                                                        if len(meta["_skipped"]) > 5 else "")
             print(f"skipped {len(meta['_skipped'])} file(s) that are not UTF-8 text: {names}", file=sys.stderr)
+        if meta["_mended"]:
+            print(mended_note(meta["_mended"]), file=sys.stderr)
         if meta["_tail"]:
             print(f"validation: the last {n['val']:,} tokens of the stream, cutting through a document: too few "
                   "documents to hold whole ones out by name", file=sys.stderr)
@@ -395,7 +414,7 @@ def prepare(inputs: list[str], out: str | Path, tokenizer, val_fraction: float =
 def _write_shards(tmp: Path, sources, tokenizer, dtype, val_fraction, text_field, workers, quiet, inputs) -> dict:
     t0 = time.perf_counter()
     writers = {s: _ShardWriter(tmp, s, dtype) for s in ("train", "val")}
-    counts = {"skipped": 0, "files": 0, "skipped_paths": [], "empty": 0}
+    counts = {"skipped": 0, "files": 0, "skipped_paths": [], "empty": 0, "mended": 0}
     bar = _Bar(sum(s.size for s in sources), enabled=not quiet)
     pending: collections.deque = collections.deque()  # (is_val, bytes) of chunks handed to the encoder
 
@@ -437,7 +456,7 @@ def _write_shards(tmp: Path, sources, tokenizer, dtype, val_fraction, text_field
             "files_used": counts["files"], "files_skipped": counts["skipped"]}
     (tmp / META).write_text(json.dumps(meta, indent=1))  # no timings in it: same inputs, same bytes
     return {**meta, "_seconds": max(time.perf_counter() - t0, 1e-9), "_tail": tail, "_skipped": counts["skipped_paths"],
-            "_empty": counts["empty"]}
+            "_empty": counts["empty"], "_mended": counts["mended"]}
 
 
 def _split_tail(folder: Path, shards: dict, dtype, fraction: float) -> None:

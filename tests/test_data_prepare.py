@@ -403,3 +403,17 @@ def test_ranks_preparing_the_default_corpus_at_once_prepare_it_once(tmp_path, mo
     for t in threads:
         t.join()
     assert not errors and len(calls) == 1 and len(set(got)) == 1 and len(got) == 3
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_lone_surrogate_in_jsonl_becomes_u_fffd_and_is_said(tmp_path, capsys, workers):
+    """json.loads accepts "\\ud83d" alone; encoding it to UTF-8 was a UnicodeEncodeError from a worker."""
+    src = tmp_path / "j4.jsonl"
+    # a lone high half, a lone low half, and a whole pair (an emoji: text, not a mistake)
+    src.write_text('{"text": "abc"}\n{"text": "x\\ud83d"}\n{"text": "\\ude00y"}\n{"text": "ok \\ud83d\\ude00"}\n')
+    assert main(["data", "prepare", "--input", str(src), "--out", str(tmp_path / "d"), "--workers", str(workers)]) == 0
+    err = capsys.readouterr().err
+    assert "with U+FFFD in 2 JSONL document(s)" in err, err
+    d = TokenData(tmp_path / "d")
+    text = bytes(np.concatenate([_tokens(d, "train"), _tokens(d, "val")]).astype(np.uint8)).decode()
+    assert text == "abc\nx\ufffd\n\ufffdy\nok \U0001f600\n"

@@ -103,3 +103,12 @@ def test_tokenizer_errors_are_one_line(tmp_path, capsys, args, needle):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and needle in err
+
+
+def test_a_lone_surrogate_in_jsonl_trains_and_is_said(tmp_path, capsys):
+    """The tokenizers library refused the str json.loads gave for "\\ud83d" (a TypeError traceback)."""
+    src = tmp_path / "j4.jsonl"
+    src.write_text('{"text": "abc abc"}\n{"text": "\\ud83d abc"}\n')
+    assert main(["data", "tokenizer", "--input", str(src), "--vocab", "300", "--out", str(tmp_path / "t.json")]) == 0
+    err = capsys.readouterr().err
+    assert "with U+FFFD in 1 JSONL document(s)" in err and "wrote" in err, err

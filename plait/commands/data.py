@@ -50,7 +50,7 @@ def _tokenizer(args) -> int:
     import sys
     from pathlib import Path
 
-    from plait.prepare import collect_sources, iter_texts
+    from plait.prepare import collect_sources, iter_texts, mended_note
     from plait.errors import bad_value
     from plait.tokenizer import train_bpe
 
@@ -63,7 +63,10 @@ def _tokenizer(args) -> int:
         raise bad_value("--out", args.out, f"its folder {out.parent} does not exist; create it first")
     if not collect_sources(args.input):
         raise bad_value("--input", " ".join(args.input), "holds no text, .jsonl or .parquet files")
-    tok = train_bpe(iter_texts(args.input, args.text_field), args.vocab, out, show_progress=sys.stderr.isatty())
+    counts: dict = {}
+    tok = train_bpe(iter_texts(args.input, args.text_field, counts), args.vocab, out, show_progress=sys.stderr.isatty())
+    if counts.get("mended"):
+        print(mended_note(counts["mended"]), file=sys.stderr)
     short = (f" - fewer than the {args.vocab} asked: the text held no more pairs to merge (more text reaches it)"
              if tok.vocab_size < args.vocab else "")
     print(f"wrote {out}: byte-level BPE, vocab {tok.vocab_size} (EOS id {tok.eos_id}){short}; "
