@@ -185,12 +185,24 @@ def read_documents(source: Source, text_field: str = "text",
             import pyarrow.parquet as pq
         except ImportError:
             raise bad_value("--input", str(p), "is Parquet, which needs pyarrow: pip install pyarrow") from None
-        pf = pq.ParquetFile(p)
+        import pyarrow as pa
+
+        try:
+            pf = pq.ParquetFile(p)
+        except (pa.ArrowException, OSError) as e:  # not Parquet at all, or its footer cut off
+            raise _damaged_parquet(p, e) from None
         if text_field not in pf.schema_arrow.names:
             raise _text_field_error(text_field, str(p), pf.schema_arrow.names)
         per_row = source.size / max(1, pf.metadata.num_rows)
         row = 0
-        for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
+        batches = pf.iter_batches(columns=[text_field], batch_size=1024)
+        while True:
+            try:
+                batch = next(batches, None)
+            except (pa.ArrowException, OSError) as e:  # a page damaged behind a readable footer
+                raise _damaged_parquet(p, e) from None
+            if batch is None:
+                break
             for text in batch.column(0).to_pylist():
                 row += 1
                 if text is not None and not isinstance(text, str):
@@ -200,6 +212,15 @@ def read_documents(source: Source, text_field: str = "text",
         yield from _read_hf_dataset(source, text_field)
     else:
         raise AssertionError(source.kind)
+
+
+def _damaged_parquet(p: Path, e: Exception) -> Exception:
+    """pyarrow says a damaged file with an OSError without errno ("Corrupt snappy compressed data")
+    or an ArrowInvalid; an OSError with one (EIO, EACCES) is the disk's, said by `prepare`."""
+    if isinstance(e, OSError) and e.errno:
+        return e
+    why = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return bad_value("--input", str(p), f"is not a readable Parquet file ({why}); replace it or leave it out")
 
 
 def _read_hf_dataset(source: Source, text_field: str):

@@ -417,3 +417,26 @@ def test_a_lone_surrogate_in_jsonl_becomes_u_fffd_and_is_said(tmp_path, capsys, 
     d = TokenData(tmp_path / "d")
     text = bytes(np.concatenate([_tokens(d, "train"), _tokens(d, "val")]).astype(np.uint8)).decode()
     assert text == "abc\nx\ufffd\n\ufffdy\nok \U0001f600\n"
+
+
+@pytest.mark.parametrize("damage", ["not parquet", "page"])
+@pytest.mark.parametrize("command", ["prepare", "tokenizer"])
+def test_a_damaged_parquet_file_is_one_line(tmp_path, capsys, damage, command):
+    """pyarrow's ArrowInvalid (or OSError "Corrupt snappy compressed data") was a traceback."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    if command == "tokenizer":
+        pytest.importorskip("tokenizers")
+    f = tmp_path / "p.parquet"
+    if damage == "not parquet":
+        f.write_text("notparquet\n")
+    else:  # footer intact, the data pages behind it overwritten
+        pq.write_table(pa.table({"text": [f"hello world {i}" for i in range(5000)]}), f, compression="snappy")
+        raw = bytearray(f.read_bytes())
+        raw[200:2000] = b"\x55" * 1800
+        f.write_bytes(bytes(raw))
+    out = tmp_path / ("d" if command == "prepare" else "t.json")
+    assert main(["data", command, "--input", str(f), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--input = '{f}': is not a readable Parquet file (" in err, err
+    assert not out.exists()
