@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from plait.errors import bad_value
-from plait.tokenizer import from_spec
+from plait.tokenizer import TOKENIZER_FILE, from_spec
 
 META = "meta.json"
 FORMAT_VERSION = 2  # 2: per-shard document offsets (*.docs.bin); 1: tokens only
@@ -32,6 +32,15 @@ _MIX_KEY = 0x4D49_5844  # an rng key component that keeps mixing draws apart fro
 
 # ---------------------------------------------------------------------------------------------
 # Reading shards: windows, batches, document boundaries
+
+
+def _json_kind(value) -> str:
+    """What a JSON value is, in JSON's words: the user reads the file, not Python's types."""
+    for typ, kind in ((bool, "a boolean"), ((int, float), "a number"), (str, "a string"), (list, "an array"),
+                      (dict, "an object"), (type(None), "null")):
+        if isinstance(value, typ):  # bool first: True is an int to Python
+            return kind
+    return f"a {type(value).__name__}"
 
 
 @dataclass
@@ -103,15 +112,36 @@ class TokenData(_Batches):
                             "run `plait data prepare --input FILES --out DIR` first")
         try:
             self.meta = json.loads(meta_file.read_text())
+            # JSON that is not what prepare writes ([1, 2], a dtype numpy has no name for) raised
+            # AttributeError or TypeError past the handler below: each is said here as the damage it is
+            if not isinstance(self.meta, dict):
+                raise ValueError(f"it holds {_json_kind(self.meta)}, not an object")
             if int(self.meta.get("format", 1)) > FORMAT_VERSION:
                 raise bad_value(field, str(path), f"was prepared by a newer plait (format {self.meta['format']}); "
                                 "upgrade plait or prepare it again")
             self.vocab_size = int(self.meta["vocab_size"])
-            dtype = np.dtype(self.meta["dtype"])
-            self.splits = {k: self._open_split(v, dtype) for k, v in self.meta["splits"].items()}
-        except (KeyError, ValueError, OSError) as e:
+            try:
+                dtype = np.dtype(self.meta["dtype"])
+            except TypeError:
+                raise ValueError(f"dtype {self.meta['dtype']!r} is not a numpy type") from None
+            if dtype.kind not in "ui":  # token ids: prepare writes uint16 or uint32
+                raise ValueError(f"dtype {dtype.name} is not an integer type")
+            splits = self.meta["splits"]
+            if not isinstance(splits, dict) or not all(isinstance(v, list) and all(isinstance(s, dict) for s in v)
+                                                       for v in splits.values()):
+                raise ValueError("its splits are not lists of shards")
+            self.splits = {k: self._open_split(v, dtype) for k, v in splits.items()}
+            self.tokenizer_spec = self.meta.get("tokenizer", {"kind": "byte"})
+            if not isinstance(self.tokenizer_spec, dict) or not isinstance(self.tokenizer_spec.get("file", ""), str):
+                raise ValueError(f"its tokenizer is {_json_kind(self.tokenizer_spec)}, not a tokenizer spec")
+        except (KeyError, ValueError, TypeError, OSError) as e:
             raise bad_value(field, str(path), f"has a damaged meta.json or shard ({e}); prepare it again") from None
-        self.tokenizer_spec = self.meta.get("tokenizer", {"kind": "byte"})
+        name = self.tokenizer_spec.get("file", TOKENIZER_FILE)
+        if self.tokenizer_spec.get("kind") == "hf" and not (self.path / name).is_file():
+            # the tokenizer the shards were encoded with: without it no text can be read or checked
+            # (eval's same_tokenizer met a FileNotFoundError; train blamed a --tokenizer never given)
+            raise bad_value(field, str(path), f"is missing its {name} (the tokenizer its shards were encoded "
+                            "with); put that file back or prepare the folder again")
 
     def _open_split(self, shards: list[dict], dtype) -> Split:
         shards = [s for s in shards if s["tokens"] > 0]
@@ -140,7 +170,7 @@ class TokenData(_Batches):
         return "val" in self.splits and self.splits["val"].tokens > 0
 
     def tokenizer(self):
-        return from_spec(self.tokenizer_spec, self.path)
+        return from_spec(self.tokenizer_spec, self.path, field=(self.field, str(self.path)))
 
     def check(self, vocab_size: int, seq_len: int, weights=None) -> None:
         """`weights`: the checkpoint or HF folder whose weights fix the model's vocabulary, if any."""

@@ -55,16 +55,20 @@ class ByteTokenizer:
 class HFTokenizer:
     """A HuggingFace `tokenizers` JSON file (BPE, unigram, ...)."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, field: tuple[str, str] | None = None):
+        """`field`: (name, value) an unreadable file is blamed on (default --tokenizer and `path`):
+        a prepared folder's tokenizer.json is one the user named by the folder."""
+        name, shown = field or ("--tokenizer", str(path))
         try:
             from tokenizers import Tokenizer
         except ImportError:
-            raise UserError("--tokenizer needs the `tokenizers` package: pip install tokenizers") from None
+            raise UserError(f"{name} needs the `tokenizers` package: pip install tokenizers") from None
         self.path = Path(path)
         try:
             self._tok = Tokenizer.from_file(str(self.path))
         except Exception as e:  # the library raises a plain Exception on bad JSON
-            raise bad_value("--tokenizer", str(path), f"not a readable tokenizers JSON file ({e})") from None
+            what = "" if field is None else f"its {self.path.name} is "
+            raise bad_value(name, shown, f"{what}not a readable tokenizers JSON file ({e})") from None
         # ids, not a count: a file may leave gaps (an added token placed at id 1500 of 1000 tokens),
         # and the model needs a row for the largest id
         ids = self._tok.get_vocab(with_added_tokens=True).values()
@@ -101,12 +105,13 @@ def from_path(path: str | None):
     return HFTokenizer(path)
 
 
-def from_spec(spec: dict, folder: str | Path):
-    """Rebuild the tokenizer a spec describes; HF files are looked up in `folder`."""
+def from_spec(spec: dict, folder: str | Path, field: tuple[str, str] | None = None):
+    """Rebuild the tokenizer a spec describes; HF files are looked up in `folder`; `field` as
+    `HFTokenizer`'s."""
     if spec.get("kind") == "byte":
         return ByteTokenizer()
     if spec.get("kind") == "hf":
-        return HFTokenizer(Path(folder) / spec.get("file", TOKENIZER_FILE))
+        return HFTokenizer(Path(folder) / spec.get("file", TOKENIZER_FILE), field)
     raise UserError(f"unknown tokenizer spec {spec!r} in {folder}: re-run `plait data prepare`")
 
 

@@ -117,3 +117,44 @@ def test_batches_are_deterministic_and_rank_slices_tile_the_global_batch(corpus)
 def test_missing_data_dir_error(tmp_path):
     with pytest.raises(UserError, match="data.path = .*meta.json missing.*plait data prepare"):
         TokenData(tmp_path)
+
+
+@pytest.mark.parametrize("change, needle", [
+    (lambda m: [1, 2], "it holds an array, not an object"),  # was AttributeError: 'list' has no 'get'
+    (lambda m: dict(m, dtype="float99"), "dtype 'float99' is not a numpy type"),  # was TypeError
+    (lambda m: dict(m, dtype="float32"), "dtype float32 is not an integer type"),
+    (lambda m: dict(m, splits=[1]), "its splits are not lists of shards"),
+    (lambda m: dict(m, splits={"train": [3]}), "its splits are not lists of shards"),
+    (lambda m: dict(m, splits={"train": [{"file": "train_000.bin", "tokens": "many"}]}), "not supported"),
+    (lambda m: dict(m, tokenizer="bytes"), "its tokenizer is a string, not a tokenizer spec"),
+])
+def test_a_damaged_meta_json_is_one_line(tmp_path, change, needle):
+    out = prepare([str(_corpus(tmp_path, 5))], tmp_path / "d", ByteTokenizer(), val_fraction=0.2, quiet=True)
+    meta = json.loads((out / "meta.json").read_text())
+    (out / "meta.json").write_text(json.dumps(change(meta)))
+    with pytest.raises(UserError) as e:
+        TokenData(out, field="--data")
+    assert str(e.value).startswith(f"--data = '{out}': has a damaged meta.json or shard (")
+    assert needle in str(e.value) and str(e.value).endswith("prepare it again")
+
+
+def test_a_prepared_folder_missing_its_tokenizer_json_is_one_line_naming_the_folder(tmp_path, capsys):
+    """eval met a FileNotFoundError; train blamed `--tokenizer = '.../tokenizer.json'`, never given."""
+    pytest.importorskip("tokenizers")
+    from plait.cli import main
+    from plait.tokenizer import train_bpe
+
+    src = _corpus(tmp_path, 5)
+    tok = train_bpe((f.read_text() for f in sorted(src.iterdir())), 300, tmp_path / "tok.json")
+    out = prepare([str(src)], tmp_path / "nt", tok, val_fraction=0.2, quiet=True)
+    (out / "tokenizer.json").unlink()
+    for argv, field in ((["eval", "--checkpoint", str(tmp_path / "run"), "--data", str(out)], "--data"),
+                        (["train", "--data.path", str(out), "--out", str(tmp_path / "run")], "data.path")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err, err
+        assert f"{field} = '{out}': is missing its tokenizer.json" in err and "prepare the folder again" in err, err
+    # a tokenizer.json that is there but unreadable names the folder too, not a --tokenizer flag
+    (out / "tokenizer.json").write_text("{broken")
+    with pytest.raises(UserError, match=rf"^data.path = '{out}': its tokenizer.json is not a readable"):
+        TokenData(out).tokenizer()
