@@ -36,7 +36,7 @@ import numpy as np
 
 from plait.data import FORMAT_VERSION, META
 from plait.errors import UserError, bad_value
-from plait.tokenizer import DocumentEncoder, save_spec_files
+from plait.tokenizer import DocumentEncoder, document_end, save_spec_files
 
 SHARD_TOKENS = 1 << 30  # tokens per shard file; keeps each file well under 4 GiB
 TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".c", ".h", ".cc", ".cpp", ".js", ".ts", ".json",
@@ -377,6 +377,7 @@ def prepare(inputs: list[str], out: str | Path, tokenizer, val_fraction: float =
         raise bad_value(name, shown, "already holds prepared data; choose another folder or delete it")
     if out.exists() and any(out.iterdir()):
         raise bad_value(name, shown, "exists and is not empty; choose a new folder")
+    document_end(tokenizer)  # a tokenizer that cannot end a document: refused before anything is read
     repeated: list[str] = []
     sources = collect_sources(inputs, repeated)
     if repeated and not quiet:
@@ -473,7 +474,7 @@ def _write_shards(tmp: Path, sources, tokenizer, dtype, val_fraction, text_field
     eos = getattr(tokenizer, "eos_id", None)
     meta = {"format": FORMAT_VERSION, "vocab_size": int(tokenizer.vocab_size),
             "dtype": np.dtype(dtype).name, "tokenizer": tokenizer.spec, "splits": shards,
-            "documents": {"count": n_docs, "end": "newline" if eos is None else "eos", "eos_id": eos},
+            "documents": {"count": n_docs, "end": document_end(tokenizer), "eos_id": eos},
             "files_used": counts["files"], "files_skipped": counts["skipped"]}
     (tmp / META).write_text(json.dumps(meta, indent=1))  # no timings in it: same inputs, same bytes
     return {**meta, "_seconds": max(time.perf_counter() - t0, 1e-9), "_tail": tail, "_skipped": counts["skipped_paths"],

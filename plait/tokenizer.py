@@ -120,6 +120,24 @@ def save_spec_files(tokenizer, folder: Path) -> None:
         tokenizer.save_to(folder)
 
 
+def document_end(tokenizer) -> str:
+    """How a document's end is marked in the tokens: "eos" (the tokenizer's end-of-text id) or
+    "newline" (a tokenizer without one: a newline is appended to the text, as plait always did for bytes).
+
+    A tokenizer with neither (WordPiece / BERT: no end-of-text token, and its normalizer turns a
+    newline into a space it then drops) would lay documents end to end with nothing between them,
+    while meta.json said "newline": refused, before anything is read or written.
+    """
+    if getattr(tokenizer, "eos_id", None) is not None:
+        return "eos"
+    if np.array_equal(tokenizer.encode("x\n"), tokenizer.encode("x")):
+        raise bad_value("--tokenizer", str(getattr(tokenizer, "path", tokenizer)), "has no end-of-text token "
+                        f"({', '.join(EOS_NAMES)}) and drops newlines, so nothing would mark where a document ends; "
+                        "use a tokenizer with an end-of-text token or one that keeps newlines (e.g. `plait data "
+                        "tokenizer`'s byte-level BPE)")
+    return "newline"
+
+
 def encode_documents(tokenizer, texts: list[str], dtype) -> tuple[np.ndarray, np.ndarray]:
     """Token ids of documents laid end to end, and each document's length.
 

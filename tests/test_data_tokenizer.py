@@ -112,3 +112,62 @@ def test_a_lone_surrogate_in_jsonl_trains_and_is_said(tmp_path, capsys):
     assert main(["data", "tokenizer", "--input", str(src), "--vocab", "300", "--out", str(tmp_path / "t.json")]) == 0
     err = capsys.readouterr().err
     assert "with U+FFFD in 1 JSONL document(s)" in err and "wrote" in err, err
+
+
+def _wordpiece(path):
+    """A BERT-style tokenizer.json: no end-of-text token, and its normalizer makes "\\n" a space that
+    the pre-tokenizer drops (encode("\\n") == [])."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer()
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.train_from_iterator([" ".join(WORDS[:8])] * 4 + ["shard the mesh by rank"],
+                            trainers.WordPieceTrainer(vocab_size=120, special_tokens=["[UNK]", "[CLS]", "[SEP]"]))
+    tok.save(str(path))
+    hf = HFTokenizer(path)
+    assert hf.eos_id is None and len(hf.encode("\n")) == 0
+    return hf
+
+
+def test_a_tokenizer_that_cannot_end_a_document_is_refused_in_one_line(tmp_path, capsys):
+    """Prepare wrote meta "end": "newline" and laid the documents end to end with nothing between them."""
+    _wordpiece(tmp_path / "wp.json")
+    src = _corpus(tmp_path)
+    argv = ["data", "prepare", "--input", str(src), "--out", str(tmp_path / "d"), "--tokenizer", str(tmp_path / "wp.json")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--tokenizer = '{tmp_path / 'wp.json'}': has no end-of-text token" in err, err
+    assert "use a tokenizer with an end-of-text token or one that keeps newlines" in err
+    assert not (tmp_path / "d").exists() and not list(tmp_path.glob(".tmp-*"))
+
+
+def test_generate_with_an_empty_prompt_and_a_tokenizer_without_eos_or_newline(tmp_path, capsys, monkeypatch):
+    """document_start took tokenizer.encode("\\n")[-1]: an IndexError for WordPiece. A BOS starts the
+    document where the tokenizer has one; else the empty prompt is refused in one line."""
+    import json as json_
+
+    from plait import train as train_mod
+    from plait.commands.generate import document_start
+    from plait.config import build_config
+    from plait.model import build_model
+
+    hf = _wordpiece(tmp_path / "wp.json")
+    cfg = build_config({"model": {"preset": "custom", "vocab_size": 128, "dim": 16, "n_layers": 1, "n_heads": 2,
+                                  "n_kv_heads": 2, "ffn_dim": 32, "max_seq_len": 16}})
+    model = build_model(cfg.model, 0, "cpu").eval()
+    monkeypatch.setattr(train_mod, "model_from_checkpoint", lambda path, device: (model, hf, cfg, tmp_path))
+    assert main(["generate", "--checkpoint", str(tmp_path), "--prompt", "", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--prompt = '': gives no tokens" in err and "give a prompt" in err, err
+    assert main(["generate", "--checkpoint", str(tmp_path), "--prompt", "rank", "--max-new-tokens", "2"]) == 0
+    capsys.readouterr()
+    # the same tokenizer with a BOS token: the empty prompt starts from it
+    spec = json_.loads((tmp_path / "wp.json").read_text())
+    spec["added_tokens"].append({"id": hf.vocab_size, "content": "<s>", "single_word": False, "lstrip": False, "rstrip": False,
+                                 "normalized": False, "special": True})
+    (tmp_path / "bos.json").write_text(json_.dumps(spec))
+    bos = HFTokenizer(tmp_path / "bos.json")
+    assert bos.bos_id is not None and document_start(bos) == bos.bos_id
+    monkeypatch.setattr(train_mod, "model_from_checkpoint", lambda path, device: (model, bos, cfg, tmp_path))
+    assert main(["generate", "--checkpoint", str(tmp_path), "--prompt", "", "--max-new-tokens", "2"]) == 0

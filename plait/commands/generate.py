@@ -46,17 +46,29 @@ def run(args, extra) -> int:
                         f"of vocabulary {cfg.model.vocab_size}: the tokenizer belongs to another model; put the "
                         "model's own tokenizer.json beside its weights")
     prompt = [int(i) for i in tokenizer.encode(args.prompt)] or [document_start(tokenizer)]
+    if prompt == [None]:
+        raise bad_value("--prompt", args.prompt, "gives no tokens, and the checkpoint's tokenizer has no end-of-text "
+                        "or start token and drops newlines, so nothing stands for a document's start; give a prompt "
+                        "of some text")
     ids = sample(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
     print(args.prompt + tokenizer.decode(ids))
     return 0
 
 
-def document_start(tokenizer) -> int:
+def document_start(tokenizer) -> int | None:
     """The token an empty prompt stands for: what precedes every document in plait's data, the
     tokenizer's EOS, or the newline that ends each document of a tokenizer without one (bytes).
-    (Token 0 instead is a NUL byte, which the model never saw and continues with garbage.)"""
+    (Token 0 instead is a NUL byte, which the model never saw and continues with garbage.)
+    A tokenizer with neither (WordPiece drops "\n": encode gives []) starts with its BOS if it has
+    one; else None: nothing stands for a start."""
     eos = getattr(tokenizer, "eos_id", None)
-    return int(eos) if eos is not None else int(tokenizer.encode("\n")[-1])
+    if eos is not None:
+        return int(eos)
+    newline = tokenizer.encode("\n")
+    if len(newline):
+        return int(newline[-1])
+    bos = getattr(tokenizer, "bos_id", None)
+    return None if bos is None else int(bos)
 
 
 def _device(name: str):
