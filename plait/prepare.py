@@ -69,9 +69,10 @@ def _is_hf_dataset(folder: Path) -> bool:
 
 
 def _file_kind(path: Path) -> str | None:
-    if path.suffix in RECORD_SUFFIXES:
-        return RECORD_SUFFIXES[path.suffix]
-    return "text" if path.suffix in TEXT_SUFFIXES else None
+    suffix = path.suffix.lower()  # A.JSONL and B.TXT (Windows, old archives) were skipped
+    if suffix in RECORD_SUFFIXES:
+        return RECORD_SUFFIXES[suffix]
+    return "text" if suffix in TEXT_SUFFIXES else None
 
 
 def collect_sources(inputs: list[str], repeated: list[str] | None = None) -> list[Source]:
@@ -96,7 +97,7 @@ def _named_sources(inputs: list[str]) -> list[Source]:
     for item in inputs:
         p = Path(item).expanduser()
         if p.is_file():  # a file named explicitly is read whatever its suffix
-            sources.append(Source(RECORD_SUFFIXES.get(p.suffix, "text"), p, p.stat().st_size))
+            sources.append(Source(RECORD_SUFFIXES.get(p.suffix.lower(), "text"), p, p.stat().st_size))
         elif p.is_dir() and _is_hf_dataset(p):
             sources.append(Source("hf", p, sum(f.stat().st_size for f in p.rglob("*.arrow"))))
         elif p.is_dir():

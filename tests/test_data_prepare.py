@@ -440,3 +440,17 @@ def test_a_damaged_parquet_file_is_one_line(tmp_path, capsys, damage, command):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"--input = '{f}': is not a readable Parquet file (" in err, err
     assert not out.exists()
+
+
+
+def test_upper_case_suffixes_are_read_as_their_kind(tmp_path):
+    """In a folder A.JSONL and B.TXT were skipped; A.JSONL named directly was one text document of JSON."""
+    src = tmp_path / "c"
+    _jsonl(src / "A.JSONL", DOCS[:10])
+    (src / "B.TXT").write_text("an upper-case text file")
+    (src / "C.PNG").write_bytes(b"\x89PNG")  # still no text
+    d = TokenData(prepare([str(src)], tmp_path / "d", ByteTokenizer(), val_fraction=0.2, quiet=True))
+    assert d.meta["documents"]["count"] == 11 and d.meta["files_used"] == 2
+    d = TokenData(prepare([str(src / "A.JSONL")], tmp_path / "d2", ByteTokenizer(), val_fraction=0.2, quiet=True))
+    assert d.meta["documents"]["count"] == 10
+    assert b'"text"' not in bytes(np.concatenate([_tokens(d, "train"), _tokens(d, "val")]).astype(np.uint8))
