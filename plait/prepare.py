@@ -68,11 +68,20 @@ def _is_hf_dataset(folder: Path) -> bool:
         (folder / "state.json").is_file() and (folder / "dataset_info.json").is_file())
 
 
+def _is_prepared(files: list[str]) -> bool:
+    """Whether a folder holding `files` (names) is one `plait data prepare` wrote."""
+    return META in files and any(f.endswith(".bin") for f in files)
+
+
 def _file_kind(path: Path) -> str | None:
     suffix = path.suffix.lower()  # A.JSONL and B.TXT (Windows, old archives) were skipped
     if suffix in RECORD_SUFFIXES:
         return RECORD_SUFFIXES[suffix]
     return "text" if suffix in TEXT_SUFFIXES else None
+
+
+def _hf_source(folder: Path) -> Source:
+    return Source("hf", folder, sum(f.stat().st_size for f in folder.rglob("*.arrow")))
 
 
 def collect_sources(inputs: list[str], repeated: list[str] | None = None) -> list[Source]:
@@ -99,12 +108,9 @@ def _named_sources(inputs: list[str]) -> list[Source]:
         if p.is_file():  # a file named explicitly is read whatever its suffix
             sources.append(Source(RECORD_SUFFIXES.get(p.suffix.lower(), "text"), p, p.stat().st_size))
         elif p.is_dir() and _is_hf_dataset(p):
-            sources.append(Source("hf", p, sum(f.stat().st_size for f in p.rglob("*.arrow"))))
+            sources.append(_hf_source(p))
         elif p.is_dir():
-            for f in sorted(f for f in p.rglob("*") if f.is_file() and not _SKIP_DIRS & set(f.parts)):
-                kind = _file_kind(f)
-                if kind:
-                    sources.append(Source(kind, f, f.stat().st_size))
+            sources.extend(_walk(p, item))
         else:
             raise bad_value("--input", item, "no such file or folder")
     return sources
@@ -113,6 +119,33 @@ def _named_sources(inputs: list[str]) -> list[Source]:
 def mended_note(documents: int) -> str:
     return (f"replaced unpaired UTF-16 surrogates (a \\ud800-\\udfff escape without its other half) with "
             f"U+FFFD in {documents:,} JSONL document(s)")
+
+
+def _walk(folder: Path, item: str) -> list[Source]:
+    """The sources in a folder and below, in sorted path order. A datasets folder met on the way
+    is read as one (its state.json and dataset_info.json were read as text, and its rows dropped);
+    a folder `plait data prepare` wrote is refused: its meta.json and tokenizer.json are no text
+    to train on. Other .json files stay text: code corpora (the default one, the Python standard
+    library, among them) hold JSON files as they hold .toml and .yaml ones."""
+    found: list[Source] = []
+    for root, dirs, files in os.walk(folder):
+        here = Path(root)
+        if _is_prepared(files):
+            what = "is a folder" if here == folder else f"holds {here}, a folder"
+            raise bad_value("--input", item, f"{what} made by `plait data prepare` (meta.json and token shards), "
+                            "which is no text to train on; " + ("train on it with --data.path" if here == folder else
+                            "move it out, or give the folders beside it as --input"))
+        if here != folder and _is_hf_dataset(here):
+            found.append(_hf_source(here))
+            dirs.clear()  # its files are the dataset's: none of them is a document
+            continue
+        dirs[:] = [d for d in dirs if d not in _SKIP_DIRS]
+        for name in files:
+            f = here / name
+            kind = _file_kind(f)
+            if kind and not _SKIP_DIRS & set(f.parts) and f.is_file():
+                found.append(Source(kind, f, f.stat().st_size))
+    return sorted(found, key=lambda s: s.path)  # Path order: by parts, as a sorted rglob gave them
 
 
 def _is_val(key: str, fraction: float) -> bool:

@@ -442,6 +442,35 @@ def test_a_damaged_parquet_file_is_one_line(tmp_path, capsys, damage, command):
     assert not out.exists()
 
 
+def test_a_datasets_folder_inside_an_input_folder_is_read_as_a_dataset(tmp_path):
+    """Its state.json and dataset_info.json were read as two text documents and its rows dropped."""
+    datasets = pytest.importorskip("datasets")
+    src = tmp_path / "c"
+    (src / "notes").mkdir(parents=True)
+    (src / "notes" / "a.txt").write_text("a text file beside the dataset")
+    datasets.Dataset.from_dict({"text": DOCS}).save_to_disk(str(src / "rows"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": DOCS[:5]})}).save_to_disk(str(src / "z" / "dd"))
+    d = TokenData(prepare([str(src)], tmp_path / "d", ByteTokenizer(), val_fraction=0.2, quiet=True))
+    assert d.meta["documents"]["count"] == 1 + len(DOCS) + 5 and d.meta["files_used"] == 3
+    text = bytes(np.concatenate([_tokens(d, "train"), _tokens(d, "val")]).astype(np.uint8)).decode()
+    assert "a text file beside" in text and DOCS[7] in text and "fingerprint" not in text and '"splits"' not in text
+
+
+def test_a_prepared_folder_inside_an_input_folder_is_refused_in_one_line(tmp_path, capsys):
+    """Its meta.json (and an HF tokenizer.json) were read as text documents to train on."""
+    src = tmp_path / "c"
+    src.mkdir()
+    (src / "a.txt").write_text("some text " * 20)
+    prepare([str(src / "a.txt")], src / "sub" / "prepared", ByteTokenizer(), val_fraction=0.2, quiet=True)
+    assert main(["data", "prepare", "--input", str(src), "--out", str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--input = '{src}': holds {src / 'sub' / 'prepared'}, a folder made by" in err, err
+    assert "move it out, or give the folders beside it as --input" in err
+    assert main(["data", "prepare", "--input", str(src / "sub" / "prepared"), "--out", str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is a folder made by `plait data prepare`" in err and "--data.path" in err, err
+    assert not (tmp_path / "d").exists()
+
 
 def test_upper_case_suffixes_are_read_as_their_kind(tmp_path):
     """In a folder A.JSONL and B.TXT were skipped; A.JSONL named directly was one text document of JSON."""
