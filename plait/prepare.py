@@ -44,6 +44,7 @@ TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".c", ".h", ".cc", ".cpp", ".js",
 RECORD_SUFFIXES = {".jsonl": "jsonl", ".parquet": "parquet"}
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 _CHUNK_DOCS, _CHUNK_CHARS = 512, 1 << 20  # documents handed to a worker at once
+_TAIL_BLOCK = 1 << 23  # tokens read at once when the stream's tail is split off
 # JSON's "\\ud83d" escape alone (half of a pair, as scraped text cut mid-emoji holds) is a lone
 # surrogate in the str json.loads returns: no UTF-8 encoder or tokenizer takes it
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -315,7 +316,8 @@ class _ShardWriter:
             n = min(SHARD_TOKENS - shard["tokens"], len(ids) - pos)
             lo, hi = np.searchsorted(starts, [pos, pos + n])
             self._starts[-1].append(starts[lo:hi] - pos + shard["tokens"])
-            self._f.write(ids[pos:pos + n].astype(self.dtype, copy=False).tobytes())
+            # the array's own memory, not a bytes copy of it (a document can be a whole file)
+            self._f.write(np.ascontiguousarray(ids[pos:pos + n], dtype=self.dtype).data)
             shard["tokens"] += n
             pos += n
 
@@ -482,12 +484,13 @@ def _write_shards(tmp: Path, sources, tokenizer, dtype, val_fraction, text_field
     done = n_docs = n_tokens = 0
     for ids, lengths in DocumentEncoder(tokenizer, workers, dtype).map(texts()):
         is_val, covered = pending.popleft()
-        token_is_val = np.repeat(is_val, lengths)
-        for split, docs in (("train", ~is_val), ("val", is_val)):
-            doc_lengths = lengths[docs]
-            starts = np.concatenate([[0], np.cumsum(doc_lengths)[:-1]]).astype(np.int64) if len(doc_lengths) else \
-                np.zeros(0, np.int64)
-            writers[split].write(ids[token_is_val == (split == "val")], starts)
+        # each run of consecutive documents of one split is written as a slice of the chunk's ids:
+        # no mask over the tokens and no copy of them (a chunk can be one document of a whole file)
+        bounds = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        edges = np.unique([0, *(np.flatnonzero(is_val[1:] != is_val[:-1]) + 1), len(is_val)])  # [0]: no documents
+        for a, b in zip(edges[:-1], edges[1:]):
+            lo = bounds[a]
+            writers["val" if is_val[a] else "train"].write(ids[lo:bounds[b]], bounds[a:b] - lo)
         done, n_docs, n_tokens = done + covered, n_docs + len(lengths), n_tokens + len(ids)
         bar.update(done, n_docs, n_tokens)
     bar.close()
@@ -516,19 +519,31 @@ def _write_shards(tmp: Path, sources, tokenizer, dtype, val_fraction, text_field
 
 
 def _split_tail(folder: Path, shards: dict, dtype, fraction: float) -> None:
-    """Rebuild the splits as head/tail of all tokens (single-file corpora), documents kept."""
+    """Rebuild the splits as head/tail of all tokens (single-file corpora), documents kept.
+
+    The tokens stream through in blocks, from the old shards (renamed aside) into the new ones:
+    loading them all at once held the corpus in memory a second time."""
     parts = [s for split in ("train", "val") for s in shards[split]]
-    all_ids = np.concatenate([np.fromfile(folder / s["file"], dtype=dtype) for s in parts])
     bases = np.cumsum([0] + [s["tokens"] for s in parts])
     starts = np.concatenate([np.fromfile(folder / s["docs_file"], dtype=np.int64) + base
-                             for s, base in zip(parts, bases)])
+                             for s, base in zip(parts, bases)]) if parts else np.zeros(0, np.int64)
     for s in parts:
-        (folder / s["file"]).unlink()
         (folder / s["docs_file"]).unlink()
-    cut = len(all_ids) - max(1, int(len(all_ids) * fraction))
-    for split, lo, hi in (("train", 0, cut), ("val", cut, len(all_ids))):
-        w = _ShardWriter(folder, split, dtype)
-        w.write(all_ids[lo:hi], starts[(starts >= lo) & (starts < hi)] - lo)
+        (folder / s["file"]).rename(folder / f".old-{s['file']}")
+    total = int(bases[-1])
+    cut = total - max(1, int(total * fraction))
+    writers = {"train": _ShardWriter(folder, "train", dtype), "val": _ShardWriter(folder, "val", dtype)}
+    for s, base in zip(parts, bases):
+        old = folder / f".old-{s['file']}"
+        with open(old, "rb") as f:
+            for lo in range(int(base), int(base) + s["tokens"], _TAIL_BLOCK):
+                block = np.fromfile(f, dtype=dtype, count=min(_TAIL_BLOCK, int(base) + s["tokens"] - lo))
+                for split, a, b in (("train", lo, min(lo + len(block), cut)), ("val", max(lo, cut), lo + len(block))):
+                    if a < b:  # this block's tokens of the split, and the documents that begin among them
+                        i, j = np.searchsorted(starts, [a, b])
+                        writers[split].write(block[a - lo:b - lo], starts[i:j] - a)
+        old.unlink()
+    for split, w in writers.items():
         shards[split] = w.close()
 
 
