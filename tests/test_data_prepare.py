@@ -141,6 +141,21 @@ def test_single_stream_tail_split_keeps_document_boundaries(tmp_path, monkeypatc
 
 
 
+@pytest.mark.parametrize("block", [7, 250, 1 << 20])
+def test_the_tail_split_streamed_in_blocks_writes_what_one_pass_writes(tmp_path, monkeypatch, block):
+    """The tail split reads the shards a block at a time: blocks that cut documents and shard ends
+    (shards of 250 tokens, blocks of 7) give the bytes of reading every token at once."""
+    monkeypatch.setattr(data_mod, "_is_val", lambda key, fraction: False)
+    monkeypatch.setattr(data_mod, "SHARD_TOKENS", 250)
+    src = str(_jsonl(tmp_path / "c" / "a.jsonl", DOCS))
+    one = _files(prepare([src], tmp_path / "one", ByteTokenizer(), val_fraction=0.3, quiet=True))
+    monkeypatch.setattr(data_mod, "_TAIL_BLOCK", block)
+    streamed = prepare([src], tmp_path / "blocks", ByteTokenizer(), val_fraction=0.3, quiet=True)
+    assert _files(streamed) == one and sum(n.startswith("val_") for n in one) > 2
+    d = TokenData(streamed)
+    assert d.splits["val"].tokens == int(sum(len(t) + 1 for t in DOCS) * 0.3)
+
+
 def test_val_fraction_zero_holds_nothing_out(tmp_path, capsys):
     # it used to hold out the last 1% of the tokens anyway, cutting through a document
     src = _jsonl(tmp_path / "c" / "a.jsonl", DOCS)
