@@ -107,9 +107,10 @@ def render(runs: list[tuple[str, list[dict]]], out: str | Path, x: str = "step")
             xs = [r["step"] for r in rows] if x == "step" else tokens_axis(rows, label)
             pts = [(xv, r[key] * factor) for xv, r in zip(xs, rows) if _number(r.get(key))]
             if pts:
-                # val loss is logged every eval_every steps: markers show where the points are
-                ax.plot(*zip(*pts), color=f"C{i}", label=label, marker="o" if key == "val_loss" else None,
-                        markersize=3)
+                # val loss is logged every eval_every steps: markers show where the points are; a
+                # series of one point (a run that logged one step) is a line of no length, drawn as nothing
+                ax.plot(*zip(*pts), color=f"C{i}", label=label,
+                        marker="o" if key == "val_loss" or len(pts) == 1 else None, markersize=3)
                 drawn = True
         if not drawn:
             ax.text(0.5, 0.5, "not logged" + (" (n/a on CPU)" if key == "mfu" else ""), ha="center",

@@ -159,3 +159,19 @@ def test_a_damaged_metrics_file_plots_what_it_can_and_says_what_it_skipped(tmp_p
         warnings.simplefilter("error")
         assert main(["plot", str(bad), "--out", str(tmp_path / "b.png")]) == 0
     assert "skipped" not in capsys.readouterr().err
+
+
+def test_a_run_of_one_logged_step_is_drawn_with_markers(tmp_path, monkeypatch):
+    """One point drawn as a line without a marker is invisible: only val loss had markers."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    run = _run(tmp_path / "r", 1, val_every=1)
+    figures = []
+    close = plt.close
+    monkeypatch.setattr(plt, "close", lambda fig=None: (figures.append(fig), close(fig)))
+    assert main(["plot", str(run), "--out", str(tmp_path / "x.png")]) == 0
+    drawn = {ax.get_title(): ax.get_lines() for ax in figures[0].axes if ax.get_lines()}
+    assert set(drawn) == {"loss", "val loss", "learning rate", "tokens/s", "peak memory (GiB)"}
+    for title, lines in drawn.items():
+        assert len(lines[0].get_xdata()) == 1 and lines[0].get_marker() not in (None, "None", ""), title
