@@ -237,7 +237,11 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out: str | Path, show_progr
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BPE_EOS], show_progress=show_progress,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer=trainer)
-    tok.save(str(out))
+    try:
+        tok.save(str(out))
+    except Exception as e:  # the library raises a plain Exception (a full disk)
+        raise bad_value("--out", str(out), f"could not be written ({e}); free space there or choose another file") \
+            from None
     return HFTokenizer(out)
 
 

@@ -171,3 +171,33 @@ def test_generate_with_an_empty_prompt_and_a_tokenizer_without_eos_or_newline(tm
     assert bos.bos_id is not None and document_start(bos) == bos.bos_id
     monkeypatch.setattr(train_mod, "model_from_checkpoint", lambda path, device: (model, bos, cfg, tmp_path))
     assert main(["generate", "--checkpoint", str(tmp_path), "--prompt", "", "--max-new-tokens", "2"]) == 0
+
+
+@pytest.mark.parametrize("setup", ["empty file", "binary files", "empty rows"])
+def test_input_without_text_is_refused_as_prepare_refuses_it(tmp_path, capsys, setup):
+    """A tokenizer of the 256 bytes alone was written with rc 0, where `data prepare` refuses the input."""
+    src = tmp_path / "c"
+    src.mkdir()
+    if setup == "empty file":
+        src = src / "empty.txt"
+        src.write_text("")
+    elif setup == "binary files":
+        (src / "a.txt").write_bytes(bytes(range(128, 256)) * 4)
+        (src / "b.md").write_bytes(b"\xff\xfe" * 100)
+    else:
+        (src / "a.jsonl").write_text('{"text": ""}\n{"text": null}\n')
+    out = tmp_path / "t.json"
+    assert main(["data", "tokenizer", "--input", str(src), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--input = '{src}': holds no readable UTF-8 text to train on" in err, err
+    assert ("--text-field" in err) == (setup == "empty rows")
+    assert not out.exists()
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_an_out_that_cannot_be_written_is_one_line_before_training(tmp_path, capsys):
+    """/proc/x.json was a traceback from the library's save, after training."""
+    assert main(["data", "tokenizer", "--input", str(_corpus(tmp_path)), "--out", "/proc/x.json"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--out = '/proc/x.json': cannot be written (" in err, err
+    assert "choose a writable folder" in err

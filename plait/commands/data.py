@@ -47,6 +47,7 @@ def run(args, extra) -> int:
 
 
 def _tokenizer(args) -> int:
+    import itertools
     import sys
     from pathlib import Path
 
@@ -61,10 +62,22 @@ def _tokenizer(args) -> int:
         raise bad_value("--out", args.out, "exists; choose another file name or delete it")
     if not out.parent.is_dir():
         raise bad_value("--out", args.out, f"its folder {out.parent} does not exist; create it first")
-    if not collect_sources(args.input):
+    try:  # before training, which can take long, not after it (/proc/x.json was a traceback)
+        out.touch(exist_ok=False)
+        out.unlink()
+    except OSError as e:
+        raise bad_value("--out", args.out, f"cannot be written ({e.strerror}); choose a writable folder") from None
+    sources = collect_sources(args.input)
+    if not sources:
         raise bad_value("--input", " ".join(args.input), "holds no text, .jsonl or .parquet files")
     counts: dict = {}
-    tok = train_bpe(iter_texts(args.input, args.text_field, counts), args.vocab, out, show_progress=sys.stderr.isatty())
+    texts = iter_texts(args.input, args.text_field, counts)
+    first = next(texts, None)
+    if first is None:  # as `data prepare` refuses it: a tokenizer of the 256 bytes alone, written with rc 0
+        field = " (check --text-field)" if any(s.kind != "text" for s in sources) else ""
+        raise bad_value("--input", " ".join(args.input), f"holds no readable UTF-8 text to train on: every file "
+                        f"is empty or not UTF-8{field}")
+    tok = train_bpe(itertools.chain([first], texts), args.vocab, out, show_progress=sys.stderr.isatty())
     if counts.get("mended"):
         print(mended_note(counts["mended"]), file=sys.stderr)
     short = (f" - fewer than the {args.vocab} asked: the text held no more pairs to merge (more text reaches it)"
