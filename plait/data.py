@@ -257,6 +257,8 @@ def parse_mix(spec: str, field: str = "data.mix") -> list[tuple[str, float]]:
         if any(p == path.strip() for p, _ in out):
             raise bad_value(field, spec, f"names {path} twice; give each folder once")
         out.append((path.strip(), w))
+    if not math.isfinite(sum(w for _, w in out)):  # 1e308 twice: an inf sum, and every weight 0 after it
+        raise bad_value(field, spec, f"weights sum past the largest number; only their ratios count: {example}")
     return out
 
 

@@ -117,6 +117,8 @@ def test_open_data_picks_the_mix_or_the_folder(folders):
     ("A:lots", "weight 'lots' of A is not a number"),
     ("A:1,A:2", "names A twice"),
     (" , ", "names no folder"),
+    # each finite, their sum not: every weight became 0 after normalizing, silently
+    ("A:1e308,B:1e308", "weights sum past the largest number; only their ratios count"),
 ])
 def test_bad_mixes_are_one_line(spec, needle):
     with pytest.raises(UserError) as e:
