@@ -499,8 +499,10 @@ def _write_shards(tmp: Path, sources, tokenizer, dtype, val_fraction, text_field
     n_val = sum(s["tokens"] for s in shards["val"])
     if n_train + n_val == 0:
         if counts["empty"] and not counts["skipped"]:
+            # --text-field names the field of records: for text files it is no fix
+            field = " (check --text-field)" if any(s.kind != "text" for s in sources) else ""
             raise bad_value("--input", " ".join(inputs), f"holds {counts['empty']} document(s), all of them empty; "
-                            "the corpus has no text (check --text-field)")
+                            f"the corpus has no text{field}")
         raise bad_value("--input", " ".join(inputs), "contains no readable UTF-8 text; the corpus is empty")
     tail = val_fraction > 0 and (n_val == 0 or n_train == 0)
     if tail:

@@ -518,3 +518,17 @@ def test_one_large_text_file_takes_memory_in_proportion_to_its_shard(tmp_path):
     assert peak < 6 * size, f"peak {peak / size:.1f} x the file"
     d = TokenData(out)
     assert d.splits["train"].tokens + d.splits["val"].tokens == size + 1
+
+
+@pytest.mark.parametrize("kind", ["txt", "jsonl"])
+def test_an_empty_corpus_names_text_field_only_where_records_have_one(tmp_path, kind):
+    """Empty text files were told to "check --text-field", which text files have none of."""
+    src = tmp_path / "c"
+    src.mkdir()
+    if kind == "txt":
+        (src / "empty.txt").write_text("  \n")
+    else:
+        (src / "a.jsonl").write_text('{"text": ""}\n')
+    with pytest.raises(UserError, match="all of them empty; the corpus has no text") as e:
+        prepare([str(src)], tmp_path / "d", ByteTokenizer(), quiet=True)
+    assert ("--text-field" in str(e.value)) == (kind == "jsonl")
