@@ -94,8 +94,9 @@ def test_eval_errors_are_one_line(run, corpus, tmp_path, capsys, case, needle):
         pytest.importorskip("tokenizers")
         from tokenizers import Tokenizer, models, pre_tokenizers
 
-        # a word-level tokenizer: 300 words is wider than the byte model, 200 fits it but is not bytes
-        words = {"[UNK]": 0, **{f"w{i}": i + 1 for i in range(299 if case == "wide_vocab" else 199)}}
+        # a word-level tokenizer: 300 words is wider than the byte model, 200 fits it but is not bytes;
+        # its whitespace pre-tokenizer drops newlines, so </s> ends its documents (prepare refuses it without)
+        words = {"[UNK]": 0, "</s>": 1, **{f"w{i}": i + 2 for i in range(298 if case == "wide_vocab" else 198)}}
         tok = Tokenizer(models.WordLevel(words, unk_token="[UNK]"))
         tok.pre_tokenizer = pre_tokenizers.Whitespace()
         tok.save(str(tmp_path / "tok.json"))
