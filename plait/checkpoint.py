@@ -124,6 +124,28 @@ def verify(folder: Path) -> str | None:
     return reason
 
 
+SHARD_FILE = re.compile(r"^(model|optim)\.shard(\d+)-of-(\d+)\.pt$")
+REQUIRED = ("train_state.json", "rng.pt")  # rank 0 writes both into every save; a resume reads both
+
+
+def missing_part(names) -> str | None:
+    """What a checkpoint whose manifest lists the files `names` lacks to be loaded, or None: a
+    manifest edited down (or written by something else) passed the checksums and then crashed the
+    load, or refused it as "not a plait checkpoint" where an older intact one could go on."""
+    for f in REQUIRED:
+        if f not in names:
+            return f"{f} is not in it (an incomplete save)"
+    for kind in ("model", "optim"):
+        if f"{kind}.pt" in names:
+            continue
+        shards = sorted((int(m.group(2)), int(m.group(3))) for n in names
+                        if (m := SHARD_FILE.match(n)) and m.group(1) == kind)
+        counts = {c for _, c in shards}
+        if not shards or len(counts) != 1 or [i for i, _ in shards] != list(range(next(iter(counts)))):
+            return f"its {kind} files are incomplete ({kind}.pt, or every {kind}.shardIII-of-NNN.pt)"
+    return None
+
+
 def _verify(folder: Path, hash_files: bool) -> str | None:
     manifest = folder / MANIFEST
     if not manifest.is_file():
@@ -143,6 +165,9 @@ def _verify(folder: Path, hash_files: bool) -> str | None:
             isinstance(i, dict) and isinstance(i.get("bytes"), int) and isinstance(i.get("sha256"), str)
             for i in entries.values()):
         return "manifest.json lists no files, or files without their size and checksum"
+    # (a training checkpoint, format 2: what `plait.train.save_checkpoint` writes)
+    if doc.get("format", 0) >= 2 and (lacking := missing_part(entries)) is not None:
+        return lacking
     for name, info in entries.items():
         f = folder / name
         if not f.is_file():

@@ -112,3 +112,25 @@ def test_only_the_files_the_manifest_lists_are_read(tmp_path):
     assert state_files(tmp_path, "model") == [shard]
     (tmp_path / "manifest.json").unlink()  # a folder without a manifest: what is there
     assert state_files(tmp_path, "model") == [tmp_path / "model.pt"]
+
+
+def test_a_save_missing_a_part_its_manifest_no_longer_lists_is_skipped(tmp_path):
+    """A manifest edited down with its file (train_state.json, rng.pt, one optimizer shard) passed
+    every checksum: the resume crashed reading train_state.json, or refused the run as "not a
+    plait checkpoint" where the intact save before it could go on."""
+    saver = Saver(tmp_path, keep_last=5)
+    files = ("train_state.json", "rng.pt", "model.shard000-of-002.pt", "model.shard001-of-002.pt",
+             "optim.shard000-of-002.pt", "optim.shard001-of-002.pt")
+    for step in (10, 20):
+        saver.save(step, lambda d: [(d / f).write_bytes(b"x") for f in files], {"format": 2})
+    assert verify(tmp_path / "step_00000020") is None
+    for gone, says in (("optim.shard001-of-002.pt", "its optim files are incomplete"),
+                       ("rng.pt", "rng.pt is not in it"), ("train_state.json", "train_state.json is not in it")):
+        folder = tmp_path / "step_00000020"
+        doc = json.loads((folder / "manifest.json").read_text())
+        del doc["files"][gone]
+        (folder / "manifest.json").write_text(json.dumps(doc))
+        (folder / gone).unlink()
+        msgs = []
+        assert latest_valid(tmp_path, log=msgs.append) == tmp_path / "step_00000010"
+        assert len(msgs) == 1 and says in msgs[0], msgs

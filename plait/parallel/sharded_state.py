@@ -18,7 +18,6 @@ assembled from shards the same way.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import torch
@@ -28,7 +27,6 @@ from plait.errors import UserError, bad_value
 from plait.parallel.shard_space import Piece
 from plait.ranges import Box, copy_overlap, overlap
 
-_SHARD = re.compile(r"^(model|optim)\.shard(\d+)-of-(\d+)\.pt$")
 
 
 def flat_pieces(flat, lo: int, hi: int) -> list[Piece]:
@@ -77,7 +75,7 @@ def state_files(folder: Path, kind: str) -> list[Path]:
     full = folder / f"{kind}.pt"
     if full.is_file() and (listed is None or full.name in listed):
         return [full]
-    shards = sorted((int(m.group(2)), int(m.group(3)), f) for f in folder.iterdir() if (m := _SHARD.match(f.name))
+    shards = sorted((int(m.group(2)), int(m.group(3)), f) for f in folder.iterdir() if (m := ckpt.SHARD_FILE.match(f.name))
                     and m.group(1) == kind and (listed is None or f.name in listed))
     counts = {c for _, c, _ in shards}
     if not shards or len(counts) != 1 or [i for i, _, _ in shards] != list(range(next(iter(counts)))):
