@@ -148,9 +148,12 @@ class AsyncSaver:
         except Exception as e:
             if not ckpt.is_write_failure(e):
                 raise
+            # the cause first: its probe of the disk needs the full disk still full (removed first, the
+            # partial save freed the space and torch's "unexpected pos" was all the line said)
+            error = ckpt.write_error(step, folder, e)
             if self.rank == 0:
                 shutil.rmtree(self.root / f".tmp-{ckpt.step_dir_name(step)}", ignore_errors=True)
-            raise ckpt.write_error(step, folder, e) from None
+            raise error from None
 
     def _wait_for_ranks(self, step: int, tmp: Path) -> dict:
         """Every rank's published file list, once all are there (rank 0, in its writer thread)."""

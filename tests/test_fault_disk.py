@@ -213,3 +213,24 @@ def test_a_folder_where_the_metrics_file_goes_is_one_line(corpus, tmp_path, capf
     assert main(train_args(corpus, run, 2)) == 2
     line = _one_error_line(capfd.readouterr().err)
     assert f"cannot write {run / 'metrics.jsonl'}: Is a directory [errno 21]" in line, line
+
+
+def test_an_asynchronous_write_failure_learns_its_cause_before_the_partial_save_goes(tmp_path, monkeypatch):
+    """On a full disk an asynchronous save said only torch's "unexpected pos": the partial save was
+    removed first, which freed the space the cause's probe then found (a synchronous save said "No
+    space left on device")."""
+    from plait import checkpoint as ckpt
+    from plait.async_checkpoint import AsyncSaver
+
+    saver = AsyncSaver(tmp_path, keep_last=2, rank=0, world=1, timeout_s=10)
+    tmp = tmp_path / f".tmp-{ckpt.step_dir_name(4)}"
+    (tmp / ".rank00000").mkdir(parents=True)
+    seen = []
+    monkeypatch.setattr(ckpt, "_cause", lambda folder, e: seen.append(tmp.exists()) or "No space left on device [errno 28]")
+
+    def full():
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4723456 vs 4723344")
+
+    with pytest.raises(ckpt.CheckpointWriteError, match="No space left on device"):
+        saver._guarded(4, tmp / ".rank00000", full)
+    assert seen == [True] and not tmp.exists()  # probed while the partial save still held the disk, then removed
