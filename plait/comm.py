@@ -377,6 +377,19 @@ def _(x, key):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+@torch.library.custom_op("plait::all_reduce_max", mutates_args=())
+def _op_all_reduce_max(x: torch.Tensor, key: str) -> torch.Tensor:
+    """The element-wise max over the dim's ranks (FP8's scales: a split tensor's largest magnitude)."""
+    comm, dim = resolve_key(key)
+    out = x.clone(memory_format=torch.contiguous_format)
+    return comm.all_reduce(out, dim, op="max")
+
+
+@_op_all_reduce_max.register_fake
+def _(x, key):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
 @torch.library.custom_op("plait::all_gather", mutates_args=())
 def _op_all_gather(x: torch.Tensor, key: str, axis: int) -> torch.Tensor:
     comm, dim = resolve_key(key)

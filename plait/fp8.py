@@ -15,6 +15,16 @@ Two scalings:
   right, all operands e4m3 and scales rounded down to powers of two (exact to apply). An outlier
   token or channel then costs precision only in its own row.
 
+Split operands (`shards`). Where a layout splits an operand over ranks - the tokens over context
+parallelism (m), a column-parallel weight's output features (n), a row-parallel one's input
+features (k) - each rank holds part of the tensor one device scales whole. Its largest magnitude
+(per tensor, or per row of the contraction) is then maxed over the ranks holding the rest (one
+all-reduce of a number, or of a row of them), so every rank scales its part as one device scales
+the whole, and every layout trains FP8 as one device does, to rounding. One case cannot: tensor
+parallelism over more ranks than key/value heads has each rank project its head with the
+gradient of its own query heads only, a part of the sum one device quantizes, so there the match
+is to quantization.
+
 Tensorwise saves the FP8 x and W its forward made and backward's GEMMs reuse them (a tensor's
 scale is the same whatever axis a GEMM contracts); rowwise saves the bf16 originals, each quantized
 again along the axis its backward GEMM contracts. The embedding, norms, attention, output head and loss
@@ -51,9 +61,21 @@ def scaled(x: torch.Tensor, scale: torch.Tensor, fmt: torch.dtype) -> torch.Tens
     return x.to(torch.float32, copy=True).mul_(scale).clamp_(-top, top).to(fmt)
 
 
-def quantize(x: torch.Tensor, fmt: torch.dtype, dim: int | None, pow2: bool = False):
+def over(shards: tuple[str, ...], axes: str) -> tuple[str, ...]:
+    """The `Comm.key`s of the ranks holding the rest of an operand split along `axes` (module
+    docstring): `shards` holds "m/KEY", "n/KEY", "k/KEY" entries."""
+    return tuple(sh[2:] for sh in shards if sh[0] in axes)
+
+
+# the axes along which each operand's amax runs: tensorwise the whole tensor, rowwise the contraction
+TENSORWISE_AXES = {"x": "mk", "w": "nk", "dy": "mn"}
+ROWWISE_AXES = {"forward": ("k", "k"), "input_grad": ("n", "n"), "weight_grad": ("m", "m")}
+
+
+def quantize(x: torch.Tensor, fmt: torch.dtype, dim: int | None, pow2: bool = False, reduce: tuple[str, ...] = ()):
     """(x in `fmt`, inverse scale): x scaled so that its amax, over `dim` (kept as a size-1 axis) or
-    the whole tensor (dim None), lands on fmt's largest finite value."""
+    the whole tensor (dim None), lands on fmt's largest finite value; `reduce`: the `Comm.key`s over
+    which that amax is maxed first (the ranks that hold the rest of a split x)."""
     if dim is None:
         # each row's largest magnitude, then theirs: the same number, but compiled, a whole-tensor
         # max is one split reduction that read under half of HBM's bandwidth on H200, where one per
@@ -62,6 +84,8 @@ def quantize(x: torch.Tensor, fmt: torch.dtype, dim: int | None, pow2: bool = Fa
         a = x.abs().amax(dim=-1).amax() if x.dim() > 1 else x.abs().amax()
     else:
         a = x.abs().amax(dim=dim, keepdim=True)
+    for key in reduce:
+        a = torch.ops.plait.all_reduce_max(a, key)
     scale = scale_for(a, fmt, pow2)
     return scaled(x, scale, fmt), scale.reciprocal()
 
@@ -95,10 +119,12 @@ def _(qa, qb, sa, sb, out_dtype):
 
 
 def fp8_gemm(a: torch.Tensor, b: torch.Tensor, fa: torch.dtype, fb: torch.dtype, rowwise: bool,
-             out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
-    """a (M, K) @ b (K, N) with both operands quantized along K (rowwise) or whole (tensorwise)."""
-    qa, sa = quantize(a, fa, -1 if rowwise else None, rowwise)  # sa (M, 1) or ()
-    qb, sb = quantize(b, fb, 0 if rowwise else None, rowwise)  # sb (1, N) or ()
+             out_dtype: torch.dtype, fast_accum: bool, reduce: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
+             ) -> torch.Tensor:
+    """a (M, K) @ b (K, N) with both operands quantized along K (rowwise) or whole (tensorwise);
+    `reduce`: each operand's keys to max its amax over (`quantize`)."""
+    qa, sa = quantize(a, fa, -1 if rowwise else None, rowwise, reduce[0])  # sa (M, 1) or ()
+    qb, sb = quantize(b, fb, 0 if rowwise else None, rowwise, reduce[1])  # sb (1, N) or ()
     if rowwise and a.device.type == "cpu" and not _CPU_ROW_SCALES:
         return rowwise_mm_cpu(qa, qb, sa, sb, out_dtype)
     qa = qa.contiguous()  # _scaled_mm: left operand row-major,
@@ -108,21 +134,35 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, fa: torch.dtype, fb: torch.dtype,
 
 # The three GEMMs of a linear y = x W^T, x (..., K), W (N, K), dy (..., N). Fast accumulation in the
 # forward only, as is usual: the gradients' long sums keep full accumulation precision.
-def forward_gemm(x: torch.Tensor, weight: torch.Tensor, rowwise: bool) -> torch.Tensor:
-    y = fp8_gemm(x.reshape(-1, x.shape[-1]), weight.t(), E4M3, E4M3, rowwise, x.dtype, fast_accum=True)
+def _reduce(shards: tuple[str, ...], rowwise: bool, gemm: str, left: str, right: str):
+    """Each operand's keys for `fp8_gemm` (`left`/`right`: the operands' tensorwise names)."""
+    if not shards:
+        return (), ()
+    if rowwise:
+        return tuple(over(shards, axes) for axes in ROWWISE_AXES[gemm])
+    return over(shards, TENSORWISE_AXES[left]), over(shards, TENSORWISE_AXES[right])
+
+
+def forward_gemm(x: torch.Tensor, weight: torch.Tensor, rowwise: bool, shards: tuple[str, ...] = ()) -> torch.Tensor:
+    y = fp8_gemm(x.reshape(-1, x.shape[-1]), weight.t(), E4M3, E4M3, rowwise, x.dtype, fast_accum=True,
+                 reduce=_reduce(shards, rowwise, "forward", "x", "w"))
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
-def input_grad_gemm(dy: torch.Tensor, weight: torch.Tensor, rowwise: bool, out_dtype: torch.dtype) -> torch.Tensor:
+def input_grad_gemm(dy: torch.Tensor, weight: torch.Tensor, rowwise: bool, out_dtype: torch.dtype,
+                    shards: tuple[str, ...] = ()) -> torch.Tensor:
     g = E4M3 if rowwise else E5M2  # tensorwise: gradients in e5m2, for their range
-    dx = fp8_gemm(dy.reshape(-1, dy.shape[-1]).to(weight.dtype), weight, g, E4M3, rowwise, out_dtype, fast_accum=False)
+    dx = fp8_gemm(dy.reshape(-1, dy.shape[-1]).to(weight.dtype), weight, g, E4M3, rowwise, out_dtype, fast_accum=False,
+                  reduce=_reduce(shards, rowwise, "input_grad", "dy", "w"))
     return dx.view(*dy.shape[:-1], weight.shape[1])
 
 
-def weight_grad_gemm(dy: torch.Tensor, x: torch.Tensor, rowwise: bool, out_dtype: torch.dtype) -> torch.Tensor:
+def weight_grad_gemm(dy: torch.Tensor, x: torch.Tensor, rowwise: bool, out_dtype: torch.dtype,
+                     shards: tuple[str, ...] = ()) -> torch.Tensor:
     g = E4M3 if rowwise else E5M2
     dy2 = dy.reshape(-1, dy.shape[-1]).to(x.dtype)
-    return fp8_gemm(dy2.t(), x.reshape(-1, x.shape[-1]), g, E4M3, rowwise, out_dtype, fast_accum=False)
+    return fp8_gemm(dy2.t(), x.reshape(-1, x.shape[-1]), g, E4M3, rowwise, out_dtype, fast_accum=False,
+                    reduce=_reduce(shards, rowwise, "weight_grad", "dy", "x"))
 
 
 def aligned(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -138,17 +178,17 @@ class _FP8Linear(torch.autograd.Function):
     the backward GEMMs: it saves the bf16 originals and quantizes each again."""
 
     @staticmethod
-    def forward(ctx, x, weight, rowwise, qw=None, sw=None):
+    def forward(ctx, x, weight, rowwise, qw=None, sw=None, shards=()):
         # qw, sw: the weight already in FP8 with its inverse scale (ZeRO-3's FP8 all-gather, tensorwise):
         # `weight` is then read for nothing but its dtype and shape, and gets its gradient
         x = x.to(weight.dtype)
-        ctx.rowwise = rowwise
+        ctx.rowwise, ctx.shards = rowwise, shards
         if rowwise:
             ctx.save_for_backward(x, weight)
-            return forward_gemm(x, weight, rowwise)
-        qx, sx = quantize(x.reshape(-1, x.shape[-1]), E4M3, None)
+            return forward_gemm(x, weight, rowwise, shards)
+        qx, sx = quantize(x.reshape(-1, x.shape[-1]), E4M3, None, reduce=over(shards, TENSORWISE_AXES["x"]))
         if qw is None:
-            qw, sw = quantize(weight, E4M3, None)
+            qw, sw = quantize(weight, E4M3, None, reduce=over(shards, TENSORWISE_AXES["w"]))
         y = torch._scaled_mm(qx, qw.t(), scale_a=sx, scale_b=sw, out_dtype=x.dtype, use_fast_accum=True)
         ctx.save_for_backward(qx, sx, qw, sw)
         ctx.dtypes = x.dtype, weight.dtype
@@ -158,12 +198,13 @@ class _FP8Linear(torch.autograd.Function):
     def backward(ctx, dy):
         if ctx.rowwise:
             x, weight = ctx.saved_tensors
-            dx = input_grad_gemm(dy, weight, True, x.dtype) if ctx.needs_input_grad[0] else None
-            dw = weight_grad_gemm(dy, x, True, weight.dtype) if ctx.needs_input_grad[1] else None
-            return dx, dw, None, None, None
+            dx = input_grad_gemm(dy, weight, True, x.dtype, ctx.shards) if ctx.needs_input_grad[0] else None
+            dw = weight_grad_gemm(dy, x, True, weight.dtype, ctx.shards) if ctx.needs_input_grad[1] else None
+            return dx, dw, None, None, None, None
         qx, sx, qw, sw = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
-        qdy, sdy = quantize(dy.reshape(-1, dy.shape[-1]).to(w_dtype), E5M2, None)  # once for both GEMMs
+        qdy, sdy = quantize(dy.reshape(-1, dy.shape[-1]).to(w_dtype), E5M2, None,  # once for both GEMMs
+                            reduce=over(ctx.shards, TENSORWISE_AXES["dy"]))
         dx = dw = None
         if ctx.needs_input_grad[0]:  # dy @ W: W column-major on the right
             dx = torch._scaled_mm(qdy, qw.t().contiguous().t(), scale_a=sdy, scale_b=sw, out_dtype=x_dtype,
@@ -171,15 +212,15 @@ class _FP8Linear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:  # dy^T @ x: dy^T row-major on the left, x column-major on the right
             dw = torch._scaled_mm(qdy.t().contiguous(), qx.t().contiguous().t(), scale_a=sdy, scale_b=sx,
                                   out_dtype=w_dtype, use_fast_accum=False)
-        return dx, dw, None, None, None
+        return dx, dw, None, None, None, None
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: str) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: str, shards: tuple[str, ...] = ()) -> torch.Tensor:
     """x @ weight^T in FP8; shapes cuBLAS cannot take (a dimension not a multiple of 16, such as one
     token at a time when generating) run the bf16 matmul instead."""
     if not aligned(x, weight):
         return F.linear(x, weight)
-    return _FP8Linear.apply(x, weight, recipe == "rowwise")
+    return _FP8Linear.apply(x, weight, recipe == "rowwise", None, None, shards)
 
 
 class FP8Linear(nn.Linear):
@@ -194,19 +235,20 @@ class FP8Linear(nn.Linear):
 
     recipe = "tensorwise"
     prequantized = False
+    shards: tuple[str, ...] = ()  # where the layout splits its operands (`shard_linears`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.prequantized:
             if not aligned(x, self.w8):  # validation keeps training's shapes aligned; no bf16 weight to fall back on
                 raise RuntimeError(f"an FP8-gathered weight {tuple(self.w8.shape)} met input {tuple(x.shape)}, "
                                    "which cuBLAS's FP8 GEMMs cannot take (dimensions multiples of 16)")
-            return _FP8Linear.apply(x, self.weight, False, self.w8, self.w8_inv)
-        return fp8_linear(x, self.weight, self.recipe)
+            return _FP8Linear.apply(x, self.weight, False, self.w8, self.w8_inv, self.shards)
+        return fp8_linear(x, self.weight, self.recipe, self.shards)
 
     def matmul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x @ weight^T in FP8 for part of this layer's weight (the KV head a tensor-parallel rank
         uses where heads are replicated)."""
-        return fp8_linear(x, weight, self.recipe)
+        return fp8_linear(x, weight, self.recipe, self.shards)
 
 
 def apply_fp8(model, recipe: str, device: torch.device) -> None:
@@ -221,3 +263,23 @@ def apply_fp8(model, recipe: str, device: torch.device) -> None:
         assert lin.bias is None, "FP8Linear computes no bias; plait's linears have none"
         lin.__class__ = FP8Linear  # in place: parameters, names and hooks stay
         lin.recipe = recipe
+
+
+def shard_linears(model, tp_key: str | None, cp_key: str | None) -> None:
+    """Tell each block linear where the layout splits its operands (module docstring): tokens over
+    context parallelism; a column-parallel weight's output features, a row-parallel one's input
+    features over tensor parallelism (`plait.parallel.tensor.PLAN`). Replicated key/value heads are
+    split nowhere: every rank holds the whole matrix."""
+    from plait.parallel.tensor import PLAN
+
+    for bname, block in model.layers.items():
+        for name, lin in block.named_modules():
+            if not isinstance(lin, nn.Linear):
+                continue
+            kind = PLAN.get(f"{name}.weight")
+            if kind == "kv":
+                kind = None if block.attn.kv_rows is not None else "column"
+            shards = [f"m/{cp_key}"] if cp_key else []
+            if tp_key and kind in ("column", "row"):
+                shards.append(f"{'n' if kind == 'column' else 'k'}/{tp_key}")
+            lin.shards = tuple(shards)

@@ -398,14 +398,14 @@ def test_w_forms_one_weight_gradient_at_a_time_and_lets_its_inputs_go():
         h = block(h, cos, sin)
     with store.input_grads_only("m"):
         h.square().sum().backward()
-    kept = [weakref.ref(t) for _, x, dy, _ in store.pending["m"] for t in (x, dy)]
+    kept = [weakref.ref(t) for _, x, dy, *_ in store.pending["m"] for t in (x, dy)]
     formed, most_alive, inputs_alive = [], [0], []
     real = wgrad._weight_grad
 
-    def spy(dy, x, w, fmt):
+    def spy(dy, x, w, fmt, shards=()):
         most_alive[0] = max(most_alive[0], sum(r() is not None for r in formed))
         inputs_alive.append(sum(r() is not None for r in kept))
-        g = real(dy, x, w, fmt)
+        g = real(dy, x, w, fmt, shards)
         formed.append(weakref.ref(g))
         return g
 

@@ -117,6 +117,12 @@ def parallelize(cfg: Config, comm, device: torch.device, dtype: torch.dtype, com
         from plait.fp8 import apply_fp8
 
         apply_fp8(model, t.fp8, device)
+        if comm is not None:  # operands split over tp or cp are scaled as the whole tensor (plait.fp8)
+            from plait.fp8 import shard_linears
+
+            tp_key = comm.key(groups.tp) if comm.size(groups.tp) > 1 else None
+            cp_key = comm.key(groups.cp) if comm.size(groups.cp) > 1 else None
+            shard_linears(model, tp_key, cp_key)
     store = None
     if stage is not None and p.schedule in SPLIT_BACKWARD:  # weight gradients deferred by the blocks' linears
         from plait.parallel.wgrad import WeightGradStore

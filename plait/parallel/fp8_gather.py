@@ -12,7 +12,8 @@ instead). Here each rank quantizes its own chunk before the all-gather, with the
 
 The scale of a weight needs its |max| over every rank's chunk: found once after each update, for
 all FP8 units at once - every weight's slice of this rank's chunks in one multi-tensor pass, then one
-all-reduce (max) of the maxima over the shard group (7 numbers a block). The bits are those the FP8
+all-reduce (max) of the maxima over the shard group (7 numbers a block; and over the tensor-parallel
+group when it splits the weights, so a shard is scaled as the whole matrix: `plait.fp8`). The bits are those the FP8
 linear would have made from the gathered weight: a maximum is exact, and the scale and the rounding
 are `plait.fp8.scale_for` and `scaled` applied to the same 16-bit values - training is bit for bit
 that of the 16-bit gather (tests/test_fp8_gather.py).
@@ -61,6 +62,7 @@ class FP8Gather:
         # 7 weights a block, twice a micro-batch): compiled, one kernel reads the fp32 chunk once
         self._quantize = compiled(slot_quantize) if compile else slot_quantize
         self.on = True  # off for inference, whose plain matmuls read the 16-bit weights
+        self.tp_group: str | None = None  # the weights are tensor-parallel shards: maxima over it too
         self.stale = True  # the shards changed since the scales were found
         dev = gathers.shards.device
         self.full: dict[int, torch.Tensor] = {}
@@ -125,6 +127,8 @@ class FP8Gather:
         g = self.g
         amax = weights_amax(self.slices, self.index, self.n_weights, g.dtype)
         g.comm.all_reduce(amax, g.group, op="max")
+        if self.tp_group is not None:  # (replicated weights, the same on every tp rank, keep their maxima)
+            g.comm.all_reduce(amax, self.tp_group, op="max")
         scale = scale_for(amax, E4M3)
         inv = scale.reciprocal()
         at = 0

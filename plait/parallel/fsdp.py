@@ -148,6 +148,8 @@ class Zero3(Sharded):
             self.gather.fill_from(i, u.params)
         if fp8:  # the blocks' FP8 linears read the weights gathered in FP8
             self.gather.fp8.bind(model)
+            if comm.size(groups.tp) > 1:  # a weight tensor parallelism splits is scaled as the whole matrix
+                self.gather.fp8.tp_group = groups.tp
         self.gshards: list = [None] * len(layout.units)  # per unit, this step's reduced gradient chunk
         self.at_update: dict | None = None  # state bytes at the last update (they peak there)
         opt = FlatAdamW(OwnedSpace(self.shards, None, layout.n_decay), t, compile=compile)  # shards = masters

@@ -67,11 +67,11 @@ class WeightGradStore:
         finally:
             self.key = None
 
-    def keep(self, weight: Tensor, x: Tensor, dy: Tensor, fmt: int) -> None:
+    def keep(self, weight: Tensor, x: Tensor, dy: Tensor, fmt: int, shards: tuple[str, ...] = ()) -> None:
         if self.key is None:
             raise RuntimeError("a zero-bubble linear ran its backward outside WeightGradStore.input_grads_only: "
                                "its weight gradient would be lost")
-        self.pending[self.key].append((weight, x, dy, fmt))
+        self.pending[self.key].append((weight, x, dy, fmt, shards))
 
     def keep_fn(self, param: Tensor, fn) -> None:
         """Defer a gradient of `param` (a leaf) that `fn()` forms: the fused loss's output matrix
@@ -90,15 +90,15 @@ class WeightGradStore:
         items = self.pending.pop(key, [])
         if not items:
             return
-        targets = self._parameters([w for w, _, _, _ in items])  # slices of parameters carry autograd
+        targets = self._parameters([w for w, *_ in items])  # slices of parameters carry autograd
         items.reverse()  # popped from the end, in the order they were kept
         rows = []
         # one dW at a time, added at once and its (x, dy) let go: formed all first, a chunk's dW sat
         # together beside the activations in flight (9 layers of 8b: 3.9 GB over 1F1B's peak)
         for t in targets:
-            w, x, dy, fmt = items.pop()
+            w, x, dy, fmt, shards = items.pop()
             with torch.no_grad():  # an eager block's kept x still requires grad; a gradient must not
-                g = _weight_grad(dy, x, w, fmt)
+                g = _weight_grad(dy, x, w, fmt, shards)
                 del x, dy
                 if t.is_leaf:
                     _accumulate(t, g)
@@ -148,6 +148,7 @@ class DeferrableLinear(nn.Linear):
 
     store_number: int
     fmt: int = BF16
+    shards: tuple[str, ...] = ()  # an FP8 linear's split operands (plait.fp8.shard_linears)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.matmul(x, self.weight)
@@ -156,7 +157,7 @@ class DeferrableLinear(nn.Linear):
         """x @ weight^T for this layer's weight or part of it (a replicated KV head's rows): the
         deferred gradient flows through the slice to the parameter."""
         fmt = self.fmt if self.fmt != BF16 and aligned(x, weight) else BF16
-        return _DeferredLinear.apply(x.to(weight.dtype), weight, fmt, self.store_number)
+        return _DeferredLinear.apply(x.to(weight.dtype), weight, fmt, self.store_number, list(self.shards))
 
 
 class _DeferredLinear(torch.autograd.Function):
@@ -164,15 +165,15 @@ class _DeferredLinear(torch.autograd.Function):
     also hands (x, dy) to the store."""
 
     @staticmethod
-    def forward(ctx, x, weight, fmt, store):
+    def forward(ctx, x, weight, fmt, store, shards):
         ctx.save_for_backward(x, weight)
-        ctx.fmt, ctx.store = fmt, store
-        return F.linear(x, weight) if fmt == BF16 else forward_gemm(x, weight, fmt == ROWWISE)
+        ctx.fmt, ctx.store, ctx.shards = fmt, store, shards
+        return F.linear(x, weight) if fmt == BF16 else forward_gemm(x, weight, fmt == ROWWISE, tuple(shards))
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        return torch.ops.plait.linear_input_grad(dy, x, weight, ctx.fmt, ctx.store), None, None, None
+        return torch.ops.plait.linear_input_grad(dy, x, weight, ctx.fmt, ctx.store, ctx.shards), None, None, None, None
 
 
 def _accumulate(p: Tensor, g: Tensor) -> None:
@@ -187,9 +188,9 @@ def _accumulate(p: Tensor, g: Tensor) -> None:
         hook(p)
 
 
-def _weight_grad(dy, x, weight, fmt):
+def _weight_grad(dy, x, weight, fmt, shards=()):
     if fmt != BF16:
-        return weight_grad_gemm(dy, x, fmt == ROWWISE, weight.dtype)
+        return weight_grad_gemm(dy, x, fmt == ROWWISE, weight.dtype, shards)
     g = torch.mm(dy.reshape(-1, dy.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
     return g if g.dtype == weight.dtype else g.to(weight.dtype)
 
@@ -197,18 +198,18 @@ def _weight_grad(dy, x, weight, fmt):
 # plait::linear_input_grad, defined through torch.library's low-level API: the op is called once per
 # linear and micro-batch, and this path costs half the host time of torch.library.custom_op's
 _LIB = torch.library.Library("plait", "DEF")
-_LIB.define("linear_input_grad(Tensor dy, Tensor x, Tensor weight, int fmt, int store) -> Tensor")
+_LIB.define("linear_input_grad(Tensor dy, Tensor x, Tensor weight, int fmt, int store, str[] shards) -> Tensor")
 
 
-def linear_input_grad(dy: Tensor, x: Tensor, weight: Tensor, fmt: int, store: int) -> Tensor:
+def linear_input_grad(dy: Tensor, x: Tensor, weight: Tensor, fmt: int, store: int, shards: list[str]) -> Tensor:
     """dx = dy @ weight; keeps (x, dy) in the store for the deferred dW."""
-    _STORES[store].keep(weight, x, dy, fmt)
+    _STORES[store].keep(weight, x, dy, fmt, tuple(shards))
     if fmt == BF16:
         return (dy @ weight.to(dy.dtype)).to(x.dtype)
-    return input_grad_gemm(dy, weight, fmt == ROWWISE, x.dtype)
+    return input_grad_gemm(dy, weight, fmt == ROWWISE, x.dtype, tuple(shards))
 
 
-def _input_grad_shape(dy, x, weight, fmt, store):
+def _input_grad_shape(dy, x, weight, fmt, store, shards):
     return x.new_empty(x.shape)
 
 
