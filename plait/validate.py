@@ -247,12 +247,15 @@ def validate_parallel(cfg: Config):
         from plait.parallel.schedules import check_args
 
         check_args(p.schedule, p.pp, p.pp, p.v, field=rules.run_field)  # any valid micro-batch count: v only
-    rules.check_split(heads=m.n_heads, kv_heads=m.n_kv_heads, ffn=m.ffn_dim, layers=m.n_layers,
-                      seq=cfg.train.seq_len, tp=p.tp, pp=p.pp, v=p.v, cp=p.cp, sp=p.sp, cp_impl=p.cp_impl,
-                      micro_batch=cfg.train.micro_batch)
+    if p.cp_impl == "ulysses" and p.cp == 1:  # as every knob of a parallelism not asked for (a bad name: below)
+        raise bad_value("parallel.cp_impl", p.cp_impl, "chooses how context parallelism splits attention: it "
+                        "needs parallel.cp > 1 (--cp C); without it, drop parallel.cp_impl")
     # Under torchrun/srun the world is what they started; locally it is nproc, all on this node, so
     # the TP-inside-a-node check uses the real processes per node rather than parallel.gpus_per_node.
     world, per_node = planned_world(p)
+    rules.check_split(heads=m.n_heads, kv_heads=m.n_kv_heads, ffn=m.ffn_dim, layers=m.n_layers,
+                      seq=cfg.train.seq_len, tp=p.tp, pp=p.pp, v=p.v, cp=p.cp, sp=p.sp, cp_impl=p.cp_impl,
+                      micro_batch=cfg.train.micro_batch, world=world if world > 1 else None)
     model_degrees = {n: getattr(p, n) for n in ("tp", "pp", "cp") if getattr(p, n) > 1}
     if world == 1 and model_degrees:
         name, deg = next(iter(model_degrees.items()))

@@ -58,7 +58,10 @@ def test_train_resume_at_another_layout_and_generate(corpus, tmp_path, capfd):
 
 @pytest.mark.parametrize("extra, needle", [
     (["--nproc", "3", "--dp", "2"], "dp_shard=2"),
-    (["--nproc", "2", "--tp", "2"], "parallel.tp = 2: must divide the 3 attention heads; choose one of 1, 3"),
+    # (3 divides the heads but not the 2 processes: not suggested)
+    (["--nproc", "2", "--tp", "2"], "parallel.tp = 2: must divide the 3 attention heads; choose one of 1 (dividing"),
+    # a knob of context parallelism without it trained silently as before
+    (["--parallel.cp_impl", "ulysses"], "parallel.cp_impl = 'ulysses': chooses how context parallelism splits"),
     (["--tp", "3", "--model.ffn_dim", "114", "--train.seq_len", "48"], "parallel.tp = 3: needs 3 processes (one per GPU) but one would run: add --nproc 3"),
     (["--nproc", "2", "--sp"], "parallel.sp = 'on': sequence parallelism shards what tensor parallelism replicates"),
     (["--nproc", "3", "--cp", "3"], "parallel.cp = 3: the causal load balance splits each sequence into 2 x cp chunks"),

@@ -91,11 +91,12 @@ def sequence_parallel(sp: str | bool, tp: int) -> bool:
 
 def check_split(*, heads: int, kv_heads: int, ffn: int, layers: int, seq: int, tp: int = 1, pp: int = 1,
                 v: int = 1, cp: int = 1, sp: str | bool = "auto", cp_impl: str = "ring", micro_batch: int = 1,
-                field: Callable[[str], str] = run_field) -> None:
+                field: Callable[[str], str] = run_field, world: int | None = None) -> None:
     """Can the model be cut this way? Heads and the MLP split over tp; key/value heads split when
     there are at least tp of them and are replicated (tp a multiple of them) otherwise; stages need a
     layer each; causal load balancing cuts a sequence into 2 x cp chunks; sequence parallelism cuts
-    a micro-batch's tokens (on this cp rank) into tp equal parts."""
+    a micro-batch's tokens (on this cp rank) into tp equal parts. `world`: the processes a run has
+    (a tp to suggest must divide them too)."""
     if isinstance(sp, str) and sp not in SP_MODES:
         raise bad_value(field("sp"), sp, f"choose {', '.join(SP_MODES)}")
     if sp in (True, "on") and tp == 1:
@@ -103,15 +104,15 @@ def check_split(*, heads: int, kv_heads: int, ffn: int, layers: int, seq: int, t
                         "it needs tp > 1: add --tp T (with --nproc) or drop --sp")
     if heads % tp:
         raise bad_value(field("tp"), tp, f"must divide the {heads} attention heads; choose one of "
-                        f"{_divisors(heads)}")
+                        f"{_divisors(heads, world)}" + (f" (dividing the {world} processes too)" if world else ""))
     if (kv_heads >= tp and kv_heads % tp) or (kv_heads < tp and tp % kv_heads):
         fits = [d for d in range(1, min(heads, 64) + 1) if heads % d == 0 and ffn % d == 0
-                and (kv_heads % d == 0 if kv_heads >= d else d % kv_heads == 0)]
+                and (kv_heads % d == 0 if kv_heads >= d else d % kv_heads == 0) and (not world or world % d == 0)]
         raise bad_value(field("tp"), tp, f"and the {kv_heads} key/value heads must divide one another "
                         f"(each rank holds kv_heads/tp heads, or tp/kv_heads ranks share one); choose one of "
                         f"{', '.join(map(str, fits[:8]))}")
     if ffn % tp:
-        raise bad_value(field("tp"), tp, f"must divide the MLP width {ffn}; choose one of {_divisors(ffn, heads)}")
+        raise bad_value(field("tp"), tp, f"must divide the MLP width {ffn}; choose one of {_divisors(ffn, heads, world)}")
     if pp * v > layers:
         raise bad_value(field("pp"), pp, f"pp x v = {pp * v} stages exceed the model's {layers} layer(s) (more stages than "
                         f"layers leave whole ranks without a layer): use pp x v <= {layers}, or a model with more "
@@ -145,6 +146,7 @@ def check_tp_in_node(tp: int, gpus_per_node: int, field: Callable[[str], str] = 
                         f"GPUs; use a divisor of {gpus_per_node}")
 
 
-def _divisors(n: int, also: int | None = None) -> str:
-    ds = [d for d in range(1, min(n, 64) + 1) if n % d == 0 and (also is None or also % d == 0)]
+def _divisors(n: int, *also: int | None) -> str:
+    """Divisors of n (up to 64) that divide every `also` given too (None: no constraint)."""
+    ds = [d for d in range(1, min(n, 64) + 1) if n % d == 0 and all(a is None or a % d == 0 for a in also)]
     return ", ".join(map(str, ds[:8]))
