@@ -77,7 +77,7 @@ def watch(launcher_pid: int | None, rank: int, interval: float = 0.5) -> None:
     threading.Thread(target=loop, name="plait-lifeline", daemon=True).start()
 
 
-def after_ctrl_c(grace_s: float = 5.0) -> None:
+def after_ctrl_c(grace_s: float = 5.0, term_line=None) -> None:
     """End this worker `grace_s` seconds after a Ctrl-C (SIGINT) if it is still running then.
 
     Python runs a signal's handler (here: raise KeyboardInterrupt) only when the main thread next
@@ -87,7 +87,13 @@ def after_ctrl_c(grace_s: float = 5.0) -> None:
     the launcher's agent killed them. The signal's C-level handler writes its number to the wakeup
     fd at once, whatever the main thread is doing: a thread reading it gives the clean stop its
     grace, then exits with 130 as Ctrl-C does. Call from the main thread, after SIGINT's handler is
-    set; a process that already has a wakeup fd (an event loop) is left alone."""
+    set; a process that already has a wakeup fd (an event loop) is left alone.
+
+    `term_line` (a rank torchrun or srun started): SIGTERM is its agent ending the rank - another
+    rank failed (torchrun stops a node's others within milliseconds, before any collective could
+    tell them), or the job is being stopped. The rank ended silently; now it says so in the line
+    `term_line()` gives (where the run goes on from), then ends at once with 143, blocked in a
+    collective or not: a stuck rank must still end when told."""
     import socket
 
     recv, send = socket.socketpair()
@@ -100,11 +106,26 @@ def after_ctrl_c(grace_s: float = 5.0) -> None:
         signal.set_wakeup_fd(old)
         return
 
+    said = threading.Lock()
+
+    def on_term(*_) -> None:
+        if said.acquire(blocking=False):  # the handler or the thread, whichever runs first
+            try:
+                print(term_line(), file=sys.stderr, flush=True)
+            except Exception:  # noqa: BLE001 - ending is what matters
+                pass
+            os._exit(143)
+
+    if term_line is not None:
+        signal.signal(signal.SIGTERM, on_term)  # (installed, its C-level handler writes the wakeup fd)
+
     def loop() -> None:
         while True:
             got = recv.recv(64)
             if not got:
                 return
+            if term_line is not None and signal.SIGTERM in got:
+                on_term()
             if signal.SIGINT in got:
                 time.sleep(grace_s)
                 os._exit(130)

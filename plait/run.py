@@ -71,16 +71,34 @@ def launch_training(cfg: Config, note: str | None = None, model_given: dict | No
 
 
 def _worker(cfg: Config, device_type: str) -> dict:
-    from plait.launch import init_distributed
+    from plait.launch import detect_launch, init_distributed
     from plait.preempt import catch_early
 
     catch_early()  # a SIGUSR1 before the loop is a stop at its first step, not the death of this rank
+    le = detect_launch()
+    if le is not None and le.launcher in ("torchrun", "slurm"):  # its agent's SIGTERM: one line, not silence
+        from plait import lifeline
+
+        lifeline.after_ctrl_c(term_line=lambda: stopped_line(cfg, le.rank, le.launcher))
 
     dims = init_distributed(cfg.parallel, device_type, agree=_must_agree(cfg))
     if dims.world_size > 1:
         one_run_folder(Path(cfg.train.out).expanduser(), dims.rank)
     with snapshot_on_oom(cfg.train.out, dims.rank):
         return train(cfg, dims)
+
+
+def stopped_line(cfg: Config, rank: int, launcher: str) -> str:
+    """What a rank its launcher ended with SIGTERM says. The newest checkpoint by name, not hashed:
+    the launcher kills the rank a few seconds later (a resume skips a damaged one and says so)."""
+    from plait import checkpoint as ckpt
+
+    out = Path(cfg.train.out).expanduser()
+    found = ckpt.list_checkpoints(out / "checkpoints") if (out / "checkpoints").is_dir() else []
+    where = (f"the newest checkpoint is {found[0][1].name}: continue with `plait train --out {out} --resume`"
+             if found else "no checkpoint was saved: run the command again")
+    return (f"plait train: rank {rank} stopped by SIGTERM from {launcher} (it ends every rank once one fails or "
+            f"the job is stopped; its report names the rank that failed first); {where}")
 
 
 # What may differ between the nodes of one run: paths (a shared disk mounted elsewhere), the

@@ -233,3 +233,24 @@ def test_python_dash_m_plait_is_the_plait_command():
     out = subprocess.run([sys.executable, "-m", "plait", "train", "--model.preset", "nope"], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 2 and out.stderr.startswith("plait train: error: model.preset = 'nope'"), out.stderr
+
+
+def test_a_rank_its_launcher_ends_with_sigterm_says_where_the_run_goes_on(tmp_path):
+    """torchrun ends a node's other ranks with SIGTERM milliseconds after one dies (kill -9, out of
+    memory): before any collective could tell them, and they ended without a word, the README's
+    "each surviving rank says ... which checkpoint --resume continues from" untrue there."""
+    from plait.config import build_config
+    from plait.run import stopped_line
+
+    out = tmp_path / "run"
+    (out / "checkpoints" / "step_00000070").mkdir(parents=True)
+    cfg = build_config({"train": {"out": str(out)}})
+    line = stopped_line(cfg, 1, "torchrun")
+    assert line.startswith("plait train: rank 1 stopped by SIGTERM from torchrun") and line.endswith(
+        f"the newest checkpoint is step_00000070: continue with `plait train --out {out} --resume`")
+    code = ("import sys, time; from plait import lifeline; "
+            "lifeline.after_ctrl_c(term_line=lambda: 'the line'); print('ready', flush=True); time.sleep(60)")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline() == "ready\n"
+    p.send_signal(15)
+    assert p.wait(timeout=30) == 143 and p.stderr.read() == "the line\n"
