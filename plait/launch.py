@@ -262,7 +262,7 @@ def check_launched(nproc: int, le: LaunchEnv | None, env=None) -> None:
         raise UserError(f"torchrun --max-restarts {restarts} shares its rendezvous store with the workers "
                         "(TORCHELASTIC_USE_AGENT_STORE=True), and a restarted worker would then fail to connect "
                         "to its peers: export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun and use "
-                        "--rdzv_backend c10d (or --standalone)")
+                        "--rdzv_backend c10d (or --standalone)").everywhere()  # every rank sees the same variables
 
 
 def _call(entry, args):
@@ -330,6 +330,16 @@ def spawn(entry, args=(), nproc: int = 2, *, device_type: str = "cpu", timeout_s
 
 
 def _worker(entry, args, env, timeout_s, workdir, stdout_fd=None, stderr_fd=None):
+    """A launched rank: `_rank` under Ctrl-C's quiet end. A KeyboardInterrupt that reached
+    multiprocessing's bootstrap printed its traceback under the run's one line (Ctrl-C as the
+    workers start, before the loop's own handling); the launcher says "interrupted"."""
+    try:
+        return _rank(entry, args, env, timeout_s, workdir, stdout_fd, stderr_fd)
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
+
+
+def _rank(entry, args, env, timeout_s, workdir, stdout_fd=None, stderr_fd=None):
     for k, v in env.items():  # the fork server's environment is from when it started, not from now
         os.environ.setdefault(k, v)
     for k in [k for k in os.environ if k.startswith("PLAIT_")]:  # ... but plait's own say this launch
@@ -414,9 +424,12 @@ def _write_report(workdir: str, rank: int, message: str, tb: str) -> None:
         # whole or absent: the agent stops the other ranks once one fails, maybe mid-write, and the
         # launcher read an empty file (a JSONDecodeError in place of the run's failure line)
         part = f"{path}.{os.getpid()}.part"
-        with open(part, "w") as f:
-            json.dump({"rank": rank, "time": time.time(), "message": message, "traceback": tb}, f)
-        os.replace(part, path)
+        try:
+            with open(part, "w") as f:
+                json.dump({"rank": rank, "time": time.time(), "message": message, "traceback": tb}, f)
+            os.replace(part, path)
+        except FileNotFoundError:  # the launcher already ended (Ctrl-C) and removed its folder: no one reads it
+            pass
 
 
 # Errors a rank raises because a peer died first: the peer, not this rank, is the root cause.

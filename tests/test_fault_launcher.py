@@ -186,3 +186,14 @@ def test_a_stop_notice_before_training_stops_at_the_first_step_saved(corpus, tmp
         signal.signal(signal.SIGUSR1, old)
     assert "stopped by SIGUSR1" in capfd.readouterr().err
     assert [s for s, _ in ckpt.list_checkpoints(run / "checkpoints")] == [1] and len(rows(run)) == 1
+
+
+def test_ctrl_c_as_a_worker_starts_ends_it_without_a_traceback(tmp_path):
+    """Ctrl-C as the workers start (before the training loop handles it): each worker's
+    KeyboardInterrupt reached multiprocessing's bootstrap, which printed "Process ForkServerProcess-N:
+    Traceback ..." under the run's one line. A launched rank now ends quietly with 130."""
+    code = ("from plait import launch\n"
+            "def boom():\n    raise KeyboardInterrupt\n"
+            f"launch._worker(boom, (), {{}}, 0, {str(tmp_path)!r})\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 130 and "Traceback" not in p.stderr, (p.returncode, p.stderr)
