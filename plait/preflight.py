@@ -167,7 +167,10 @@ def _check_resume(cfg: Config, out: Path, model_given: dict | None = None) -> Pa
             raise bad_value("checkpoint.resume", True, f"{out} holds no checkpoint to resume; check --out, or pass "
                             "--resume auto to start fresh when there is none")
         if (out / "config.toml").is_file() and _first_process():  # a run that saved nothing yet: say it starts over
-            warn(f"{out} holds no checkpoint yet: the run starts again from step 0")
+            from plait.run_folder import RunFolder
+
+            if RunFolder.holder(out) is None:  # (one that is still running: its lock refuses this start)
+                warn(f"{out} holds no checkpoint yet: the run starts again from step 0")
         return None
     if not resume:
         return None

@@ -90,6 +90,24 @@ class RunFolder:
         os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
         self.fd = fd
 
+    @staticmethod
+    def holder(out: Path) -> str | None:
+        """Who holds `out`'s lock now (its pid and host), or None when no run does; takes nothing.
+        A start asks before it says anything about the folder: the refusal comes first."""
+        import fcntl
+
+        try:
+            fd = os.open(Path(out) / LOCK, os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return None  # (closing the fd drops the shared lock at once)
+        except OSError:
+            return os.read(fd, 200).decode(errors="replace").strip() or "another process"
+        finally:
+            os.close(fd)
+
     def release(self) -> None:
         if self.fd is not None:
             os.close(self.fd)  # closing drops the flock; the file stays (removing it would race a new holder)

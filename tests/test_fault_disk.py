@@ -155,6 +155,15 @@ def test_a_second_run_on_a_folder_in_use_is_refused(corpus, tmp_path, capfd):
         assert main(train_args(corpus, run, 4, extra=["--resume"])) == 2
         err = capfd.readouterr().err
         assert err.count("\n") == 1 and "is in use by another plait run" in err, err
+    # a run still starting (its config written, no checkpoint yet): no "the run starts again from
+    # step 0" before the refusal, which the running one would read as a threat to it
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    (fresh / "config.toml").write_text((run / "config.toml").read_text())
+    with RunFolder(build_config({"train": {"out": str(fresh)}})):
+        assert main(train_args(corpus, fresh, 2)) == 2
+        err = capfd.readouterr().err
+        assert err.count("\n") == 1 and "is in use by another plait run" in err, err
 
 
 def test_an_async_write_that_a_save_waited_for_still_reports_its_time(tmp_path):
