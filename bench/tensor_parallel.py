@@ -67,7 +67,8 @@ def _plait_step(a, lay, dims, device, comm):
     from plait.config import build_config
     from plait.parallel.build import parallelize
 
-    cfg = build_config({"model": _model_section(a), "train": {"lr": 1e-4, "warmup_steps": 0, "recompute": lay["recompute"]},
+    cfg = build_config({"model": _model_section(a), "train": {"lr": 1e-4, "warmup_steps": 0, "recompute": lay["recompute"],
+                                                              "fp8": a.fp8},
                         "parallel": {"zero": lay["zero"], "tp": lay["tp"], "sp": "on" if lay["sp"] else "off"}})
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     par = parallelize(cfg, comm, device, dtype, compile=a.compile)
@@ -215,6 +216,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--variants", default=",".join(DEFAULT))
+    ap.add_argument("--fp8", default="off", choices=["off", "tensorwise", "rowwise"],
+                    help="plait's variants with FP8 linears (train.fp8); the torch peer stays bf16")
     ap.add_argument("--no-compile", dest="compile", action="store_false")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--tag", default="", help="suffix of the result file")
@@ -239,7 +242,7 @@ def main(argv=None) -> int:
 
     result = {"benchmark": "tensor_parallel", **RUNTIME_MARKS, "card": card, "gpus": a.gpus, "torch": torch.__version__, "nccl": nccl,
               "date": time.strftime("%Y-%m-%d"), "command": " ".join(["python", "bench/tensor_parallel.py"] + (argv or sys.argv[1:])),
-              "config": {"preset": a.preset, "model": a.model, "seq": a.seq, "global_batch": a.global_batch,
+              "config": {"preset": a.preset, "model": a.model, "seq": a.seq, "global_batch": a.global_batch, "fp8": a.fp8,
                          "steps": a.steps, "warmup": a.warmup, "compile": a.compile}, "rows": []}
     return run_variants(worker, a, a.variants, result, out, lambda v: layout(v, a.gpus), _table)
 

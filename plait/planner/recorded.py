@@ -177,8 +177,10 @@ def _layout(bench: str, variant: str, row: dict, config: dict, n_gpus: int, comm
                 mb * n_gpus * accum)
     if bench == "tensor_parallel":  # one micro-batch of global_batch / dp sequences per rank
         tp, dp, gb = row["tp"], row["dp"], config["global_batch"]
+        # FP8 linears in plait's variants (bench/tensor_parallel.py --fp8), or per row where a file alternates
+        fp8 = row.get("fp8", config.get("fp8", "off")) if variant.startswith("plait") else "off"
         return dict(tp=tp, dp=dp, zero=row["zero"], micro_batch=gb // dp, recompute=row["recompute"],
-                    sp=row["sp"]), gb
+                    sp=row["sp"], fp8=fp8), gb
     if bench == "pipeline":
         m, mb = row["microbatches"], config["micro_batch"]
         sched = variant.split("-")[1]
@@ -397,7 +399,8 @@ def table(checks: list[Check]) -> str:
         unmeasured = sum(bool(c.unmeasured) and not c.run.host_bound and not c.run.untimed for c in checks)
         if left - bound - unmeasured:
             lines.append(f"and {left - bound - unmeasured} untimed run(s): a step time the planner does not answer "
-                         f"for (the row says why: no steady step timed, or a host unlike the profiled one)")
+                         "for (the row says why: no steady step timed, a host unlike the profiled one, FP8 "
+                         "linears at shapes the profile did not time)")
         if unmeasured:
             lines.append(f"and {unmeasured} run(s) of FP8 linears on a card whose profile has none measured: priced "
                          f"from its data sheet (`plait bench calibrate --only fp8` there measures them)")
