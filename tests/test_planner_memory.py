@@ -316,3 +316,28 @@ def test_one_devices_gradients_are_at_its_peak_only_with_accumulation():
     tp = predict(d, Layout(micro_batch=4, tp=2), cluster("h200", 1, 2), 4).memory_bytes["gradients"]
     tp_dp = predict(d, Layout(micro_batch=4, tp=2, dp_shard=2), cluster("h200", 1, 4), 8).memory_bytes["gradients"]
     assert tp == 0 and 0 < tp_dp < whole
+
+
+def test_the_peak_is_the_update_where_its_state_outweighs_the_activations():
+    """With few activations (full recomputation, short sequences) the end of the backward - every
+    gradient piece (ZeRO-3: every gradient shard) there, the activations gone - is the fuller
+    moment. The table priced the forward's end alone: one 1b GPU 18.8 GiB where the update holds
+    16 bytes a parameter + the reserve (20.4), so a layout could be said to fit that does not."""
+    from plait.planner.costs import param_count
+    from plait.planner.hardware import GIB, cluster
+    from plait.planner.inputs import model_dims
+    from plait.planner.layout import Layout
+    from plait.planner.predict import predict
+
+    d, c = model_dims("1b", seq=512), cluster("h100", 1, 1)
+    p = predict(d, Layout(micro_batch=1, recompute="full"), c, 1)
+    n = param_count(d)
+    assert p.memory_bytes["gradients"] == 2 * n and p.memory_bytes["activations"] == 0
+    assert sum(p.memory_bytes.values()) == pytest.approx(16 * n + c.reserved_gib * GIB)
+    # where the activations outweigh it (2048 tokens, no recomputation) the forward's end stays the peak
+    big = predict(model_dims("1b", seq=2048), Layout(micro_batch=8), c, 8)
+    assert big.memory_bytes["gradients"] == 0 and big.memory_bytes["activations"] > 0
+    # ZeRO-3 at one micro-batch: its gradient shards count once the backward has made them
+    z = predict(model_dims("405b"), Layout(tp=4, dp_shard=2, zero=3, micro_batch=8, recompute="full"),
+                cluster("h100", 1, 8), 16)
+    assert sum(z.memory_bytes.values()) >= 0.999 * 7 * param_count(model_dims("405b")) / 4  # 7 B/param over tp 4

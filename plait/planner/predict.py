@@ -442,8 +442,11 @@ def _explain(d, lay, c, prec, gb, m, sc, mem_rank, sched_name, makespan, bubble,
                               f"(master {prec.master_bytes:g} + moments {prec.optim_bytes:g}); ZeRO-{lay.zero} over "
                               f"N_d = {lay.shard_group} -> {memory.bytes_per_param(lay.zero, lay.shard_group, prec, True):.4g}"
                               f" B/param x {sc.rank_params[mem_rank]:.4g} params on pipeline rank {mem_rank} at the "
-                              f"update; at the activation peak {_peak_state(mem, sc.rank_params[mem_rank]):.4g} B/param"
-                              f" (the table's: {_peak_grads(lay, m)})"),
+                              f"update; " + (
+                                  "the table's moment is the update's (its state outweighs the activation peak)"
+                                  if mem.get("activations") == 0.0 else
+                                  f"at the activation peak {_peak_state(mem, sc.rank_params[mem_rank]):.4g} B/param"
+                                  f" (the table's: {_peak_grads(lay, m)})")),
         ("activations", f"{d.arch} per layer (s = {d.seq // cp}, b = {b}, t = {tp}, sp = {lay.seq_parallel}, "
                         f"recompute = {lay.recompute}) = {per_layer / 2**20:.1f} MiB x {held:.3g} layers' worth: "
                         f"{units:.3g} micro-batch chunks in flight of up to "

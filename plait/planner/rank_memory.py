@@ -115,10 +115,15 @@ def rank_memory(d: ModelDims, lay: Layout, c: Cluster, prec: Precision, sc: Stag
             "loss_chunk": _loss_bytes(d, lay, sched_name, m, sc, e, exact) if r == place(sched_name, pp, v, pp * v - 1)[0] else 0.0,
             "reserved": c.reserved_gib * GIB,
         }
+        state = {"parameters": st.params + kept, "gradients": st.grads, "master_weights": st.master,
+                 "optimizer_states": st.optimizer}
+        # the end of the backward: every gradient there (pieces, ZeRO-3's shards) and the activations
+        # gone; with few activations (full recompute, short sequences) this moment is the fuller one
+        update = {**state, "activations": 0.0, "comm_buckets": comp["comm_buckets"], "reserved": comp["reserved"]}
+        if sum(update.values()) > sum(comp.values()):
+            comp = {k: update.get(k, 0.0) for k in comp}
         total = sum(comp.values())
         if total > best[0]:
-            state = {"parameters": st.params + kept, "gradients": st.grads, "master_weights": st.master,
-                     "optimizer_states": st.optimizer}
             best = (total, r, comp, state)
     return best[1], best[2], best[3]
 
