@@ -217,8 +217,10 @@ def test_search_keeps_a_given_dp_and_refuses_degrees_that_cannot_fill_the_cluste
                        (["--dp", "0"], "--dp = 0: must be a positive integer")):
         rc, _, err = _plan(capsys, *base[:-1], *pins)
         assert rc == 2 and want in err and len(err.strip().splitlines()) == 1, err
-    rc, out, _ = _plan(capsys, *base[:-1], "--dp", "8", "--micro-batch", "3", "--global-batch", "8")
-    assert rc == 1 and "no layout to consider" in out and "of 0 considered" not in out
+    # a micro-batch that divides no global batch's share: one line (it was a generic "no layout to consider")
+    rc, _, err = _plan(capsys, *base[:-1], "--dp", "8", "--micro-batch", "3", "--global-batch", "8")
+    assert rc == 2 and err.strip() == ("plait plan: error: --micro-batch = 3: must divide --global-batch 8: every "
+                                       "data-parallel rank runs whole micro-batches of it")
 
 
 def test_search_pins_a_schedule_to_pipelines_and_refuses_a_pipeline_deeper_than_the_model(capsys):
@@ -241,3 +243,36 @@ def test_search_pins_a_schedule_to_pipelines_and_refuses_a_pipeline_deeper_than_
                         "must fit inside a node of 4 GPUs")):
         rc, _, err = _plan(capsys, *base, *pins)
         assert rc == 2 and want in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("argv, says", [
+    # modes that each do one thing: all but one were silently ignored
+    (["--check", "bench/results", "--published"], "--check and --published are modes of their own"),
+    (["--published", "--dp", "8"], "--published = True: prices the published runs' own layouts and reads no "
+                                   "layout: drop --dp"),
+    (["--fleet-jobs", "10", "--nodes", "2", "--tp", "8"], "--fleet-jobs = 10: prices random jobs"),
+    (["--model", "tiny", "--dp", "2", "--validate", "--search"], "--validate = True: runs the one layout given"),
+    # a knob of a pipeline without one (counts were refused, "balance" was not)
+    (["--model", "8b", "--dp", "8", "--stage-layers", "balance"], "--stage-layers = 'balance': splits a pipeline's"),
+    # ZB-V runs v 2: a search pinned at v 3 searched v 2, unsaid
+    (["--model", "8b", "--global-batch", "16", "--search", "--schedule", "zbv", "--v", "3"],
+     "--v = 3: ZB-V runs two model chunks per rank"),
+    (["--model", "8b", "--global-batch", "16", "--search", "--schedule", "interleaved", "--v", "1"],
+     "--v = 1: the interleaved schedule needs v >= 2"),
+    # HSDP where it means nothing: DDP labelled dp2x4, or ZeRO over a group of one
+    (["--model", "8b", "--dp", "8", "--dp-replicate", "2", "--zero", "0", "--global-batch", "64"],
+     "--dp-replicate = 2: replicates ZeRO's shard groups (HSDP): it needs --zero 1, 2 or 3"),
+    (["--model", "8b", "--dp", "8", "--dp-replicate", "8", "--zero", "3", "--global-batch", "64"],
+     "--dp-replicate = 8: equal to --dp leaves ZeRO a shard group of one GPU"),
+])
+def test_plan_flags_that_would_be_ignored_or_mislabelled_are_one_line(capsys, argv, says):
+    rc, _, err = _plan(capsys, *argv)
+    assert rc == 2 and says in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_search_at_v_1_means_no_virtual_stages(capsys):
+    """--v 1 rejected every layout (906 of 906: "--v constraint"): it now searches the schedules
+    without virtual stages, and no pipeline."""
+    rc, out, _ = _plan(capsys, "--model", "8b", "--global-batch", "16", "--v", "1", "--json")
+    ranked = json.loads(out)["ranked"]
+    assert rc == 0 and ranked and all(r["layout"]["v"] == 1 for r in ranked)

@@ -100,6 +100,7 @@ def run(args, extra) -> int:
     from plait.planner.search import search
 
     _check_counts(args)
+    _check_modes(args)
     profiles, profile, path = {}, None, None
     for flag, value in (("--hardware", args.hardware), ("--check", args.check)):
         if value is not None and not value.strip(", "):  # an unset variable planned with data-sheet figures, unsaid
@@ -214,7 +215,7 @@ def run(args, extra) -> int:
             raise bad_value(f"--{knob.replace('_', '-')}", True, "it prices a given layout, the search does not try "
                             "it: give the layout (--dp, --tp, ...) without --search")
     space = inputs.make_space(tp=args.tp, pp=args.pp, cp=args.cp, dp=args.dp, dp_replicate=args.dp_replicate, **knobs)
-    if args.schedule is not None or args.v is not None:  # they order a pipeline: pp = 1 has neither
+    if args.schedule is not None or (args.v or 1) > 1:  # they order a pipeline: pp = 1 has neither (v 1: no chunks)
         import dataclasses
 
         with_v = ("interleaved", "zbv") if args.v == 2 else ("interleaved",)  # the schedules with virtual stages
@@ -242,17 +243,42 @@ def run(args, extra) -> int:
 def _check_pins(args, d, c) -> None:
     """The model must split at the degrees a search pins, as a priced layout must: one line (a
     pipeline pinned deeper than the layers ended in a traceback of the stage split)."""
+    from plait.errors import bad_value
     from plait.parallel import rules
 
-    if args.v is not None and args.schedule not in (None, "interleaved", "zbv"):
+    if args.v is not None and args.schedule is not None:  # (zbv --v 3 was searched at v 2, unsaid)
         from plait.parallel.schedules import check_args
 
         check_args(args.schedule, max(2, args.pp or 2), max(2, args.pp or 2), args.v, field=rules.flag_field)
+    if (args.micro_batch or 0) > 0 and args.global_batch % args.micro_batch:  # no data-parallel degree takes it
+        raise bad_value("--micro-batch", args.micro_batch, f"must divide --global-batch {args.global_batch}: every "
+                        "data-parallel rank runs whole micro-batches of it")
     rules.check_split(heads=d.heads, kv_heads=d.kv_heads, ffn=d.ffn, layers=d.layers, seq=d.seq, tp=args.tp or 1,
                       pp=args.pp or 1, v=args.v or 1, cp=args.cp or 1, sp="off", cp_impl=args.cp_impl or "ring",
                       field=rules.flag_field)
     if args.tp is not None:  # every candidate would be rejected for it: "126 rejected: --tp constraint"
         rules.check_tp_in_node(args.tp, c.gpus_per_node, field=rules.flag_field)
+
+
+def _check_modes(args) -> None:
+    """--check, --published, --fleet-jobs and --validate each do one thing of their own: given
+    together, or with a layout they do not read, all but one were silently ignored."""
+    from plait.errors import UserError, bad_value
+
+    modes = [f for f, on in (("--check", args.check), ("--published", args.published),
+                             ("--fleet-jobs", args.fleet_jobs), ("--validate", args.validate)) if on]
+    if len(modes) > 1:
+        raise UserError(f"{modes[0]} and {modes[1]} are modes of their own: give one of them")
+    layout = [f"--{k}" for k in ("tp", "pp", "dp", "cp") if getattr(args, k) is not None]
+    layout += ["--search"] if args.search else []
+    if modes and modes[0] != "--validate" and layout:
+        what = {"--check": "the recorded runs' own layouts", "--published": "the published runs' own layouts",
+                "--fleet-jobs": "random jobs"}[modes[0]]
+        raise bad_value(modes[0], getattr(args, modes[0][2:].replace("-", "_")), f"prices {what} and reads no "
+                        f"layout: drop {' '.join(layout)}")
+    if args.validate and args.search:
+        raise bad_value("--validate", True, "runs the one layout given: drop --search (search first, then "
+                        "--validate the layout it ranks first)")
 
 
 def _check_degrees(args, n: int) -> None:

@@ -107,6 +107,12 @@ def make_layout(c: Cluster, tp=None, pp=None, dp=None, cp=None, dp_replicate=Non
     rep = _given(dp_replicate)
     if dp % rep:
         raise bad_value("--dp-replicate", rep, f"must divide --dp = {dp}")
+    if rep > 1 and not zero:  # priced as plain DDP over all of --dp, labelled as HSDP
+        raise bad_value("--dp-replicate", rep, "replicates ZeRO's shard groups (HSDP): it needs --zero 1, 2 or 3 "
+                        "(DDP, --zero 0, replicates over all of --dp already)")
+    if rep > 1 and rep == dp:
+        raise bad_value("--dp-replicate", rep, "equal to --dp leaves ZeRO a shard group of one GPU (plain "
+                        "replicas): give a --dp-replicate that leaves a group to shard over, or --zero 0 without it")
     return Layout(tp=tp, pp=pp, dp_replicate=rep, dp_shard=dp // rep, cp=cp, zero=0 if zero is None else zero,
                   v=default_v(schedule or "1f1b") if v is None else v, schedule=schedule or "1f1b", micro_batch=_given(micro_batch),
                   recompute=recompute or "none", sp=sp, compile=compile, cp_impl=cp_impl or "ring",

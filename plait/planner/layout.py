@@ -217,6 +217,9 @@ def check_layout(d: ModelDims, lay: Layout, c: Cluster, global_batch: int) -> in
     # flag here but what --global-batch and --micro-batch make of it
     if lay.pp == 1:
         check_no_pipeline(lay.schedule, lay.v)
+        if lay.stage_split:  # "balance" too: counts for one stage were refused, balance was not
+            raise bad_value("--stage-layers", lay.stage_split, "splits a pipeline's layers: it needs --pp > 1 "
+                            "(without a pipeline, drop --stage-layers)")
     else:
         check_args(lay.schedule, lay.pp, m, lay.v, field=_plan_field)
         if lay.stage_split:
