@@ -197,3 +197,18 @@ def test_tensor_parallel_is_timed_for_every_collective_its_traffic_table_counts(
         t = p.traffic["tp"]
         table = sum(x.time_s(t.link) for x in t.collectives)
         assert p.time_s["tp"] + p.time_s["dp_sync"] == pytest.approx(table, rel=0.01), sp
+
+
+def test_a_gpt_pipelines_tied_sum_carries_the_word_embedding_alone():
+    """GPT's position table lives on the first stage only; the tied sum over the pipeline's ends
+    counted it too ((V + s) x h: 156.0 MiB a TP rank at 175B, TP 8, where V x h is 150.0)."""
+    from plait.planner.hardware import cluster
+    from plait.planner.inputs import model_dims
+    from plait.planner.layout import Layout
+    from plait.planner.predict import predict
+
+    d = model_dims(None, "gpt", True, layers=96, hidden=12288, heads=96, kv_heads=96, ffn=4 * 12288, vocab=51200,
+                   seq=2048)
+    p = predict(d, Layout(tp=8, pp=16, dp_shard=8, micro_batch=1, sp=False), cluster("a100-80gb", 128, 8), 1536)
+    (tied,) = p.traffic["pp_ends"].collectives
+    assert tied.size_bytes == 51200 * 12288 * 2 / 8

@@ -214,6 +214,8 @@ def _tied_sum(d: ModelDims, lay: Layout, prec: Precision) -> Collective | None:
     if lay.pp == 1 or not d.tie_embeddings or place(lay.schedule, lay.pp, lay.v, lay.pp * lay.v - 1)[0] == 0:
         return None
     _, embed_t, _ = costs.tp_share(d, lay.tp)
+    if d.arch == "gpt":  # the word embedding alone is shared; the position table lives on the first stage only
+        embed_t -= d.seq * d.hidden / lay.tp
     size = -(-embed_t // lay.shard_group) * prec.wire_grad_bytes if lay.zero >= 2 else embed_t * prec.grad_bytes
     return Collective("all_reduce", size, 2, 1, "tied embedding: the first and last stage's gradients added")
 
