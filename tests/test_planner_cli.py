@@ -346,5 +346,6 @@ def test_interleaved_and_zbv_take_two_chunks_unless_told_and_zero3_counts_its_ca
     rc, out, _ = run(capsys, "--model", "8b", "--gpus-per-node", "4", "--global-batch", "32", "--dp", "4", "--zero", "3",
                      "--micro-batch", "8")
     # m = 1 micro-batch: 32 blocks gathered in forward and backward, their gradients reduced, and the
-    # embedding/output/norms' unit gathered and reduced once: 64 + 32 + 2
-    assert re.search(r"dp_shard .* in 98 collectives", out) and "(1 micro-batch of 8 per step)" in out, out
+    # root unit (embedding, norm gains) and 8b's untied output matrix, each a unit of its own, gathered
+    # and reduced once: 64 + 32 + 2 x 2 (it counted the two as one)
+    assert re.search(r"dp_shard .* in 100 collectives", out) and "(1 micro-batch of 8 per step)" in out, out

@@ -306,8 +306,16 @@ def _traffic(d: ModelDims, lay: Layout, prec: Precision, sc: StageCosts, m: int)
             # one collective per block and pass, as they run (the count is what a reader sees, and
             # what latency is paid for)
             block = costs.block_linear_share(d, lay.tp)
-            once = (Collective("all_gather", (psi - nl * block) * p, shard, m,
-                               "all-gather of the embedding, output and norm gains, once a micro-batch"),)
+            # an untied output matrix is a unit of its own, gathered (and reduced) apart from the root
+            # (runs recorded while it lay in the root unit: `Layout.zero3_whole_root`)
+            out_w = 0.0 if d.tie_embeddings or lay.zero3_whole_root else (
+                -(-d.vocab // lay.tp) * d.hidden if d.arch == "llama" else d.vocab * d.hidden / lay.tp)
+            root = psi - nl * block - out_w
+            once = (Collective("all_gather", root * p, shard, m,
+                               "all-gather of the root unit (embedding, norm gains), once a micro-batch"),)
+            if out_w:
+                once += (Collective("all_gather", out_w * p, shard, m, "all-gather of the output matrix, once a "
+                                    "micro-batch"),)
             if lay.zero3_fp8_gather:  # the blocks' weights in FP8: a byte a parameter
                 colls = (Collective("all_gather", block, shard, 2 * m * nl,
                                     "FP8 block all-gather, forward and backward"),) + once
@@ -315,8 +323,10 @@ def _traffic(d: ModelDims, lay: Layout, prec: Precision, sc: StageCosts, m: int)
                 colls = (Collective("all_gather", block * p, shard, 2 * m * nl,
                                     "block all-gather, forward and backward"),) + once
             colls += (Collective("reduce_scatter", block * g, shard, m * nl, "blocks' gradient reduce-scatter"),
-                      Collective("reduce_scatter", (psi - nl * block) * g, shard, m,
-                                 "gradient reduce-scatter of the embedding, output and norm gains"))
+                      Collective("reduce_scatter", root * g, shard, m, "gradient reduce-scatter of the root unit"))
+            if out_w:
+                colls += (Collective("reduce_scatter", out_w * g, shard, m, "gradient reduce-scatter of the output "
+                                     "matrix"),)
         else:
             colls = (Collective("reduce_scatter", psi * g, shard, m if lay.zero == 2 else 1, "gradient reduce-scatter"),
                      Collective("all_gather", psi * p, shard, 1, "updated-parameter all-gather"))
