@@ -40,7 +40,11 @@ def detect_launch(env=None) -> LaunchEnv | None:
             raise UserError("RANK and WORLD_SIZE are set but MASTER_ADDR/MASTER_PORT are not: set both "
                             "(rank 0's host and a free port) or start the run with torchrun")
         world = _count(env, "WORLD_SIZE")
-        launcher = "plait" if env.get("PLAIT_SPAWNED") else "torchrun" if "TORCHELASTIC_RUN_ID" in env else "env"
+        # (srun's task once plait exported RANK etc. for it stays srun's: a resume hint, a stop, a
+        # restart all depend on which launcher holds the processes)
+        launcher = ("plait" if env.get("PLAIT_SPAWNED") else "torchrun" if "TORCHELASTIC_RUN_ID" in env
+                    else "slurm" if "SLURM_PROCID" in env and ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env)
+                    else "env")
         le = LaunchEnv(_number(env, "RANK"), world, _number(env, "LOCAL_RANK", 0),
                        _count(env, "LOCAL_WORLD_SIZE", world), env["MASTER_ADDR"], _number(env, "MASTER_PORT"),
                        launcher)

@@ -35,9 +35,10 @@ def launch_training(cfg: Config, note: str | None = None, model_given: dict | No
     holder = le is None or le.rank == 0
     if cfg.train.out and (stop := stopped_before(cfg.train.out)):  # torchrun restarted workers that stopped
         if holder:
+            from plait.commands.train import resume_how
+
             print(f"plait: torchrun restarted the workers after they stopped on {stop['signal']} at step "
-                  f"{stop['step']} (saved): not training on; continue with `plait train --out "
-                  f"{cfg.train.out} --resume`", file=sys.stderr)
+                  f"{stop['step']} (saved): not training on; continue {resume_how(cfg.train.out)}", file=sys.stderr)
         return None
     # preflight makes the run folder; a start refused after it (no GPU, no disk space) removes it again
     created = not cfg.train.out or not Path(cfg.train.out).expanduser().exists()
@@ -95,7 +96,9 @@ def stopped_line(cfg: Config, rank: int, launcher: str) -> str:
 
     out = Path(cfg.train.out).expanduser()
     found = ckpt.list_checkpoints(out / "checkpoints") if (out / "checkpoints").is_dir() else []
-    where = (f"the newest checkpoint is {found[0][1].name}: continue with `plait train --out {out} --resume`"
+    from plait.commands.train import resume_how
+
+    where = (f"the newest checkpoint is {found[0][1].name}: continue {resume_how(out)}"
              if found else "no checkpoint was saved: run the command again")
     return (f"plait train: rank {rank} stopped by SIGTERM from {launcher} (it ends every rank once one fails or "
             f"the job is stopped; its report names the rank that failed first); {where}")

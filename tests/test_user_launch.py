@@ -169,8 +169,8 @@ def test_a_torchrun_restart_after_a_stop_on_sigusr1_does_not_train_on(corpus, tm
     _torchrun_env(monkeypatch, TORCHELASTIC_RESTART_COUNT="1", TORCHELASTIC_USE_AGENT_STORE="False")
     assert cli.main(cli_train(corpus, out, {}, extra=["--resume"])) == 0
     assert capsys.readouterr().err.strip() == (
-        f"plait: torchrun restarted the workers after they stopped on SIGUSR1 at step 45 (saved): not training "
-        f"on; continue with `plait train --out {out} --resume`")
+        "plait: torchrun restarted the workers after they stopped on SIGUSR1 at step 45 (saved): not training "
+        "on; continue by running the same torchrun command again with --resume added (on every node)")
     assert sorted(p.name for p in out.iterdir()) == ["stopped.json"]
 
 
@@ -254,3 +254,23 @@ def test_a_rank_its_launcher_ends_with_sigterm_says_where_the_run_goes_on(tmp_pa
     assert p.stdout.readline() == "ready\n"
     p.send_signal(15)
     assert p.wait(timeout=30) == 143 and p.stderr.read() == "the line\n"
+
+
+def test_the_resume_hint_under_torchrun_or_srun_names_their_command(tmp_path, monkeypatch):
+    """Under torchrun the hint was a bare `plait train --out RUN --resume` (run as given: one process
+    at a fraction of the batch); under srun, once plait had exported RANK and the rest for the task,
+    the launcher read as hand-set variables and the hint carried --dp flags that one process refused."""
+    from plait.commands.train import resume_how
+
+    _torchrun_env(monkeypatch)
+    assert resume_how(tmp_path) == "by running the same torchrun command again with --resume added (on every node)"
+    for k in TORCHRUN:
+        monkeypatch.delenv(k, raising=False)
+    for k, v in dict(SRUN, RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT="29400").items():  # what init_distributed exports for an srun task
+        monkeypatch.setenv(k, v)
+    assert detect_launch().launcher == "slurm"
+    assert resume_how(tmp_path).startswith("by running the same srun command again with --resume")
+    for k in ("SLURM_STEP_ID", "SLURM_PROCID"):  # variables set by hand, no srun: plait's own command
+        monkeypatch.delenv(k)
+    assert resume_how(tmp_path) == f"with `plait train --out {tmp_path} --resume`"

@@ -120,8 +120,23 @@ def how_to_continue(cfg) -> str:
     folder = ckpt.latest_valid(out / "checkpoints", log=lambda m: None) if (out / "checkpoints").is_dir() else None
     if folder is None:
         return "no checkpoint was saved: run the command again"
-    return (f"the newest valid checkpoint is {folder.name}: continue with "
-            f"`plait train --out {out} --resume{layout_flags(cfg)}`")
+    return f"the newest valid checkpoint is {folder.name}: continue {resume_how(out, cfg)}"
+
+
+def resume_how(out, cfg=None) -> str:
+    """How to go on from a run's checkpoint: plait's own command with the layout's flags, or, where
+    torchrun or srun holds the processes, their command again (a bare `plait train --resume` went on
+    in one process at a fraction of the batch)."""
+    from plait.launch_env import detect_launch
+
+    try:
+        le = detect_launch()
+    except Exception:  # noqa: BLE001 - launcher variables it refuses: said elsewhere
+        le = None
+    if le is not None and le.launcher in ("torchrun", "slurm"):
+        tool = "torchrun" if le.launcher == "torchrun" else "srun"
+        return f"by running the same {tool} command again with --resume added (on every node)"
+    return f"with `plait train --out {out} --resume{layout_flags(cfg) if cfg is not None else ''}`"
 
 
 def layout_flags(cfg) -> str:
